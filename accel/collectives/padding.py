@@ -1,0 +1,104 @@
+"""Padding a tensor along one dim: the pack step of the padded all-gather, and `pad_across_processes`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from accel import _ext
+
+
+def pad_reference(
+    tensor: torch.Tensor, dim: int, size: int, pad_value: float | int | bool = 0, pad_first: bool = False
+) -> torch.Tensor:
+    """Pure-torch reference of `accel::pad_into`: `tensor` grown to `size` along `dim`, dtype preserved.
+
+    Unlike HF Accelerate (`new_zeros(...) + pad_index`, which turns bool into int64 and int into float for
+    a float pad), the result always keeps the input's dtype; the pad value is converted as `new_full` does.
+    """
+    dim = dim % tensor.dim() if tensor.dim() else dim
+    shape = list(tensor.shape)
+    offset = size - shape[dim] if pad_first else 0
+    shape[dim] = size
+    out = tensor.new_full(shape, pad_value)
+    out.narrow(dim, offset, tensor.shape[dim]).copy_(tensor)
+    return out
+
+
+def pad_tensor(
+    tensor: torch.Tensor, dim: int, size: int, pad_value: float | int | bool = 0, pad_first: bool = False
+) -> torch.Tensor:
+    """`tensor` grown to `size` along `dim`, filled with `pad_value`; native kernel when available.
+
+    Args:
+        tensor: at least 1-d.
+        dim: the dim to grow (negative counts from the end).
+        size: the new size of `dim`, at least `tensor.shape[dim]`.
+        pad_value: the fill value, converted to `tensor.dtype`.
+        pad_first: put the padding before the data instead of after it.
+
+    Returns:
+        A new contiguous tensor of `tensor`'s dtype and device.
+    """
+    if not _ext.native_for("pad_into", tensor.device):
+        return pad_reference(tensor, dim, size, pad_value, pad_first)
+    from accel import ops
+
+    if tensor.dim() == 0:
+        raise RuntimeError("accel::pad_into: src must have at least one dimension, got a 0-d tensor")
+    shape = list(tensor.shape)
+    shape[dim] = size
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    ops.pad_into(tensor, dim, pad_value, pad_first, out)
+    return out
+
+
+def _max_size_across_processes(tensor: torch.Tensor, dim: int) -> int:
+    sizes = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, tuple(tensor.shape))
+    lengths = set(len(s) for s in sizes)
+    if len(lengths) != 1:
+        raise ValueError(f"pad_across_processes: ranks hold tensors of different ranks (shapes {sizes})")
+    return max(s[dim] for s in sizes)
+
+
+def _pad_one(tensor: torch.Tensor, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
+    if dim >= tensor.dim() or dim < -tensor.dim():
+        return tensor  # HF leaves tensors without that dim untouched
+    dim = dim % tensor.dim()
+    max_size = _max_size_across_processes(tensor, dim)
+    if max_size == tensor.shape[dim]:
+        return tensor
+    return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
+
+    Args:
+        tensor: a tensor or a nested list/tuple/dict of tensors.
+        dim: the dim to pad.
+        pad_index: the fill value.
+        pad_first: pad at the beginning instead of the end.
+
+    Returns:
+        The same structure; a tensor already at the largest size is returned as is.
+
+    Example (2 ranks)::
+
+        t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
+        pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
+    """
+    if isinstance(tensor, torch.Tensor):
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return tensor
+        return _pad_one(tensor, dim, pad_index, pad_first)
+    if isinstance(tensor, Mapping):
+        return type(tensor)({k: pad_across_processes(v, dim, pad_index, pad_first) for k, v in tensor.items()})
+    if isinstance(tensor, (list, tuple)):
+        items = [pad_across_processes(v, dim, pad_index, pad_first) for v in tensor]
+        return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
+    raise TypeError(f"pad_across_processes: unsupported type {type(tensor).__name__}; expected tensors in lists/tuples/dicts")

@@ -1,0 +1,113 @@
+"""Builds accel's one native extension, ``accel._C``, from ``csrc/``.
+
+Environment toggles:
+  ACCEL_BUILD_NATIVE  unset: build it, and if the compile fails print why and install pure Python;
+                      1: build it or fail the install; 0: pure-Python install, no compiler needed.
+  ACCEL_BUILD_CUDA    unset: add csrc/cuda/*.cu when torch is a CUDA build and nvcc is found;
+                      1: always add them (fails without nvcc); 0: never.
+  DEBUG               1: -O0 -g instead of -O3.
+
+Build with ``pip install --no-build-isolation .`` so the extension is compiled against the torch you run.
+The build writes ``accel/_build_info.json`` (torch/CUDA/Python versions, CPU capability, or the compile
+error) that ``accel env`` and the loader read.
+"""
+
+import glob
+import json
+import os
+import platform
+import sys
+
+from setuptools import setup
+
+
+def env_toggle(name):
+    """Returns True/False for 1/0 (yes/no, true/false) and None when the variable is unset or empty."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "yes", "true", "on"):
+        return True
+    if value in ("0", "no", "false", "off"):
+        return False
+    raise SystemExit(f"{name}={value!r}: expected 0 or 1")
+
+
+def cuda_wanted(torch, cuda_home):
+    forced = env_toggle("ACCEL_BUILD_CUDA")
+    if forced is not None:
+        return forced
+    return torch.version.cuda is not None and cuda_home is not None
+
+
+def get_extensions():
+    if env_toggle("ACCEL_BUILD_NATIVE") is False:
+        return []
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, CppExtension, CUDAExtension
+    except ImportError as exc:
+        if env_toggle("ACCEL_BUILD_NATIVE"):
+            raise
+        print(f"accel: torch is not importable ({exc}); installing pure Python", file=sys.stderr)
+        return []
+    debug = env_toggle("DEBUG")
+    cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
+    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    args = {"extra_compile_args": {"cxx": cxx_flags + ["-fopenmp"]}, "extra_link_args": ["-fopenmp"]}
+    if not cuda_wanted(torch, CUDA_HOME):
+        return [CppExtension("accel._C", sources, **args)]
+    args["extra_compile_args"]["nvcc"] = ["-O0", "-g"] if debug else ["-O3", "--use_fast_math"]
+    args["define_macros"] = [("ACCEL_WITH_CUDA", "1")]
+    return [CUDAExtension("accel._C", sources + sorted(glob.glob("csrc/cuda/*.cu")), **args)]
+
+
+def build_info(extensions, error=None):
+    import torch
+
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if extensions and "ACCEL_WITH_CUDA" in str(extensions[0].define_macros) else None,
+        "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "platform": platform.platform(),
+        "native": bool(extensions) and error is None,
+    }
+    if error is not None:
+        info["build_error"] = error[-4000:]
+    return info
+
+
+def build_ext_class():
+    """torch's BuildExtension, made optional unless ACCEL_BUILD_NATIVE=1, and recording build_info."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension
+    except ImportError:
+        return {}
+
+    class OptionalBuildExtension(BuildExtension):
+        def run(self):
+            error = None
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 - any compile failure falls back to pure Python
+                if env_toggle("ACCEL_BUILD_NATIVE"):
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+                print(f"accel: native build failed, installing pure Python ({error})", file=sys.stderr)
+            self.write_build_info(error)
+
+        def write_build_info(self, error):
+            target = os.path.join(os.path.dirname(self.get_ext_fullpath("accel._C")), "_build_info.json")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w") as f:
+                json.dump(build_info(self.extensions, error), f, indent=2)
+
+        def get_outputs(self):
+            # A failed optional build produced no .so; don't let install look for one.
+            return [p for p in super().get_outputs() if os.path.exists(p)]
+
+    return {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
+
+
+setup(ext_modules=get_extensions(), cmdclass=build_ext_class())
