@@ -1,0 +1,403 @@
+"""`accel config`: the questionnaire that writes the config file, and `accel config default`.
+
+The questions, their texts, defaults and order follow HF Accelerate's `accelerate config` for the paths accel
+runs: this machine, no distributed training / multi-CPU / multi-GPU. Answers are read line by line from stdin
+(no arrow-key menu), so answers can be piped in. An option question takes the option's number or its name
+(case-insensitive); a yes/no question takes y/yes/n/no/true/false/1/0; an empty answer takes the default in
+brackets; an invalid answer is asked again with the allowed values. stdin closing before the last answer
+exits with status 1 and saves nothing.
+
+Deliberate differences from HF Accelerate:
+
+- Not asked, because accel does not run them: DeepSpeed, FSDP, Megatron-LM, the parallelism config, TPU
+  and the other device families, mpirun (accel launches through torch.distributed.run), NUMA affinity
+  (`enable_cpu_affinity` is written as false) and the FP8 backend questions (`fp8` may be chosen;
+  `fp8_config` stays empty). Amazon SageMaker is listed, as in HF, but answered with a message and the
+  question again.
+- Asked as HF Accelerate 0.2x did: "use IPEX?" on CPU runs, written as `ipex_config: {ipex: true}` only when
+  the answer is yes (current HF Accelerate refuses the key, so a "no" is left out).
+- The machine rank and the rendezvous backend are checked against the allowed values (HF takes any text).
+- The number of processes (a total over all machines) must be a multiple of the number of machines, since
+  every machine starts the same number; multi-GPU on one machine asks for 2 GPUs or more and offers 2 as
+  the default (HF offers 1 and then stops with an error).
+- `accel config default` does not replace an existing file unless `--force` is given; without it, it says so
+  and exits with status 0, as HF Accelerate does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from accel.cli.config_file import ClusterConfig, ConfigError, default_config_path, save_config
+from accel.utils.config import basic_config
+
+Option = tuple[str, Any]  # (what the user sees, what the config stores)
+
+COMPUTE_ENVIRONMENT_OPTIONS: list[Option] = [
+    ("This machine", "LOCAL_MACHINE"),
+    ("AWS (Amazon SageMaker)", "AMAZON_SAGEMAKER"),
+]
+MACHINE_TYPE_OPTIONS: list[Option] = [
+    ("No distributed training", "NO"),
+    ("multi-CPU", "MULTI_CPU"),
+    ("multi-GPU", "MULTI_GPU"),
+]
+# The backends HF Accelerate's questionnaire offers, in its order (inductor, index 2, is the default).
+DYNAMO_BACKEND_OPTIONS: list[Option] = [
+    (name.lower(), name)
+    for name in (
+        "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI", "FX2TRT",
+        "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "TVM",
+    )  # fmt: skip
+]
+DYNAMO_MODE_OPTIONS: list[Option] = [(mode, mode) for mode in ("default", "reduce-overhead", "max-autotune")]
+RDZV_BACKEND_OPTIONS: list[Option] = [(name, name) for name in ("static", "c10d", "etcd", "etcd-v2")]
+MIXED_PRECISION_OPTIONS: list[Option] = [(name, name) for name in ("no", "fp16", "bf16", "fp8")]
+
+_YES = ("y", "yes", "true", "1")
+_NO = ("n", "no", "false", "0")
+_REQUIRED = object()
+
+
+class StdinClosed(Exception):
+    """stdin ended before the question `question` was answered."""
+
+    def __init__(self, question: str):
+        super().__init__(question)
+        self.question = question
+
+
+# --- reading answers ------------------------------------------------------------------------------------
+
+
+def _read_answer(prompt: str, question: str) -> str:
+    try:
+        answer = input(prompt)
+    except EOFError:
+        raise StdinClosed(question) from None
+    if not sys.stdin.isatty():
+        # Piped answers are not echoed by a terminal; print them so the transcript reads like a session.
+        print(answer)
+    return answer.strip()
+
+
+def ask(prompt: str, parse: Callable[[str], Any], default: Any = _REQUIRED, question: str | None = None) -> Any:
+    """Ask until `parse` accepts the answer; an empty answer gives `default` when there is one.
+
+    Args:
+        prompt: the text shown before the cursor.
+        parse: turns the answer into a value; raises ValueError with a message listing what is allowed.
+        default: the value of an empty answer; without one an answer is required.
+        question: the question named if stdin closes (defaults to `prompt`).
+
+    Returns:
+        The parsed answer.
+
+    Raises:
+        StdinClosed: stdin ended first.
+    """
+    while True:
+        answer = _read_answer(prompt, question or prompt.strip())
+        if not answer and default is not _REQUIRED:
+            return default
+        try:
+            return parse(answer)
+        except ValueError as error:
+            print(error)
+
+
+def ask_yes_no(prompt: str, default: bool) -> bool:
+    """Ask a yes/no question; `prompt` shows the default in capitals, as in `[yes/NO]`."""
+    return ask(prompt, parse_yes_no, default)
+
+
+def ask_option(question: str, options: Sequence[Option], default: int = 0) -> Any:
+    """Print `options` numbered from 0 and return the stored value of the one chosen by number or name."""
+    print(question)
+    for index, (label, _) in enumerate(options):
+        print(f"  {index}: {label}")
+    prompt = f"Enter a number or a name [{default}: {options[default][0]}]: "
+    return ask(prompt, lambda answer: pick_option(answer, options), options[default][1], question)
+
+
+def parse_yes_no(answer: str) -> bool:
+    """y/yes/true/1 → True, n/no/false/0 → False (any case); anything else raises ValueError."""
+    lowered = answer.lower()
+    if lowered in _YES or lowered in _NO:
+        return lowered in _YES
+    raise ValueError(f"{answer!r} is not a yes/no answer; allowed: {', '.join(_YES + _NO)}.")
+
+
+def pick_option(answer: str, options: Sequence[Option]) -> Any:
+    """The stored value of the option named by `answer`: its number, its label or its stored value."""
+    if answer.isascii() and answer.isdigit() and int(answer) < len(options):
+        return options[int(answer)][1]
+    for label, value in options:
+        if answer.casefold() in (label.casefold(), str(value).casefold()):
+            return value
+    labels = ", ".join(f"{index} ({label})" for index, (label, _) in enumerate(options))
+    raise ValueError(f"{answer!r} is not one of the options; allowed: {labels}.")
+
+
+def integer_between(low: int, high: int | None = None, hint: str = "", multiple_of: int = 1) -> Callable[[str], int]:
+    """A parser accepting the multiples of `multiple_of` in [low, high] (no upper bound when `high` is None)."""
+    allowed = f"an integer from {low} to {high}" if high is not None else f"an integer >= {low}"
+    if multiple_of > 1:
+        allowed += f" that is a multiple of {multiple_of}"
+
+    def parse(answer: str) -> int:
+        value = int(answer) if re.fullmatch(r"[+-]?\d+", answer) else None
+        if value is None or value < low or (high is not None and value > high) or value % multiple_of:
+            raise ValueError(f"{answer!r} is not valid; allowed: {allowed}.{hint}")
+        return value
+
+    return parse
+
+
+def required_text(answer: str) -> str:
+    """Any non-empty answer."""
+    if not answer:
+        raise ValueError("An answer is required.")
+    return answer
+
+
+def gpu_id_list(answer: str) -> str:
+    """'all' or a comma-separated list of device ids."""
+    if answer.lower() == "all" or re.fullmatch(r"\d+(\s*,\s*\d+)*", answer):
+        return answer
+    raise ValueError(f"{answer!r} is not valid; allowed: 'all' or device ids separated by commas, such as 0,1.")
+
+
+# --- the questions --------------------------------------------------------------------------------------
+
+
+def ask_compute_environment() -> str:
+    """Where training runs; only this machine is supported, SageMaker gets a message and the question again."""
+    while True:
+        environment = ask_option("In which compute environment are you running?", COMPUTE_ENVIRONMENT_OPTIONS)
+        if environment == "LOCAL_MACHINE":
+            return environment
+        print("Amazon SageMaker is not supported by accel yet; choose 'This machine'.")
+
+
+def ask_machines() -> dict[str, Any]:
+    """How many machines, and for several: this one's rank, the main process's address, the network."""
+    num_machines = ask(
+        "How many different machines will you use (use more than 1 for multi-node training)? [1]: ",
+        integer_between(1),
+        default=1,
+    )
+    if num_machines == 1:
+        return {"num_machines": 1}
+    return {
+        "num_machines": num_machines,
+        "machine_rank": ask("What is the rank of this machine? [0]: ", integer_between(0, num_machines - 1), 0),
+        "main_process_ip": ask(
+            "What is the IP address of the machine that will host the main process? ", required_text
+        ),
+        "main_process_port": ask(
+            "What is the port you will use to communicate with the main process? ", integer_between(1, 65535)
+        ),
+        **ask_network(),
+    }
+
+
+def ask_network() -> dict[str, Any]:
+    """Whether the machines share a local network; if not, which rendezvous backend joins them."""
+    same_network = ask_yes_no(
+        "Are all the machines on the same local network? Answer `no` if nodes are on the cloud and/or on "
+        "different network hosts [YES/no]: ",
+        default=True,
+    )
+    if same_network:
+        return {"same_network": True}
+    backend = ask_option("What rendezvous backend will you use?", RDZV_BACKEND_OPTIONS)
+    return {"same_network": False, "rdzv_backend": backend}
+
+
+def ask_debug() -> bool:
+    """Whether collectives are checked across ranks (slower, turns hangs into errors)."""
+    return ask_yes_no(
+        "Should distributed operations be checked while running for errors? This can avoid timeout issues but "
+        "will be slower. [yes/NO]: ",
+        default=False,
+    )
+
+
+def ask_cpu_only() -> bool:
+    """Whether a non-distributed run stays on the CPU even when an accelerator is present."""
+    return ask_yes_no(
+        "Do you want to run your training on CPU only (even if a GPU / Apple Silicon / Ascend NPU device is "
+        "available)? [yes/NO]:",
+        default=False,
+    )
+
+
+def ask_ipex() -> dict[str, bool]:
+    """Whether CPU training uses Intel Extension for PyTorch, as HF Accelerate 0.2x asked."""
+    use_ipex = ask_yes_no(
+        "Do you want to use Intel PyTorch Extension (IPEX) to speed up training on CPU? [yes/NO]:", default=False
+    )
+    return {"ipex": use_ipex}
+
+
+def ask_dynamo() -> dict[str, Any]:
+    """torch.compile settings; an empty dict (nothing written) when dynamo is not wanted."""
+    if not ask_yes_no("Do you wish to optimize your script with torch dynamo?[yes/NO]:", default=False):
+        return {}
+    config = {
+        "dynamo_backend": ask_option("Which dynamo backend would you like to use?", DYNAMO_BACKEND_OPTIONS, 2)
+    }
+    if ask_yes_no("Do you want to customize the defaults sent to torch.compile? [yes/NO]: ", default=False):
+        config["dynamo_mode"] = ask_option("Which mode do you want to use?", DYNAMO_MODE_OPTIONS)
+        config["dynamo_use_fullgraph"] = ask_yes_no(
+            "Do you want the fullgraph mode or it is ok to break model into several subgraphs? [yes/NO]: ",
+            default=False,
+        )
+        config["dynamo_use_dynamic"] = ask_yes_no(
+            "Do you want to enable dynamic shape tracing? [yes/NO]: ", default=False
+        )
+        config["dynamo_use_regional_compilation"] = ask_yes_no(
+            "Do you want to enable regional compilation? [yes/NO]: ", default=False
+        )
+    return config
+
+
+def ask_num_processes(distributed_type: str, num_machines: int) -> int:
+    """How many processes (multi-CPU) or GPUs (multi-GPU) in total, the same number on every machine."""
+    device = "processes" if distributed_type == "MULTI_CPU" else "GPU(s)"
+    if num_machines > 1 or distributed_type == "MULTI_CPU":
+        # The launcher starts num_processes / num_machines processes on each machine.
+        question = f"How many {device} should be used for distributed training? [{num_machines}]:"
+        return ask(question, integer_between(num_machines, multiple_of=num_machines), num_machines)
+    # HF offers 1 here and then refuses it: multi-GPU on one machine means 2 GPUs or more.
+    hint = " multi-GPU on one machine needs 2 GPUs or more; for one GPU choose 'No distributed training'."
+    question = f"How many {device} should be used for distributed training? [2]:"
+    return ask(question, integer_between(2, hint=hint), 2)
+
+
+def ask_gpu_ids() -> str:
+    """Which GPUs of this machine to use."""
+    return ask(
+        "What GPU(s) (by id) should be used for training on this machine as a comma-separated list? [all]:",
+        gpu_id_list,
+        default="all",
+    )
+
+
+def get_user_input() -> ClusterConfig:
+    """Ask every question, in HF Accelerate's order, and return the resulting config (not saved)."""
+    compute_environment = ask_compute_environment()
+    distributed_type = ask_option("Which type of machine are you using?", MACHINE_TYPE_OPTIONS)
+    is_distributed = distributed_type != "NO"
+    # HF's questionnaire writes same_network: true for a single machine too.
+    machines = {"same_network": True, **ask_machines()} if is_distributed else {"same_network": True}
+    debug = ask_debug() if is_distributed else False
+    use_cpu = distributed_type == "MULTI_CPU" or (distributed_type == "NO" and ask_cpu_only())
+    # Only a "yes" is written: current HF Accelerate no longer knows the ipex_config key and would refuse the file.
+    ipex_config = ask_ipex() if use_cpu else {}
+    ipex_config = ipex_config if ipex_config.get("ipex") else {}
+    dynamo_config = ask_dynamo()
+    num_processes = ask_num_processes(distributed_type, machines["num_machines"]) if is_distributed else 1
+    gpu_ids = None if use_cpu else ask_gpu_ids()
+    mixed_precision = ask_option("Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)
+    return ClusterConfig(
+        compute_environment=compute_environment,
+        distributed_type=distributed_type,
+        mixed_precision=mixed_precision,
+        use_cpu=use_cpu,
+        debug=debug,
+        num_processes=num_processes,
+        gpu_ids=gpu_ids,
+        ipex_config=ipex_config,
+        dynamo_config=dynamo_config,
+        **machines,
+    )
+
+
+# --- the commands ---------------------------------------------------------------------------------------
+
+
+def _target_path(config_file: str | None) -> Path:
+    return Path(config_file).expanduser() if config_file else default_config_path()
+
+
+def _save(config: ClusterConfig, path: Path) -> int:
+    try:
+        save_config(config, path)
+    except ConfigError as error:
+        print(f"accel config: {error}", file=sys.stderr)
+        return 1
+    print(f"accel configuration saved at {path}")
+    return 0
+
+
+def run_questionnaire(args: argparse.Namespace) -> int:
+    """`accel config`: ask, then save to `--config_file` or the default path. Returns the exit status."""
+    try:
+        config = get_user_input()
+    except StdinClosed as closed:
+        print(
+            f"\naccel config: stdin closed before this question was answered: {closed.question!r}. "
+            "Nothing was saved.",
+            file=sys.stderr,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("\naccel config: interrupted. Nothing was saved.", file=sys.stderr)
+        return 130
+    return _save(config, _target_path(args.config_file))
+
+
+def run_default(args: argparse.Namespace) -> int:
+    """`accel config default`: write a basic config for this machine, never over an existing file without --force."""
+    path = _target_path(args.config_file)
+    if path.exists() and not args.force:
+        print(
+            f"Configuration already exists at {path}, will not override. Pass --force to replace it, "
+            "--config_file to write elsewhere, or run `accel config`."
+        )
+        return 0
+    return _save(basic_config(args.mixed_precision), path)
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `config` (and its `default` subcommand) to the `accel` parser."""
+    parser = subparsers.add_parser(
+        "config",
+        help="Answer a few questions and save the config `accel launch` uses.",
+        description="Answer a few questions about this machine and save them as the config `accel launch` uses.",
+    )
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        default=None,
+        help="Where to save the config (default: $ACCEL_CONFIG_FILE, else "
+        "$XDG_CACHE_HOME/accel/default_config.yaml, else ~/.cache/accel/default_config.yaml). "
+        "A name ending in .json is written as JSON.",
+    )
+    parser.set_defaults(run=run_questionnaire)
+    commands = parser.add_subparsers(title="subcommands", metavar="{default}")
+    _register_default(commands)
+    return parser
+
+
+def _register_default(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "default",
+        help="Write a basic config for this machine without asking.",
+        description="Write a basic config for this machine: all its GPUs when it has several, else one process "
+        "(on the CPU when it has no GPU).",
+    )
+    # SUPPRESS keeps a --config_file given before `default` instead of resetting it to None.
+    parser.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS, help="Where to save the config.")
+    parser.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], default="no", help="Mixed precision to use."
+    )
+    parser.add_argument("--force", action="store_true", help="Replace an existing config file.")
+    parser.set_defaults(run=run_default)
