@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 
 from setuptools import setup
 
@@ -78,6 +79,28 @@ def build_info(extensions, error=None):
     return info
 
 
+def run_logged(function, log):
+    """Runs function() with fd 1 (where ninja and the compiler print) copied into `log` too."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(log.fileno(), 1)
+    try:
+        function()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        log.seek(0)
+        sys.stdout.write(log.read().decode(errors="replace"))
+
+
+def compiler_errors(log, limit=20):
+    """The compiler's error lines from the build log: what a user needs to see in `accel env`."""
+    log.seek(0)
+    lines = log.read().decode(errors="replace").splitlines()
+    return "\n".join([line for line in lines if "error" in line.lower()][:limit])
+
+
 def build_ext_class():
     """torch's BuildExtension, made optional unless ACCEL_BUILD_NATIVE=1, and recording build_info."""
     try:
@@ -88,13 +111,14 @@ def build_ext_class():
     class OptionalBuildExtension(BuildExtension):
         def run(self):
             error = None
-            try:
-                super().run()
-            except Exception as exc:  # noqa: BLE001 - any compile failure falls back to pure Python
-                if env_toggle("ACCEL_BUILD_NATIVE"):
-                    raise
-                error = f"{type(exc).__name__}: {exc}"
-                print(f"accel: native build failed, installing pure Python ({error})", file=sys.stderr)
+            with tempfile.TemporaryFile() as log:
+                try:
+                    run_logged(super().run, log)
+                except Exception as exc:  # noqa: BLE001 - any compile failure falls back to pure Python
+                    if env_toggle("ACCEL_BUILD_NATIVE"):
+                        raise
+                    error = f"{type(exc).__name__}: {exc}\n{compiler_errors(log)}"
+                    print(f"accel: native build failed, installing pure Python:\n{error}", file=sys.stderr)
             self.write_build_info(error)
 
         def write_build_info(self, error):

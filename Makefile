@@ -1,0 +1,49 @@
+# Everything a fresh machine needs: `make train` runs the example on 2 CPU processes, `make test` the suite.
+# Both create .venv (torch==2.13.0 CPU wheel + accel built with its native extension) when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PURE_VENV ?= .venv-pure
+TORCH ?= torch==2.13.0
+BUILD_TOOLS = ninja "setuptools>=64" wheel
+PYTEST_ARGS ?= -q -p no:cacheprovider
+
+.PHONY: setup train test test-native test-fallback test-pure cuda-check ci clean
+
+$(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q $(TORCH) $(BUILD_TOOLS)
+	ACCEL_BUILD_NATIVE=1 $(VENV)/bin/pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(VENV)/bin/accel launch --cpu --num_processes 2 examples/train.py
+
+# The suite three ways: native kernels (and they must load), forced fallbacks, a pure-Python install.
+test: test-native test-fallback test-pure
+
+test-native: setup
+	ACCEL_EXPECT_NATIVE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fallback: setup
+	ACCEL_DISABLE_NATIVE=1 ACCEL_EXPECT_NATIVE=0 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# A non-editable install without the extension; pytest's console script keeps the source tree off sys.path.
+$(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py')
+	test -x $(PURE_VENV)/bin/python || $(PYTHON) -m venv $(PURE_VENV)
+	$(PURE_VENV)/bin/pip install -q $(TORCH) $(BUILD_TOOLS)
+	ACCEL_BUILD_NATIVE=0 $(PURE_VENV)/bin/pip install -q --no-build-isolation --force-reinstall --no-deps .
+	$(PURE_VENV)/bin/pip install -q --no-build-isolation ".[test]"
+	touch $@
+
+test-pure: $(PURE_VENV)/.installed
+	ACCEL_EXPECT_NATIVE=0 ACCEL_EXPECT_PURE_INSTALL=1 $(PURE_VENV)/bin/pytest $(PYTEST_ARGS)
+
+cuda-check:
+	tools/cuda_compile_check.sh
+
+ci: test cuda-check
+
+clean:
+	rm -rf $(VENV) $(PURE_VENV) build *.egg-info accel/_C*.so accel/_build_info.json

@@ -1,0 +1,3 @@
+from accel.cli.main import main
+
+raise SystemExit(main())

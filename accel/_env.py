@@ -1,0 +1,34 @@
+"""Reads accel's settings from the environment.
+
+`accel launch` exports ACCEL_* variables to its children. The ACCELERATE_* spelling that HF Accelerate's
+launcher exports is read too, so a script started by `accelerate launch` behaves the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def get_setting(name: str, default: str | None = None) -> str | None:
+    """The value of ACCEL_<name>, else ACCELERATE_<name>, else `default`."""
+    for prefix in ("ACCEL_", "ACCELERATE_"):
+        value = os.environ.get(prefix + name)
+        if value is not None:
+            return value
+    return default
+
+
+def get_flag(name: str, default: bool = False) -> bool:
+    """A boolean setting; raises ValueError naming the variable when it is neither true nor false."""
+    value = get_setting(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"ACCEL_{name}={value!r}: expected one of {_TRUE + _FALSE[:-1]}")

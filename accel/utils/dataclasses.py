@@ -1,0 +1,5 @@
+"""`accelerate.utils.dataclasses` import path: re-exports."""
+
+from accel.state import DistributedType
+
+__all__ = ["DistributedType"]
