@@ -1,0 +1,720 @@
+"""Process state: which process this is, how many there are, its device, and how processes wait for each other.
+
+Three singletons share their state between all instances (Alex Martelli's "Borg"), as in HF Accelerate:
+
+- `PartialState`: the process group and device; usable on its own, without an `Accelerator`.
+- `AcceleratorState`: `PartialState` plus the training configuration (mixed precision, dynamo plugin).
+- `GradientState`: gradient accumulation and dataloader bookkeeping.
+
+The process group comes from the environment `torchrun` (`accel launch`) exports: RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without
+`cpu=True`: when CUDA is unavailable the processes simply use gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import weakref
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial, wraps
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from accel._env import get_flag, get_setting
+
+__all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "is_initialized"]
+
+MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
+
+
+class DistributedType(str, enum.Enum):
+    """The kind of distributed environment (HF Accelerate's names; JSON-serializable as a `str`).
+
+    accel produces `NO` (one process), `MULTI_CPU` (gloo) and `MULTI_GPU` (NCCL); the other members exist so that
+    code comparing against them keeps working.
+    """
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+    TP = "TP"
+
+
+def is_initialized() -> bool:
+    """Whether an `AcceleratorState` has been created (by an `Accelerator`), as a module-level function."""
+    return "_mixed_precision" in AcceleratorState._shared_state
+
+
+def _do_nothing(*args, **kwargs) -> None:
+    return None
+
+
+# --- Resolving the environment once ------------------------------------------------------------------------------
+
+
+def _launched_distributed() -> bool:
+    """Whether a launcher (torchrun, `accel launch`) started this process as one of a group."""
+    return int(os.environ.get("LOCAL_RANK", -1)) != -1 or int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def _wants_cuda(cpu: bool) -> bool:
+    return not cpu and torch.cuda.is_available()
+
+
+def _as_timedelta(value: Any, source: str) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}={value!r}: expected a timedelta or a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{source}={value!r}: the process group timeout must be positive")
+    return timedelta(seconds=seconds)
+
+
+def _requested_timeout(timeout: Any) -> timedelta | None:
+    """The `timeout` kwarg, else ACCEL_PROCESS_GROUP_TIMEOUT (seconds), else None (torch's default)."""
+    if timeout is not None:
+        return _as_timedelta(timeout, "timeout")
+    from_env = get_setting("PROCESS_GROUP_TIMEOUT")
+    return None if from_env is None else _as_timedelta(from_env, "ACCEL_PROCESS_GROUP_TIMEOUT")
+
+
+def _group_timeout() -> timedelta:
+    """The timeout of the initialized default process group (one the user may have created)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda" if "nccl" in backend else "cpu")
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(backend)
+
+
+def _device(distributed: bool, use_cuda: bool, local_rank: int) -> torch.device:
+    """ACCEL_TORCH_DEVICE if set, else cpu, the current CUDA device (one process) or cuda:LOCAL_RANK."""
+    forced = get_setting("TORCH_DEVICE")
+    if forced is not None:
+        return torch.device(forced)
+    if not use_cuda:
+        return torch.device("cpu")
+    index = local_rank % torch.cuda.device_count() if distributed else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def _start_process_group(backend: str, timeout: timedelta | None, device: torch.device, kwargs: dict) -> None:
+    if ":" not in backend and not dist.is_backend_available(backend):
+        fallback = "nccl" if device.type == "cuda" else "gloo"
+        raise ValueError(f"The backend {backend!r} is not available in this torch build; use {fallback!r}.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def _distributed_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # a group the user made may come without LOCAL_RANK
+    return {
+        "backend": dist.get_backend(),
+        "distributed_type": DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU,
+        "num_processes": dist.get_world_size(),
+        "process_index": rank,
+        "local_process_index": local_rank,
+        "device": _device(True, use_cuda, local_rank),
+        "_timeout": timeout or _group_timeout(),
+    }
+
+
+def _single_process_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
+    return {
+        "backend": None,
+        "distributed_type": DistributedType.NO,
+        "num_processes": 1,
+        "process_index": 0,
+        "local_process_index": 0,
+        "device": _device(False, use_cuda, 0),
+        "_timeout": timeout or dist.default_pg_timeout,
+    }
+
+
+def _barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool) -> None:
+    """A barrier bounded by `timeout`; in debug mode on gloo, the error names the ranks that did not arrive."""
+    if debug and backend == "gloo":
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    elif device.type == "cuda":
+        dist.barrier(device_ids=[device.index], timeout=timeout)
+    else:
+        dist.barrier(timeout=timeout)
+
+
+# --- split_between_processes -------------------------------------------------------------------------------------
+
+
+def _shard_bounds(length: int, num_processes: int, process_index: int) -> tuple[int, int]:
+    """[start, end) of this process's contiguous shard: the first `length % num_processes` shards get one more."""
+    per_process, extras = divmod(length, num_processes)
+    start = process_index * per_process + min(process_index, extras)
+    return start, start + per_process + (1 if process_index < extras else 0)
+
+
+def _common_length(inputs: Any) -> int:
+    if not isinstance(inputs, dict):
+        return len(inputs)
+    lengths = {key: _common_length(value) for key, value in inputs.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"All values in the dictionary must have the same length, got {lengths}")
+    return next(iter(lengths.values()), 0)
+
+
+def _pad_with_last(shard: Any, inputs: Any, padded_length: int | None) -> Any:
+    missing = 0 if padded_length is None else padded_length - len(shard)
+    if missing <= 0 or len(inputs) == 0:
+        return shard
+    if isinstance(shard, torch.Tensor):
+        return torch.cat([shard, inputs[-1:].expand(missing, *inputs.shape[1:])])
+    return shard + type(shard)([inputs[-1]] * missing)
+
+
+def _take_dataset(dataset: Any, start: int, end: int, padded_length: int | None) -> Any:
+    indices = list(range(min(start, len(dataset)), min(end, len(dataset))))
+    return dataset.select(_pad_with_last(indices, range(len(dataset)), padded_length))
+
+
+def _is_dataset(inputs: Any) -> bool:
+    datasets = sys.modules.get("datasets")
+    return datasets is not None and isinstance(inputs, datasets.Dataset)
+
+
+def _take(inputs: Any, start: int, end: int, padded_length: int | None) -> Any:
+    if isinstance(inputs, dict):
+        return {key: _take(value, start, end, padded_length) for key, value in inputs.items()}
+    if isinstance(inputs, (list, tuple, torch.Tensor)):
+        return _pad_with_last(inputs[start:end], inputs, padded_length)
+    if _is_dataset(inputs):
+        return _take_dataset(inputs, start, end, padded_length)
+    return inputs
+
+
+def _split_inputs(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
+    """The part of `inputs` that `split_between_processes` hands to `process_index` (a pure function)."""
+    if num_processes == 1:
+        return inputs
+    length = _common_length(inputs)
+    start, end = _shard_bounds(length, num_processes, process_index)
+    padded_length = -(-length // num_processes) if apply_padding else None
+    return _take(inputs, start, end, padded_length)
+
+
+# --- PartialState ------------------------------------------------------------------------------------------------
+
+
+class PartialState:
+    """The process group and device of this process, shared by every instance (a singleton).
+
+    Usable without an `Accelerator`. The first instance resolves everything once:
+
+    - launched by torchrun / `accel launch` (LOCAL_RANK or WORLD_SIZE > 1 in the environment): initializes the
+      default process group, NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on the CPU
+      (`MULTI_GPU` / `MULTI_CPU`). A process group the user already initialized is adopted as it is.
+    - otherwise: one process (`DistributedType.NO`) on the CPU or the current CUDA device.
+
+    Args:
+        cpu: Run on the CPU even when CUDA is available (ACCEL_USE_CPU=1 does the same).
+        **kwargs: Passed to `torch.distributed.init_process_group` (what `InitProcessGroupKwargs.to_kwargs()`
+            gives): `backend` overrides nccl/gloo; `timeout` (a `timedelta`, or seconds) bounds every
+            cross-process wait, else ACCEL_PROCESS_GROUP_TIMEOUT (seconds), else torch's default.
+
+    Example:
+        ```python
+        state = PartialState()
+        print(state.process_index, state.num_processes, state.device)
+        ```
+    """
+
+    _shared_state: dict = {}
+    _known_attrs = [
+        "_cpu",
+        "_shared_state",
+        "_timeout",
+        "backend",
+        "debug",
+        "device",
+        "distributed_type",
+        "fork_launched",
+        "local_process_index",
+        "num_processes",
+        "process_index",
+    ]
+
+    def __init__(self, cpu: bool = False, **kwargs):
+        self.__dict__ = self._shared_state
+        if not self.initialized:
+            self._initialize(cpu or get_flag("USE_CPU"), dict(kwargs))
+        self.fork_launched = get_flag("FORK_LAUNCHED")
+
+    def _initialize(self, cpu: bool, kwargs: dict) -> None:
+        # Everything is resolved into `fields` first, so a failure leaves the singleton uninitialized.
+        use_cuda = _wants_cuda(cpu)
+        backend = kwargs.pop("backend", None) or ("nccl" if use_cuda else "gloo")
+        timeout = _requested_timeout(kwargs.pop("timeout", None))
+        debug = get_flag("DEBUG_MODE")
+        if not dist.is_initialized() and _launched_distributed():
+            local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+            _start_process_group(backend, timeout, _device(True, use_cuda, local_rank), kwargs)
+        if dist.is_initialized():
+            fields = _distributed_fields(use_cuda, timeout)
+        else:
+            fields = _single_process_fields(use_cuda, timeout)
+        fields.update(_cpu=cpu, debug=debug)
+        self._shared_state.update(fields)
+
+    def __repr__(self) -> str:
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (
+            f"Distributed environment: {self.distributed_type}{backend}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
+        )
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forgets the shared state (the process group is left as it is); internal and test use only."""
+        PartialState._shared_state.clear()
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the shared state has been set up."""
+        return self._shared_state != {}
+
+    @property
+    def timeout(self) -> timedelta:
+        """The deadline of every cross-process wait: the process group's timeout."""
+        return self._timeout
+
+    @property
+    def use_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.distributed_type != DistributedType.NO and self.num_processes > 1
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the process with the highest index."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is process 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is process 0 of its machine."""
+        return self.local_process_index == 0
+
+    @property
+    def default_device(self) -> torch.device:
+        """`cuda` when CUDA is available, else `cpu` (the device a single process would pick)."""
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def wait_for_everyone(self) -> None:
+        """Blocks until every process reaches this point; does nothing in a single process.
+
+        Bounded by `timeout`: a process that never arrives makes the others raise instead of hanging. With
+        ACCEL_DEBUG_MODE=1 on gloo the error names the missing ranks (`monitored_barrier`).
+
+        Example:
+            ```python
+            state = PartialState()
+            if state.is_main_process:
+                save_checkpoint()  # rank 0 writes...
+            state.wait_for_everyone()
+            load_checkpoint()  # rank 0 and rank 1 read it afterwards
+            ```
+        """
+        if self.backend is not None:
+            _barrier(self.backend, self.device, self.timeout, self.debug)
+
+    def _goes_first(self, is_first: bool):
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    @contextmanager
+    def main_process_first(self):
+        """Runs the block on the main process first; the others enter it once the main process has left it.
+
+        Example:
+            ```python
+            with state.main_process_first():
+                dataset = load_or_download()  # rank 0 downloads; rank 1 and rank 2 then read the cache
+            ```
+        """
+        yield from self._goes_first(self.is_main_process)
+
+    @contextmanager
+    def local_main_process_first(self):
+        """Runs the block on each machine's local main process first, then on the other local processes.
+
+        Example:
+            ```python
+            with state.local_main_process_first():
+                tokenizer = build_cache()  # local rank 0 first, then local ranks 1..N-1
+            ```
+        """
+        yield from self._goes_first(self.is_local_main_process)
+
+    @contextmanager
+    def split_between_processes(self, inputs: list | tuple | dict | torch.Tensor, apply_padding: bool = False):
+        """Gives each process its contiguous share of `inputs` (for distributed inference).
+
+        The first `len(inputs) % num_processes` processes get one element more. No communication happens.
+        A dict is split value by value (all values, nested dicts included, need the same length) into a new
+        dict; the input is not modified. Other types are returned whole; with one process `inputs` is returned
+        as is.
+
+        Args:
+            inputs: A list, tuple, tensor (split along dim 0), dict of those, or a `datasets.Dataset`.
+            apply_padding: Repeat the last element of `inputs` so every process gets `ceil(len / num_processes)`
+                elements (needed before a `gather`); drop the padding afterwards.
+
+        Example:
+            ```python
+            with state.split_between_processes(["A", "B", "C"]) as shard:
+                print(shard)  # rank 0: ["A", "B"]   rank 1: ["C"]
+            with state.split_between_processes(["A", "B", "C"], apply_padding=True) as shard:
+                print(shard)  # rank 0: ["A", "B"]   rank 1: ["C", "C"]
+            ```
+        """
+        yield _split_inputs(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable[..., Any] | None = None):
+        """Decorator: `function` runs on the main process only (on every process when not distributed)."""
+        if not self.initialized:
+            raise ValueError("The `PartialState` or `Accelerator` must be initialized before calling this function.")
+        return self._only_if(self.is_main_process, function)
+
+    def on_local_main_process(self, function: Callable[..., Any] | None = None):
+        """Decorator: `function` runs on each machine's local main process only."""
+        return self._only_if(self.is_local_main_process, function)
+
+    def on_last_process(self, function: Callable[..., Any]):
+        """Decorator: `function` runs on the last process only."""
+        return self._only_if(self.is_last_process, function)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None):
+        """Decorator: `function` runs on the process `process_index` only.
+
+        Example:
+            ```python
+            @state.on_process(process_index=2)
+            def report():
+                print("only rank 2 prints this")
+            ```
+        """
+        if function is None:
+            return partial(self.on_process, process_index=process_index)
+        return self._only_if(self.process_index == process_index, function)
+
+    def on_local_process(self, function: Callable[..., Any] | None = None, local_process_index: int | None = None):
+        """Decorator: `function` runs on the process with local index `local_process_index` of each machine."""
+        if function is None:
+            return partial(self.on_local_process, local_process_index=local_process_index)
+        return self._only_if(self.local_process_index == local_process_index, function)
+
+    def _only_if(self, selected: bool, function: Callable[..., Any]):
+        return function if selected or not self.use_distributed else _do_nothing
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def destroy_process_group(self, group=None) -> None:
+        """Destroys `group` (default: the default process group); not under notebook_launcher's fork."""
+        if self.fork_launched and group is None:
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def __getattr__(self, name: str):
+        if name in self._known_attrs:
+            raise AttributeError(
+                f"`PartialState` object has no attribute `{name}`. This happens if `PartialState._reset_state()` "
+                "was called and an `Accelerator` or `PartialState` was not reinitialized."
+            )
+        raise AttributeError(f"'PartialState' object has no attribute '{name}'")
+
+
+# --- AcceleratorState --------------------------------------------------------------------------------------------
+
+
+def _resolve_mixed_precision(mixed_precision: str | None) -> str:
+    """The argument, else ACCEL_MIXED_PRECISION, else "no"; validated."""
+    source = "mixed_precision"
+    if mixed_precision is None:
+        source = "ACCELERATE_MIXED_PRECISION" if "ACCEL_MIXED_PRECISION" not in os.environ else "ACCEL_MIXED_PRECISION"
+        mixed_precision = get_setting("MIXED_PRECISION", "no")
+    value = mixed_precision.strip().lower() if isinstance(mixed_precision, str) else mixed_precision
+    if value not in MIXED_PRECISION_CHOICES:
+        choices = ", ".join(repr(choice) for choice in MIXED_PRECISION_CHOICES)
+        raise ValueError(f"{source}={mixed_precision!r} is not a mixed precision mode; choose one of {choices}.")
+    return value
+
+
+def _reject_unsupported_plugins() -> None:
+    for name in ("USE_DEEPSPEED", "USE_FSDP", "USE_MEGATRON_LM"):
+        if get_flag(name):
+            raise NotImplementedError(f"ACCEL_{name} is set, but accel does not support it yet.")
+
+
+def _forwarded_method(method: Callable) -> Callable:
+    """An `AcceleratorState` method that calls the same `PartialState` method."""
+
+    @wraps(method)
+    def forward(self, *args, **kwargs):
+        return method(PartialState(), *args, **kwargs)
+
+    return forward
+
+
+def _forwarded_property(name: str, doc: str | None = None) -> property:
+    """An `AcceleratorState` property that reads the same `PartialState` attribute."""
+    return property(lambda self: getattr(PartialState(), name), doc=doc or getattr(PartialState, name).__doc__)
+
+
+class AcceleratorState:
+    """`PartialState` plus the training configuration, shared by every instance (a singleton).
+
+    Created by `Accelerator` (`_from_accelerator=True`); creating it directly raises, as in HF Accelerate. The
+    process attributes (`device`, `num_processes`, `process_index`, `distributed_type`, ...) are copies of
+    `PartialState`'s, and its methods forward to `PartialState`.
+
+    DeepSpeed, FSDP and Megatron-LM plugins are not supported yet: ACCEL_USE_DEEPSPEED / ACCEL_USE_FSDP /
+    ACCEL_USE_MEGATRON_LM raise `NotImplementedError`, and `deepspeed_plugin` is always None.
+
+    Args:
+        mixed_precision: "no", "fp16", "bf16" or "fp8"; None reads ACCEL_MIXED_PRECISION (default "no").
+        cpu: Run on the CPU even when CUDA is available (ACCEL_USE_CPU=1 does the same).
+        dynamo_plugin: The `TorchDynamoPlugin`, stored as given.
+        _from_accelerator: Set by `Accelerator`.
+        **kwargs: Passed to `PartialState` (process group options).
+    """
+
+    _shared_state: dict = {}
+    _known_attrs = PartialState._known_attrs + ["_mixed_precision", "dynamo_plugin"]
+
+    def __init__(
+        self,
+        mixed_precision: str | None = None,
+        cpu: bool = False,
+        dynamo_plugin=None,
+        _from_accelerator: bool = False,
+        **kwargs,
+    ):
+        self.__dict__ = self._shared_state
+        cpu = cpu or get_flag("USE_CPU")
+        if not self.initialized:
+            mixed_precision = _resolve_mixed_precision(mixed_precision)
+            if not _from_accelerator:
+                raise ValueError(
+                    "Please make sure to properly initialize your accelerator via `accelerator = Accelerator()` "
+                    "before using any functionality from the `accel` library."
+                )
+            _reject_unsupported_plugins()
+        PartialState(cpu, **kwargs)
+        self.__dict__.update(PartialState._shared_state)
+        self._check_initialized(mixed_precision, cpu)
+        if not self.initialized:
+            self.dynamo_plugin = dynamo_plugin
+            self._mixed_precision = mixed_precision
+
+    @property
+    def initialized(self) -> bool:
+        """Whether an `Accelerator` has set up the shared state."""
+        return "_mixed_precision" in self._shared_state
+
+    def _check_initialized(self, mixed_precision: str | None = None, cpu: bool | None = None) -> None:
+        if not self.initialized:
+            return
+        err = (
+            "AcceleratorState has already been initialized and cannot be changed, restart your runtime completely "
+            "and pass `{flag}` to `Accelerator()`."
+        )
+        if cpu and self.device.type != "cpu":
+            raise ValueError(err.format(flag="cpu=True"))
+        if mixed_precision is not None and str(mixed_precision).lower() != self._mixed_precision:
+            raise ValueError(err.format(flag=f"mixed_precision='{mixed_precision}'"))
+
+    @property
+    def mixed_precision(self) -> str:
+        """"no", "fp16", "bf16" or "fp8"."""
+        return self._mixed_precision
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        """Always None: DeepSpeed is not supported yet."""
+        return None
+
+    def __repr__(self) -> str:
+        return repr(PartialState()) + f"\nMixed precision type: {self.mixed_precision}\n"
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Forgets the shared state (and `PartialState`'s too if asked); internal and test use only."""
+        AcceleratorState._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+    fork_launched = _forwarded_property("fork_launched", "Whether notebook_launcher forked this process.")
+    timeout = _forwarded_property("timeout")
+    use_distributed = _forwarded_property("use_distributed")
+    is_last_process = _forwarded_property("is_last_process")
+    is_main_process = _forwarded_property("is_main_process")
+    is_local_main_process = _forwarded_property("is_local_main_process")
+    default_device = _forwarded_property("default_device")
+
+    wait_for_everyone = _forwarded_method(PartialState.wait_for_everyone)
+    main_process_first = _forwarded_method(PartialState.main_process_first)
+    local_main_process_first = _forwarded_method(PartialState.local_main_process_first)
+    split_between_processes = _forwarded_method(PartialState.split_between_processes)
+    on_main_process = _forwarded_method(PartialState.on_main_process)
+    on_local_main_process = _forwarded_method(PartialState.on_local_main_process)
+    on_last_process = _forwarded_method(PartialState.on_last_process)
+    on_process = _forwarded_method(PartialState.on_process)
+    on_local_process = _forwarded_method(PartialState.on_local_process)
+    print = _forwarded_method(PartialState.print)
+    destroy_process_group = _forwarded_method(PartialState.destroy_process_group)
+
+    def __getattr__(self, name: str):
+        if name in self._known_attrs:
+            raise AttributeError(
+                f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+                "`AcceleratorState._reset_state()` was called and an `Accelerator` or `PartialState` was not "
+                "reinitialized."
+            )
+        raise AttributeError(f"'AcceleratorState' object has no attribute '{name}'")
+
+
+# --- GradientState -----------------------------------------------------------------------------------------------
+
+
+class GradientState:
+    """Gradient accumulation and dataloader bookkeeping, shared by every instance (a singleton).
+
+    Attributes:
+        sync_gradients: Whether this step synchronizes (and applies) the accumulated gradients.
+        end_of_dataloader: Whether the active dataloader yielded its last batch.
+        remainder: Samples the active dataloader added by padding its last batch (-1 outside a dataloader).
+        num_steps: Steps to accumulate over (plugin `num_steps`, default 1).
+        adjust_scheduler: Whether the scheduler steps are adjusted for accumulation (default False).
+        sync_with_dataloader: Whether the end of a dataloader forces a sync (default True).
+        active_dataloader: The innermost dataloader being iterated, or None.
+        dataloader_references: The dataloaders being iterated, outermost first (weak references; None first).
+
+    Args:
+        gradient_accumulation_plugin: Any object with `to_kwargs()` (a `GradientAccumulationPlugin`), or None.
+            A later instance with different kwargs updates them.
+    """
+
+    _shared_state: dict = {}
+
+    def __init__(self, gradient_accumulation_plugin=None):
+        self.__dict__ = self._shared_state
+        plugin_kwargs = gradient_accumulation_plugin.to_kwargs() if gradient_accumulation_plugin is not None else {}
+        if not self.initialized:
+            self.sync_gradients = True
+            self._dataloader_references_ref = [None]
+            self.plugin_kwargs = plugin_kwargs
+        elif gradient_accumulation_plugin is not None:
+            self.plugin_kwargs = plugin_kwargs
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the shared state has been set up."""
+        return GradientState._shared_state != {}
+
+    @property
+    def num_steps(self) -> int:
+        """Steps to accumulate gradients over."""
+        return self.plugin_kwargs.get("num_steps", 1)
+
+    @property
+    def adjust_scheduler(self) -> bool:
+        """Whether the scheduler should be adjusted for gradient accumulation."""
+        return self.plugin_kwargs.get("adjust_scheduler", False)
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        """Whether the end of a dataloader forces a gradient sync and resets the step count."""
+        return self.plugin_kwargs.get("sync_with_dataloader", True)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the active dataloader has yielded its last batch."""
+        return self.in_dataloader and self.active_dataloader.end_of_dataloader
+
+    @property
+    def remainder(self) -> int:
+        """Samples added by padding the active dataloader's last batch; -1 outside a dataloader."""
+        return self.active_dataloader.remainder if self.in_dataloader else -1
+
+    @property
+    def active_dataloader(self):
+        """The innermost dataloader being iterated, or None."""
+        return self.dataloader_references[-1]
+
+    @property
+    def dataloader_references(self) -> list:
+        """The dataloaders being iterated (held by weak references so they can be garbage collected)."""
+        return [ref() if ref is not None else None for ref in self._dataloader_references_ref]
+
+    @dataloader_references.setter
+    def dataloader_references(self, references: list) -> None:
+        self._dataloader_references_ref = [weakref.ref(ref) if ref is not None else None for ref in references]
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a dataloader is being iterated."""
+        return self.active_dataloader is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sync Gradients: {self.sync_gradients}\n"
+            f"At end of current dataloader: {self.end_of_dataloader}\n"
+            f"Extra samples added: {self.remainder}\n"
+            f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
+        )
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+    def _add_dataloader(self, dataloader) -> None:
+        self.dataloader_references += [dataloader]
+
+    def _remove_dataloader(self, dataloader) -> None:
+        self.dataloader_references = [ref for ref in self.dataloader_references if ref is not dataloader]
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Forgets the shared state; internal and test use only."""
+        GradientState._shared_state.clear()
