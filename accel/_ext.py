@@ -59,6 +59,9 @@ def try_load(module: str = "accel._C", info: dict | None = None) -> NativeStatus
     info = read_build_info() if info is None else info
     if os.environ.get("ACCEL_DISABLE_NATIVE", "0") not in ("", "0"):
         return NativeStatus(False, "disabled by ACCEL_DISABLE_NATIVE=1", info, "unset ACCEL_DISABLE_NATIVE")
+    if info.get("build_error"):
+        # A library left over from an earlier build may still be there; it is not this source's.
+        return diagnose_missing(info)
     built_for = info.get("torch")
     if built_for and built_for != torch.__version__:  # the local suffix (+cpu, +cu130) is part of the ABI too
         # Loading a library built against another torch can crash instead of raising: don't try.

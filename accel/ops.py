@@ -20,8 +20,16 @@ def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_fir
 def _register_fakes() -> None:
     @torch.library.register_fake("accel::pad_into")
     def _pad_into_fake(src, dim, pad_value, pad_first, out):
+        # The same checks as csrc/pad_pack.h, so a traced program fails where the kernel would.
+        torch._check(src.dim() > 0, lambda: "accel::pad_into: src must have at least one dimension")
         torch._check(src.dim() == out.dim(), lambda: "accel::pad_into: src and out differ in rank")
         torch._check(src.dtype == out.dtype, lambda: "accel::pad_into: src and out differ in dtype")
+        dim = dim % src.dim()
+        for d in range(src.dim()):
+            if d == dim:
+                torch._check(out.shape[d] >= src.shape[d], lambda: f"accel::pad_into: out.size({d}) too small")
+            else:
+                torch._check(out.shape[d] == src.shape[d], lambda: f"accel::pad_into: out.size({d}) != src.size({d})")
         return None
 
 

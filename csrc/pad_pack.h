@@ -1,6 +1,7 @@
 // Shared by cpu/pad_pack.cpp and cuda/pad_pack.cu: argument checks and the geometry of a pad.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/Scalar.h>
@@ -22,6 +23,11 @@ struct PadGeometry {
   int64_t elem_size = 0;
 };
 
+// A 16-byte element (complex128) moved as two words: views only guarantee 8-byte alignment.
+struct Bytes16 {
+  uint64_t lo, hi;
+};
+
 // The pad value as the bytes of one element of `dtype`. Converted by torch itself (scalar_tensor), so the
 // rounding, bool and overflow rules are exactly those of the reference's new_full.
 struct PadPattern {
@@ -38,6 +44,8 @@ inline int64_t checked_pad_dim(const at::Tensor& src, int64_t dim, const at::Ten
   TORCH_CHECK(src.device() == out.device(), "accel::pad_into: src is on ", src.device(), " but out is on ",
               out.device());
   TORCH_CHECK(out.is_contiguous(), "accel::pad_into: out must be contiguous");
+  // The kernels copy with memcpy / __restrict__ loads: src and out must not share memory.
+  at::assert_no_overlap(out, src);
   for (int64_t d = 0; d < src.dim(); ++d) {
     if (d == dim) {
       TORCH_CHECK(out.size(d) >= src.size(d), "accel::pad_into: out.size(", d, ")=", out.size(d),

@@ -43,12 +43,14 @@ def pad_tensor(
     Returns:
         A new contiguous tensor of `tensor`'s dtype and device.
     """
-    if not _ext.native_for("pad_into", tensor.device):
+    if tensor.dim() == 0:
+        raise RuntimeError("accel::pad_into: src must have at least one dimension, got a 0-d tensor")
+    # The native op writes into `out` and has no backward; the reference is differentiable.
+    needs_grad = tensor.requires_grad and torch.is_grad_enabled()
+    if needs_grad or not _ext.native_for("pad_into", tensor.device):
         return pad_reference(tensor, dim, size, pad_value, pad_first)
     from accel import ops
 
-    if tensor.dim() == 0:
-        raise RuntimeError("accel::pad_into: src must have at least one dimension, got a 0-d tensor")
     shape = list(tensor.shape)
     shape[dim] = size
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)

@@ -9,10 +9,6 @@
 namespace accel {
 namespace {
 
-struct Bytes16 {  // complex128; only 8-byte alignment is guaranteed for views
-  uint64_t lo, hi;
-};
-
 template <typename T>
 void fill_pattern(uint8_t* dst, int64_t count, const PadPattern& pattern) {
   T value;

@@ -11,10 +11,6 @@
 namespace accel {
 namespace {
 
-struct Bytes16 {  // complex128; only 8-byte alignment is guaranteed for views
-  uint64_t lo, hi;
-};
-
 template <typename T>
 __global__ void pad_kernel(const T* __restrict__ src, T* __restrict__ out, PadGeometry g, T pad, int64_t total) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
