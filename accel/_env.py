@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 
+MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_FALSE = ("0", "false", "no", "off")
 
 
 def get_setting(name: str, default: str | None = None) -> str | None:
@@ -21,14 +23,19 @@ def get_setting(name: str, default: str | None = None) -> str | None:
     return default
 
 
-def get_flag(name: str, default: bool = False) -> bool:
-    """A boolean setting; raises ValueError naming the variable when it is neither true nor false."""
-    value = get_setting(name)
-    if value is None:
-        return default
+def parse_bool(value: str, source: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case); raises ValueError naming `source` otherwise."""
     lowered = value.strip().lower()
     if lowered in _TRUE:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(f"ACCEL_{name}={value!r}: expected one of {_TRUE + _FALSE[:-1]}")
+    raise ValueError(f"{source}: {value!r} is not a boolean (use one of {', '.join(_TRUE + _FALSE)})")
+
+
+def get_flag(name: str, default: bool = False) -> bool:
+    """A boolean setting; an empty value means `default`."""
+    value = get_setting(name)
+    if value is None or not value.strip():
+        return default
+    return parse_bool(value, f"ACCEL_{name}")

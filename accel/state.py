@@ -25,11 +25,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accel._env import get_flag, get_setting
+from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "is_initialized"]
 
-MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 
 
 class DistributedType(str, enum.Enum):
@@ -475,8 +474,8 @@ def _resolve_mixed_precision(mixed_precision: str | None) -> str:
         source = "ACCELERATE_MIXED_PRECISION" if "ACCEL_MIXED_PRECISION" not in os.environ else "ACCEL_MIXED_PRECISION"
         mixed_precision = get_setting("MIXED_PRECISION", "no")
     value = mixed_precision.strip().lower() if isinstance(mixed_precision, str) else mixed_precision
-    if value not in MIXED_PRECISION_CHOICES:
-        choices = ", ".join(repr(choice) for choice in MIXED_PRECISION_CHOICES)
+    if value not in MIXED_PRECISIONS:
+        choices = ", ".join(repr(choice) for choice in MIXED_PRECISIONS)
         raise ValueError(f"{source}={mixed_precision!r} is not a mixed precision mode; choose one of {choices}.")
     return value
 

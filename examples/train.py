@@ -40,10 +40,11 @@ def mean_over_ranks(state: PartialState, value: float) -> float:
     return total.item() / state.num_processes
 
 
-def train_epoch(model, loader, optimizer) -> float:
+def train_epoch(model, loader, optimizer, device) -> float:
     model.train()
     losses = []
     for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
@@ -64,15 +65,16 @@ def main() -> None:
     dataset = make_dataset(args.samples, features)
     sampler = DistributedSampler(dataset, state.num_processes, state.process_index, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size // state.num_processes, sampler=sampler)
-    model = make_model(features)
+    model = make_model(features).to(state.device)
     if state.use_distributed:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        device_ids = [state.device.index] if state.device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
 
     state.print(f"training on {state.num_processes} process(es) ({state.distributed_type}), {len(dataset)} samples")
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        loss = mean_over_ranks(state, train_epoch(model, loader, optimizer))
+        loss = mean_over_ranks(state, train_epoch(model, loader, optimizer, state.device))
         state.print(f"epoch {epoch}: loss {loss:.4f}")
     state.wait_for_everyone()
     state.destroy_process_group()

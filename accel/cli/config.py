@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from accel._env import MIXED_PRECISIONS
 from accel.cli.config_file import ClusterConfig, ConfigError, default_config_path, save_config
 from accel.utils.config import basic_config
 
@@ -57,7 +58,7 @@ DYNAMO_BACKEND_OPTIONS: list[Option] = [
 ]
 DYNAMO_MODE_OPTIONS: list[Option] = [(mode, mode) for mode in ("default", "reduce-overhead", "max-autotune")]
 RDZV_BACKEND_OPTIONS: list[Option] = [(name, name) for name in ("static", "c10d", "etcd", "etcd-v2")]
-MIXED_PRECISION_OPTIONS: list[Option] = [(name, name) for name in ("no", "fp16", "bf16", "fp8")]
+MIXED_PRECISION_OPTIONS: list[Option] = [(name, name) for name in MIXED_PRECISIONS]
 
 _YES = ("y", "yes", "true", "1")
 _NO = ("n", "no", "false", "0")
@@ -372,6 +373,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "config",
         help="Answer a few questions and save the config `accel launch` uses.",
         description="Answer a few questions about this machine and save them as the config `accel launch` uses.",
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--config_file",
@@ -393,6 +395,7 @@ def _register_default(commands: argparse._SubParsersAction) -> None:
         help="Write a basic config for this machine without asking.",
         description="Write a basic config for this machine: all its GPUs when it has several, else one process "
         "(on the CPU when it has no GPU).",
+        allow_abbrev=False,
     )
     # SUPPRESS keeps a --config_file given before `default` instead of resetting it to None.
     parser.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS, help="Where to save the config.")

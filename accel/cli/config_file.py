@@ -39,13 +39,14 @@ from typing import Any
 
 import yaml
 
+from accel._env import MIXED_PRECISIONS
+
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
 DISTRIBUTED_TYPES = (
     "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
     "MULTI_HPU", "MULTI_NEURON", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM",
 )  # fmt: skip
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
-MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 # HF Accelerate's DynamoBackend values.
 DYNAMO_BACKENDS = (
     "NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI", "FX2TRT",

@@ -98,6 +98,6 @@ def run_env(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("env", help="print the environment, for bug reports")
+    parser = subparsers.add_parser("env", help="print the environment, for bug reports", allow_abbrev=False)
     parser.add_argument("--config_file", "--config-file", default=None, help="config file to show (default: the default one)")
     parser.set_defaults(run=run_env)

@@ -17,12 +17,14 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import typing
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+from accel._env import MIXED_PRECISIONS, parse_bool
+
 DYNAMO_KEYS = ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation")
 DEFAULT_PORT = 29500
 
@@ -76,13 +78,13 @@ def parse_value(field: str, raw: Any, source: str) -> Any:
     """Converts a config/env/flag value to the field's type, or raises LaunchError naming `source`."""
     kind = typing.get_type_hints(LaunchConfig)[field]
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-    if raw is None or base is str or base is tuple[str, ...]:
+    if raw is None or base is str:
         return raw
     if base is bool and isinstance(raw, str):
-        lowered = raw.strip().lower()
-        if lowered not in ("1", "0", "true", "false", "yes", "no"):
-            raise LaunchError(f"{source}: {raw!r} is not a boolean (use true/false)")
-        return lowered in ("1", "true", "yes")
+        try:
+            return parse_bool(raw, source)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
     try:
         return base(raw)
     except (TypeError, ValueError):
@@ -126,9 +128,18 @@ def values_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise LaunchError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+
+
 def validate(config: LaunchConfig) -> LaunchConfig:
-    if config.mixed_precision not in MIXED_PRECISIONS:
-        raise LaunchError(f"mixed_precision={config.mixed_precision!r}: expected one of {', '.join(MIXED_PRECISIONS)}")
+    from accel.cli.config_file import DYNAMO_BACKENDS, DYNAMO_MODES
+
+    config = dataclasses.replace(config, dynamo_backend=config.dynamo_backend.upper())
+    check_choice("mixed_precision", config.mixed_precision, MIXED_PRECISIONS)
+    check_choice("dynamo_backend", config.dynamo_backend, DYNAMO_BACKENDS)
+    check_choice("dynamo_mode", config.dynamo_mode, DYNAMO_MODES)
     if config.module and config.no_python:
         raise LaunchError("--module and --no_python cannot be used together")
     if config.num_machines < 1 or (config.num_processes is not None and config.num_processes < 1):
@@ -142,7 +153,7 @@ def validate(config: LaunchConfig) -> LaunchConfig:
             f"num_processes={config.num_processes} is the total over all machines and must divide evenly "
             f"by num_machines={config.num_machines}"
         )
-    return dataclasses.replace(config, dynamo_backend=config.dynamo_backend.upper())
+    return config
 
 
 def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> LaunchConfig:
@@ -163,9 +174,9 @@ def processes_per_machine(config: LaunchConfig) -> int:
 
 
 def rendezvous_args(config: LaunchConfig) -> list[str]:
-    if config.num_machines == 1:
+    if config.num_machines == 1:  # main_process_ip is ignored here, as HF does: all ranks are local
         if config.main_process_port:
-            return ["--master_addr", config.main_process_ip or "127.0.0.1", "--master_port", str(config.main_process_port)]
+            return ["--master_addr", "127.0.0.1", "--master_port", str(config.main_process_port)]
         return ["--standalone"]
     port = config.main_process_port or DEFAULT_PORT
     if config.same_network:
@@ -173,9 +184,10 @@ def rendezvous_args(config: LaunchConfig) -> list[str]:
     return ["--rdzv_backend", config.rdzv_backend, "--rdzv_endpoint", f"{config.main_process_ip}:{port}"]
 
 
-def torchrun_argv(config: LaunchConfig) -> list[str]:
+def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]:
     """torch.distributed.run's arguments; the user's script runs under accel.cli.worker to record tracebacks."""
     argv = [
+        *(["--log_dir", log_dir] if log_dir else []),
         "--nnodes", str(config.num_machines),
         "--node_rank", str(config.machine_rank),
         "--nproc_per_node", str(processes_per_machine(config)),
@@ -233,11 +245,13 @@ def launch(config: LaunchConfig) -> int:
     from torch.distributed.run import get_args_parser, run
 
     os.environ.update(child_env(config))
-    try:
-        run(get_args_parser().parse_args(torchrun_argv(config)))
-    except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
-        return 1
+    # torchrun keeps error files and logs under a fresh /tmp/torchelastic_* per run; ours goes once we are done.
+    with tempfile.TemporaryDirectory(prefix="accel-launch-") as log_dir:
+        try:
+            run(get_args_parser().parse_args(torchrun_argv(config, log_dir)))
+        except ChildFailedError as exc:
+            print(exc.format_msg(), file=sys.stderr)
+            return 1
     return 0
 
 
@@ -301,7 +315,9 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("launch", help="run a training script on the configured processes")
+    parser = subparsers.add_parser(
+        "launch", help="run a training script on the configured processes", allow_abbrev=False
+    )
     add_launch_flags(parser)
     parser.add_argument("training_script", help="the script (or module with -m) to run on every process")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")

@@ -10,7 +10,8 @@ SUBCOMMANDS = (config, env, launch, test)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser("accel", description="Run PyTorch training on any device setup.")
+    # allow_abbrev=False: a misspelt flag (--num_proc) must be an error, not a guess.
+    parser = argparse.ArgumentParser("accel", description="Run PyTorch training on any device setup.", allow_abbrev=False)
     subparsers = parser.add_subparsers(title="commands", metavar="{config,env,launch,test}")
     for module in SUBCOMMANDS:
         module.register(subparsers)

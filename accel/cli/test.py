@@ -22,6 +22,8 @@ def run_test(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("test", help="check that the configured setup runs distributed training")
+    parser = subparsers.add_parser(
+        "test", help="check that the configured setup runs distributed training", allow_abbrev=False
+    )
     parser.add_argument("--config_file", "--config-file", default=None, help="config file to test (default: the default one)")
     parser.set_defaults(run=run_test)

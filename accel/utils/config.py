@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from accel._env import MIXED_PRECISIONS
 from accel.cli.config_file import ClusterConfig, default_config_path, save_config
 
-BASIC_MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 
 def basic_config(mixed_precision: str = "no") -> ClusterConfig:
@@ -26,8 +26,8 @@ def basic_config(mixed_precision: str = "no") -> ClusterConfig:
         ValueError: `mixed_precision` is not an allowed value.
     """
     mixed_precision = mixed_precision.lower()
-    if mixed_precision not in BASIC_MIXED_PRECISIONS:
-        allowed = ", ".join(repr(value) for value in BASIC_MIXED_PRECISIONS)
+    if mixed_precision not in MIXED_PRECISIONS:
+        allowed = ", ".join(repr(value) for value in MIXED_PRECISIONS)
         raise ValueError(f"`mixed_precision` should be one of {allowed}. Received {mixed_precision!r}.")
     gpus = _cuda_device_count()
     return ClusterConfig(

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from accel.cli.config_file import ConfigError
-from accel.cli.launch import LaunchConfig, LaunchError, child_env, resolve, torchrun_argv
+from accel.cli.launch import LaunchConfig, LaunchError, child_env, flags_from_args, resolve, torchrun_argv
 from accel.cli.main import build_parser
 
 RANK_SCRIPT = """
@@ -55,11 +55,7 @@ def free_port():
 
 
 def launch_flags(*argv):
-    args = build_parser().parse_args(["launch", *argv])
-    flags = {k: v for k, v in vars(args).items() if k != "run"}
-    flags["use_cpu"] = flags.pop("cpu")
-    flags["training_script_args"] = tuple(flags["training_script_args"])
-    return flags
+    return flags_from_args(build_parser().parse_args(["launch", *argv]))
 
 
 # --- resolution: config file < ACCEL_* env < flags -------------------------------------------------
@@ -94,6 +90,8 @@ def test_script_arguments_are_passed_through_untouched():
         (["--module", "--no_python"], {}, "cannot be used together"),
         ([], {"ACCEL_NUM_PROCESSES": "two"}, "ACCEL_NUM_PROCESSES: 'two' is not an int"),
         ([], {"ACCEL_USE_CPU": "maybe"}, "ACCEL_USE_CPU: 'maybe' is not a boolean"),
+        (["--dynamo_backend", "turbo"], {}, "dynamo_backend='TURBO': expected one of NO, EAGER"),
+        (["--dynamo_mode", "fast"], {}, "dynamo_mode='fast': expected one of default, reduce-overhead"),
     ],
 )
 def test_bad_settings_name_the_setting(argv, environ, message):
@@ -110,9 +108,14 @@ def test_a_bad_config_file_is_reported_with_its_path(tmp_path):
 # --- the hand-off to torch.distributed.run -----------------------------------------------------------
 
 
+def test_booleans_read_like_everywhere_else_in_accel():
+    assert resolve(launch_flags("train.py"), environ={"ACCEL_USE_CPU": "on", "ACCEL_DEBUG_MODE": "Yes"}).debug
+
+
 def test_one_machine_without_a_port_picks_a_free_one():
-    argv = torchrun_argv(LaunchConfig(use_cpu=True, num_processes=2, training_script="t.py"))
+    argv = torchrun_argv(LaunchConfig(use_cpu=True, num_processes=2, main_process_ip="10.9.9.9", training_script="t.py"))
     assert "--standalone" in argv and argv[argv.index("--nproc_per_node") + 1] == "2"
+    assert "10.9.9.9" not in argv  # as HF: main_process_ip only matters with several machines
     assert argv[-3:] == ["-m", "accel.cli.worker", "t.py"]
 
 
@@ -240,9 +243,10 @@ def test_the_default_config_file_sets_the_processes(tmp_path):
     assert len([l for l in result.stdout.splitlines() if l.startswith("rank") and "mp=fp16" in l]) == 2
 
 
-def test_an_unknown_flag_is_an_error_naming_it(tmp_path):
-    result = accel(tmp_path, "launch", "--num_procs", "2", "train.py")
-    assert result.returncode == 2 and "unrecognized arguments: --num_procs" in result.stderr
+@pytest.mark.parametrize("flag", ["--num_procs", "--num_proc"])  # unknown, and an abbreviation argparse would guess
+def test_an_unknown_flag_is_an_error_naming_it(tmp_path, flag):
+    result = accel(tmp_path, "launch", flag, "2", "train.py")
+    assert result.returncode == 2 and f"unrecognized arguments: {flag}" in result.stderr
 
 
 def test_a_bad_setting_exits_2_with_the_message(tmp_path):
