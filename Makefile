@@ -5,6 +5,10 @@ VENV ?= .venv
 PURE_VENV ?= .venv-pure
 TORCH ?= torch==2.13.0
 BUILD_TOOLS = ninja "setuptools>=64" wheel
+# Same lists as pyproject.toml's dependencies and [test] extra; the pure venv installs them by name so
+# that accel itself is installed exactly once, without its extension.
+RUNTIME_DEPS = pyyaml numpy packaging
+TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .PHONY: setup train test test-native test-fallback test-pure cuda-check ci clean
@@ -33,8 +37,9 @@ test-fallback: setup
 $(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py')
 	test -x $(PURE_VENV)/bin/python || $(PYTHON) -m venv $(PURE_VENV)
 	$(PURE_VENV)/bin/pip install -q $(TORCH) $(BUILD_TOOLS)
+	$(PURE_VENV)/bin/pip install -q $(RUNTIME_DEPS) $(TEST_DEPS)
+	rm -rf build  # pip builds in-tree: leave no earlier build's files for this wheel to pick up
 	ACCEL_BUILD_NATIVE=0 $(PURE_VENV)/bin/pip install -q --no-build-isolation --force-reinstall --no-deps .
-	$(PURE_VENV)/bin/pip install -q --no-build-isolation ".[test]"
 	touch $@
 
 test-pure: $(PURE_VENV)/.installed

