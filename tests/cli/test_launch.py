@@ -252,3 +252,30 @@ def test_an_unknown_flag_is_an_error_naming_it(tmp_path, flag):
 def test_a_bad_setting_exits_2_with_the_message(tmp_path):
     result = accel(tmp_path, "launch", "--mixed_precision", "fp12", "train.py")
     assert result.returncode == 2 and "mixed_precision='fp12'" in result.stderr
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    script = write(tmp_path / "sleeper.py", f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, f"pid{{os.environ['RANK']}}"), "w").write(str(os.getpid()))
+        time.sleep(120)
+    """)
+    launcher = subprocess.Popen([sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(script)],
+                                cwd=tmp_path, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    finally:
+        launcher.kill()  # SIGKILL: the launcher gets no chance to stop its ranks
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    survivors = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert not survivors, "ranks outlived their launcher"
