@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure cuda-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench cuda-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ $(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py'
 
 test-pure: $(PURE_VENV)/.installed
 	ACCEL_EXPECT_NATIVE=0 ACCEL_EXPECT_PURE_INSTALL=1 $(PURE_VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/pytest benchmarks/bench_*.py --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
 cuda-check:
 	tools/cuda_compile_check.sh
