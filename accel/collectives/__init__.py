@@ -1,5 +1,59 @@
 """Cross-process collectives with HF Accelerate's semantics and their native fast paths."""
 
+from accel.collectives.operations import (
+    DistributedOperationException,
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    reduce,
+    verify_operation,
+)
 from accel.collectives.padding import pad_across_processes, pad_reference, pad_tensor
+from accel.collectives.pytree import (
+    TensorInformation,
+    concatenate,
+    find_batch_size,
+    find_device,
+    get_data_structure,
+    get_shape,
+    honor_type,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_namedtuple,
+    is_tensor_information,
+    is_torch_tensor,
+    listify,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
+)
 
-__all__ = ["pad_across_processes", "pad_reference", "pad_tensor"]
+__all__ = [
+    "DistributedOperationException",
+    "TensorInformation",
+    "broadcast",
+    "broadcast_object_list",
+    "concatenate",
+    "find_batch_size",
+    "find_device",
+    "gather",
+    "gather_object",
+    "get_data_structure",
+    "get_shape",
+    "honor_type",
+    "ignorant_find_batch_size",
+    "initialize_tensors",
+    "is_namedtuple",
+    "is_tensor_information",
+    "is_torch_tensor",
+    "listify",
+    "pad_across_processes",
+    "pad_reference",
+    "pad_tensor",
+    "recursively_apply",
+    "reduce",
+    "send_to_device",
+    "slice_tensors",
+    "verify_operation",
+]

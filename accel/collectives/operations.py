@@ -1,0 +1,250 @@
+"""gather, gather_object, broadcast, broadcast_object_list and reduce over pytrees, with HF Accelerate's semantics.
+
+Each operation flattens its pytree into tensor leaves, makes one call on the transport `select_transport`
+picks for them (see `accel.collectives.transport`) and rebuilds the pytree. On one process every operation
+is a no-op, as in HF Accelerate (`reduce` returns copies). With ACCEL_DEBUG_MODE=1 the tensor operations
+first compare every rank's structure, shapes, dtypes and devices, and raise `DistributedOperationException`
+on every rank when they differ, instead of hanging or mixing up data.
+
+Where accel differs from HF Accelerate:
+
+- `reduce("min")` takes the minimum (HF sums); every reduction gives bit-identical results on all ranks;
+  `reduction="none"` performs no operation, as HF documents (HF sums); an unknown reduction is a
+  `ValueError`, and "mean" of integer or bool tensors a `TypeError` raised before any communication.
+- `reduce(..., scale=s)` multiplies the result by `s` on every backend (HF applies it on XLA only).
+- `gather_object` takes a rank's list or tuple as several items and any other object as one item (HF
+  iterates over whatever it gets, so a rank's string becomes characters and an int is an error).
+- Debug mode also compares dtypes and devices, and a mismatch raises on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import wraps
+from typing import Any, Callable
+
+import torch
+
+from accel.collectives.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
+from accel.collectives.transport import select_transport
+from accel.state import PartialState
+
+REDUCTIONS = ("mean", "sum", "max", "min", "none")
+
+
+class DistributedOperationException(Exception):
+    """A collective cannot run because its inputs disagree across processes (shapes, dtypes or devices)."""
+
+
+# --- debug-mode verification -------------------------------------------------------------------------------------
+
+
+def _describe(data: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """This rank's structure with shapes (other leaves by type name), and each tensor's (dtype, device type)."""
+    tensors: list[tuple[str, str]] = []
+
+    def describe(leaf):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((str(leaf.dtype).removeprefix("torch."), leaf.device.type))
+            return list(leaf.shape)
+        return type(leaf).__name__
+
+    return recursively_apply(describe, data, test_type=lambda _: True), tensors
+
+
+def _listing(title: str, values: list) -> str:
+    return f"{title}:\n  - " + "\n  - ".join(f"Process {rank}: {value}" for rank, value in enumerate(values))
+
+
+def _mismatch(operation: str, everyone: list, device_type: str) -> str | None:
+    """The error message when the ranks' descriptions disagree or name a device other than `device_type`."""
+    shapes, tensors = [d[0] for d in everyone], [d[1] for d in everyone]
+    wrong_device = any(device != device_type for info in tensors for _, device in info)
+    if shapes.count(shapes[0]) == len(shapes) and tensors.count(tensors[0]) == len(tensors) and not wrong_device:
+        return None
+    reason = "shape" if shapes.count(shapes[0]) != len(shapes) else "dtype or device"
+    message = (
+        f"Cannot apply desired operation due to {reason} mismatches. All shapes across devices must be valid."
+        f"\n\nOperation: `{operation}`\n{_listing('Input shapes', shapes)}"
+    )
+    if reason != "shape":
+        message += f"\n{_listing('Input (dtype, device)', tensors)}\nThe process group runs on {device_type}."
+    return message
+
+
+def verify_operation(function: Callable) -> Callable:
+    """Decorates a collective taking a pytree first: in debug mode, checks it agrees across ranks first.
+
+    Every rank's description (structure, shapes, dtypes, devices) is gathered, so a mismatch raises
+    `DistributedOperationException` on every rank, naming each rank's shapes. Off unless
+    `PartialState().debug` (ACCEL_DEBUG_MODE=1) and there is more than one process.
+    """
+    operation = f"{function.__module__}.{function.__name__}"
+
+    @wraps(function)
+    def wrapper(*args, **kwargs):
+        state = PartialState()
+        if state.num_processes > 1 and state.debug:
+            data = kwargs["tensor"] if "tensor" in kwargs else args[0]
+            everyone = select_transport([]).all_gather_object(_describe(data))
+            message = _mismatch(operation, everyone, state.device.type)
+            if message is not None:
+                raise DistributedOperationException(message)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+# --- tensor collectives ------------------------------------------------------------------------------------------
+
+
+@verify_operation
+def gather(tensor: Any) -> Any:
+    """Gathers every tensor of a nested list/tuple/dict from all processes, concatenated along dim 0.
+
+    All processes must pass the same structure with the same shapes and dtypes. A 0-d tensor is gathered as
+    a 1-d tensor with one element per process. On one process the input is returned as it is.
+
+    Args:
+        tensor: A tensor or a nested list/tuple/namedtuple/mapping of tensors.
+
+    Returns:
+        The same structure with, in place of each tensor, the concatenation of every process's tensor in
+        process order.
+
+    Raises:
+        TypeError: a leaf is not a tensor.
+
+    Example (2 processes)::
+
+        # process 0: tensor([0, 1])      process 1: tensor([2, 3])
+        gather(torch.arange(2) + 2 * PartialState().process_index)
+        # every process: tensor([0, 1, 2, 3])
+    """
+    if PartialState().num_processes == 1:
+        return tensor
+    leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather")]
+    return replace_tensor_leaves(tensor, select_transport(leaves).all_gather(leaves))
+
+
+@verify_operation
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Copies every tensor of a nested list/tuple/dict from process `from_process` to all processes, in place.
+
+    Args:
+        tensor: A tensor or a nested list/tuple/namedtuple/mapping of tensors, with the same shapes and dtypes
+            on every process.
+        from_process: The process whose values are sent.
+
+    Returns:
+        `tensor` itself, its tensors overwritten with `from_process`'s values.
+
+    Example (2 processes)::
+
+        t = torch.tensor([PartialState().process_index])   # process 0: tensor([0])  process 1: tensor([1])
+        broadcast(t, from_process=1)                         # every process: tensor([1]), `t` included
+    """
+    state = PartialState()
+    if state.num_processes == 1:
+        return tensor
+    if not 0 <= from_process < state.num_processes:
+        raise ValueError(f"broadcast: from_process={from_process} is not in 0..{state.num_processes - 1}")
+    leaves = tensor_leaves(tensor, "broadcast")
+    select_transport(leaves).broadcast(leaves, from_process)
+    return tensor
+
+
+def _reduced_leaves(leaves: list[torch.Tensor], reduction: str) -> list[torch.Tensor]:
+    if PartialState().num_processes == 1 or reduction == "none":
+        return [leaf.clone() for leaf in leaves]
+    return select_transport(leaves).all_reduce(leaves, "sum" if reduction == "mean" else reduction)
+
+
+def _check_reduction(leaves: list[torch.Tensor], reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduce: unknown reduction {reduction!r}; expected one of {', '.join(REDUCTIONS)}")
+    for leaf in leaves:
+        if reduction == "mean" and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"reduce(reduction='mean') needs floating-point tensors, got {leaf.dtype}; "
+                "use reduction='sum' and divide by the number of processes"
+            )
+
+
+@verify_operation
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduces every tensor of a nested list/tuple/dict elementwise across all processes.
+
+    Every process gets bit-identical results. On bool tensors "sum" and "max" are a logical or, "min" a
+    logical and.
+
+    Args:
+        tensor: A tensor or a nested list/tuple/namedtuple/mapping of tensors, with the same shapes and dtypes
+            on every process.
+        reduction: "mean" (floating-point tensors only), "sum", "max", "min", or "none" (no operation).
+        scale: Multiplies the result (as `result * scale`) when not 1.0.
+
+    Returns:
+        The same structure with new tensors; the inputs are not modified. On one process, copies.
+
+    Raises:
+        ValueError: an unknown reduction.
+        TypeError: a leaf is not a tensor, or "mean" of an integer or bool tensor.
+
+    Example (2 processes)::
+
+        t = torch.tensor([1.0, 4.0]) * (PartialState().process_index + 1)  # process 0: [1., 4.]  process 1: [2., 8.]
+        reduce(t)                    # every process: tensor([1.5, 6.])
+        reduce(t, reduction="min")   # every process: tensor([1., 4.])
+    """
+    leaves = tensor_leaves(tensor, "reduce")
+    _check_reduction(leaves, reduction)
+    results = _reduced_leaves(leaves, reduction)
+    if reduction == "mean":
+        for result in results:
+            result /= PartialState().num_processes
+    if scale != 1.0:
+        results = [result * scale for result in results]
+    return replace_tensor_leaves(tensor, results)
+
+
+# --- object collectives ------------------------------------------------------------------------------------------
+
+
+def gather_object(object: Any) -> list[Any] | Any:
+    """Gathers picklable objects from all processes into one list.
+
+    Args:
+        object: This process's contribution: a list or tuple gives its items, any other object one item.
+
+    Returns:
+        Every process's items, in process order; on one process, `object` as it is.
+
+    Example (2 processes)::
+
+        gather_object([f"rank {PartialState().process_index}"])   # every process: ["rank 0", "rank 1"]
+        gather_object({"loss": 0.5})                              # every process: [{"loss": 0.5}, {"loss": 0.5}]
+    """
+    if PartialState().num_processes == 1:
+        return object
+    gathered = select_transport([]).all_gather_object(object)
+    return [item for part in gathered for item in (part if isinstance(part, (list, tuple)) else [part])]
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """Replaces the items of `object_list` with those of process `from_process`, in place.
+
+    Args:
+        object_list: A list of picklable objects, of the same length on every process.
+        from_process: The process whose items are sent.
+
+    Returns:
+        `object_list` itself.
+
+    Example (2 processes)::
+
+        items = [PartialState().process_index, None]   # process 0: [0, None]  process 1: [1, None]
+        broadcast_object_list(items)                    # every process: [0, None]
+    """
+    if PartialState().num_processes == 1:
+        return object_list
+    return select_transport([]).broadcast_object_list(object_list, from_process)

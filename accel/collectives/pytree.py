@@ -1,0 +1,255 @@
+"""Nested lists/tuples/namedtuples/mappings of tensors ("pytrees"), walked with HF Accelerate's semantics.
+
+Containers are rebuilt with their own type: `type(data)(...)` for mappings, so dict subclasses such as
+transformers' `BatchEncoding` and `ModelOutput` keep their type, and positional arguments for namedtuples.
+Leaves are visited depth first in container order (list order, mapping insertion order); `tensor_leaves` and
+`replace_tensor_leaves` rely on that order, which is the one `recursively_apply` follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+def is_torch_tensor(tensor: Any) -> bool:
+    """Whether `tensor` is a `torch.Tensor` (or a subclass)."""
+    return isinstance(tensor, torch.Tensor)
+
+
+def is_namedtuple(data: Any) -> bool:
+    """Whether `data` is a namedtuple (a tuple with `_fields` and `_asdict`)."""
+    return isinstance(data, tuple) and hasattr(data, "_asdict") and hasattr(data, "_fields")
+
+
+def honor_type(obj: Any, generator: Iterable) -> Any:
+    """The items of `generator` in a container of `obj`'s type (list, tuple or namedtuple)."""
+    if is_namedtuple(obj):
+        return type(obj)(*list(generator))
+    return type(obj)(generator)
+
+
+@dataclass
+class TensorInformation:
+    """What is needed to allocate a tensor: its shape and dtype."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def is_tensor_information(tensor_info: Any) -> bool:
+    """Whether `tensor_info` is a `TensorInformation`."""
+    return isinstance(tensor_info, TensorInformation)
+
+
+def recursively_apply(
+    func: Callable,
+    data: Any,
+    *args,
+    test_type: Callable[[Any], bool] = is_torch_tensor,
+    error_on_other_type: bool = False,
+    **kwargs,
+) -> Any:
+    """Applies `func` to every leaf of a nested list/tuple/namedtuple/mapping for which `test_type` holds.
+
+    Args:
+        func: Called as `func(leaf, *args, **kwargs)`.
+        data: The nested structure.
+        *args: Passed to `func` after the leaf.
+        test_type: Selects the leaves `func` applies to (default: tensors).
+        error_on_other_type: Raise `TypeError` on a leaf `test_type` rejects, instead of keeping it as is.
+        **kwargs: Passed to `func`.
+
+    Returns:
+        The same structure (containers rebuilt with their own type) with `func`'s results as leaves.
+
+    Example::
+
+        recursively_apply(torch.Tensor.float, {"ids": torch.tensor([1]), "names": ["a"]})
+        # {"ids": tensor([1.]), "names": ["a"]}
+    """
+    def apply(item):
+        return recursively_apply(
+            func, item, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
+        )
+
+    if isinstance(data, (tuple, list)):
+        return honor_type(data, (apply(item) for item in data))
+    if isinstance(data, Mapping):
+        return type(data)({key: apply(value) for key, value in data.items()})
+    if test_type(data):
+        return func(data, *args, **kwargs)
+    if error_on_other_type:
+        raise TypeError(
+            f"Unsupported types ({type(data)}) passed to `{getattr(func, '__name__', func)}`. Only nested "
+            f"list/tuple/dicts of objects that are valid for `{test_type.__name__}` should be passed."
+        )
+    return data
+
+
+def tensor_leaves(data: Any, operation: str) -> list[torch.Tensor]:
+    """The tensors of `data` in `recursively_apply`'s order; `TypeError` naming `operation` on any other leaf."""
+    leaves: list[torch.Tensor] = []
+
+    def collect(item):
+        if isinstance(item, (tuple, list)):
+            for child in item:
+                collect(child)
+        elif isinstance(item, Mapping):
+            for child in item.values():
+                collect(child)
+        elif isinstance(item, torch.Tensor):
+            leaves.append(item)
+        else:
+            raise TypeError(
+                f"Unsupported types ({type(item)}) passed to `{operation}`. Only nested list/tuple/dicts of "
+                "tensors should be passed."
+            )
+
+    collect(data)
+    return leaves
+
+
+def replace_tensor_leaves(data: Any, leaves: Iterable[torch.Tensor]) -> Any:
+    """`data` rebuilt with `leaves` in place of its tensors, in `tensor_leaves`'s order."""
+    remaining = iter(leaves)
+    return recursively_apply(lambda _: next(remaining), data)
+
+
+def _move(tensor: Any, device: Any, non_blocking: bool) -> Any:
+    try:
+        return tensor.to(device, non_blocking=non_blocking)
+    except TypeError:  # a `.to` without `non_blocking`
+        return tensor.to(device)
+
+
+def send_to_device(
+    tensor: Any, device: Any, non_blocking: bool = False, skip_keys: str | list[str] | None = None
+) -> Any:
+    """Moves every tensor of a nested list/tuple/mapping to `device`.
+
+    Any object with a `.to` method (a tensor, a `BatchEncoding`, a module) is moved with it. Unlike HF
+    Accelerate, a mapping that has `.to` is walked instead when `skip_keys` names one of its keys, so the
+    skipped entries really stay where they are.
+
+    Args:
+        tensor: A tensor, an object with `.to`, or a nested list/tuple/mapping of them.
+        device: The target device.
+        non_blocking: Asynchronous copy where the device supports it.
+        skip_keys: Mapping keys whose values are left as they are (a key or a list of keys).
+
+    Returns:
+        The same structure with every tensor on `device`; other leaves unchanged.
+    """
+    skip_keys = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys or [])
+    walk_mapping = isinstance(tensor, Mapping) and any(key in tensor for key in skip_keys)
+    if (isinstance(tensor, torch.Tensor) or hasattr(tensor, "to")) and not walk_mapping:
+        return _move(tensor, device, non_blocking)
+    if isinstance(tensor, (tuple, list)):
+        return honor_type(tensor, (send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
+    if isinstance(tensor, Mapping):
+        return type(tensor)({
+            key: value if key in skip_keys else send_to_device(value, device, non_blocking, skip_keys)
+            for key, value in tensor.items()
+        })
+    return tensor
+
+
+def get_shape(data: Any) -> Any:
+    """The same structure with each tensor replaced by its shape as a list (what debug mode compares)."""
+    return recursively_apply(lambda tensor: list(tensor.shape), data)
+
+
+def get_data_structure(data: Any) -> Any:
+    """The same structure with each tensor replaced by its `TensorInformation` (shape and dtype)."""
+    return recursively_apply(lambda tensor: TensorInformation(shape=tensor.shape, dtype=tensor.dtype), data)
+
+
+def initialize_tensors(data_structure: Any) -> Any:
+    """Uninitialized CPU tensors allocated from a structure of `TensorInformation` (`get_data_structure`'s inverse)."""
+    return recursively_apply(
+        lambda info: torch.empty(info.shape, dtype=info.dtype), data_structure, test_type=is_tensor_information
+    )
+
+
+def find_batch_size(data: Any) -> int:
+    """The size of dim 0 of the first tensor found (first item of sequences, first value of mappings).
+
+    Raises:
+        ValueError: an empty container is met first.
+        TypeError: the first leaf is not a tensor.
+    """
+    if isinstance(data, (tuple, list, Mapping)) and len(data) == 0:
+        raise ValueError(f"Cannot find the batch size from empty {type(data)}.")
+    if isinstance(data, (tuple, list)):
+        return find_batch_size(data[0])
+    if isinstance(data, Mapping):
+        return find_batch_size(next(iter(data.values())))
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"Can only find the batch size of tensors but got {type(data)}.")
+    return data.shape[0]
+
+
+def ignorant_find_batch_size(data: Any) -> int | None:
+    """`find_batch_size`, or None where it would raise."""
+    try:
+        return find_batch_size(data)
+    except (ValueError, TypeError):
+        return None
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor found in a nested list/tuple/mapping, or None."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    children = data.values() if isinstance(data, Mapping) else data if isinstance(data, (tuple, list)) else ()
+    for child in children:
+        device = find_device(child)
+        if device is not None:
+            return device
+    return None
+
+
+def slice_tensors(
+    data: Any, tensor_slice: Any, process_index: int | None = None, num_processes: int | None = None
+) -> Any:
+    """Every tensor indexed with `tensor_slice` (`process_index`/`num_processes` are unused, as in HF)."""
+    return recursively_apply(lambda tensor: tensor[tensor_slice], data)
+
+
+def listify(data: Any) -> Any:
+    """Every tensor turned into (nested) Python numbers on the CPU; bfloat16 goes through float32."""
+    def to_list(tensor):
+        tensor = tensor.detach().cpu()
+        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).tolist()
+
+    return recursively_apply(to_list, data)
+
+
+def concatenate(data: list | tuple, dim: int = 0) -> Any:
+    """Concatenates a list of structures of the same shape, leaf by leaf, along `dim`.
+
+    Args:
+        data: Structures (tensors, or nested lists/tuples/mappings of tensors) that match each other.
+        dim: The dim to concatenate along.
+
+    Returns:
+        One structure of `data[0]`'s type; a list holding one non-tensor item gives that item.
+
+    Example::
+
+        concatenate([{"x": torch.zeros(2, 3)}, {"x": torch.ones(1, 3)}])   # {"x": tensor of shape (3, 3)}
+    """
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
+    if isinstance(first, Mapping):
+        return type(first)({key: concatenate([d[key] for d in data], dim=dim) for key in first.keys()})
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(data), dim=dim)
+    if isinstance(data, (tuple, list)) and len(data) == 1:
+        return first
+    raise TypeError(f"Can only concatenate tensors but got {type(first)}")

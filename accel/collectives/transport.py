@@ -1,0 +1,153 @@
+"""The seam between the collectives and the wire: one `Transport` call per collective, for all leaves at once.
+
+`accel.collectives.operations` flattens a pytree into its tensor leaves, asks `select_transport(leaves)` for
+an implementation, makes one call on it and rebuilds the pytree. A faster transport (the same-host
+shared-memory one) plugs in by being returned from `select_transport` for the calls it can serve; there is no
+registry beyond that function. Today the only implementation is `TorchDistributedTransport`, the reference.
+
+Every rank must pick the same transport for a given call, so `select_transport` may only decide from facts
+that are equal on every rank (the process group, the leaves' dtypes and shapes when they agree, settings).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REDUCE_OPS = ("sum", "max", "min")
+
+# gloo has no kernels for these dtypes; reductions run in the wider type and cast back, which gives the same
+# bits as a native reduction would (integer sums wrap the same way modulo 2**bits).
+_REDUCE_IN = {
+    torch.int16: torch.int64,
+    torch.uint16: torch.int64,
+    torch.uint32: torch.int64,
+    torch.uint64: torch.int64,
+    torch.float8_e4m3fn: torch.float32,
+    torch.float8_e5m2: torch.float32,
+}
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Transport(abc.ABC):
+    """Moves the tensor leaves of one collective call between the ranks of the default process group.
+
+    Every method is collective: all ranks call it with leaves of the same count, shapes and dtypes (debug mode
+    checks that first) and get their results together.
+    """
+
+    @abc.abstractmethod
+    def all_gather(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each leaf (at least 1-d) concatenated over the ranks along dim 0, in rank order; new tensors."""
+
+    @abc.abstractmethod
+    def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        """`src`'s values written into every rank's leaves in place; returns the leaves themselves."""
+
+    @abc.abstractmethod
+    def all_reduce(self, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+        """Each leaf reduced elementwise over the ranks with `op` ("sum", "max" or "min"); new tensors.
+
+        The results are bit-identical on every rank. On bool leaves "sum" and "max" are a logical or, "min" a
+        logical and. The inputs are not modified.
+        """
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+
+    @abc.abstractmethod
+    def broadcast_object_list(self, object_list: list[Any], src: int) -> list[Any]:
+        """`src`'s items written into every rank's `object_list` in place; returns `object_list`."""
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage seen as 1-d uint8 (an alias, so writes land in `tensor`)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor):
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather_single(output, tensor, async_op=True)
+
+
+class TorchDistributedTransport(Transport):
+    """The reference transport: `torch.distributed` on the default group (gloo, NCCL, ...).
+
+    Tensors travel as raw bytes, so every dtype works on every backend (gloo has no int16, for instance) and a
+    gather is bit-exact. Each call issues one asynchronous collective per leaf and waits for all of them.
+    `all_gather` writes straight into the result (`all_gather_single`, which gloo supports in torch 2.13),
+    without HF Accelerate's list of per-rank buffers and `torch.cat` copy.
+    """
+
+    def all_gather(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        world_size = dist.get_world_size()
+        outputs, works = [], []
+        for leaf in leaves:
+            source = leaf.detach().contiguous()
+            output = torch.empty((world_size * leaf.shape[0], *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+            works.append(_all_gather_single(_flat_bytes(output), _flat_bytes(source)))
+            outputs.append(output)
+        _wait_all(works)
+        return outputs
+
+    def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        buffers = [leaf.detach().contiguous() for leaf in leaves]
+        _wait_all([dist.broadcast(_flat_bytes(buffer), src=src, async_op=True) for buffer in buffers])
+        if dist.get_rank() != src:
+            for leaf, buffer in zip(leaves, buffers):
+                if not leaf.is_contiguous():  # it was received into a contiguous copy
+                    leaf.detach().copy_(buffer)
+        return leaves
+
+    def all_reduce(self, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
+        buffers = [_reduce_buffer(leaf) for leaf in leaves]
+        exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
+        inexact = [b for b in buffers if b.is_floating_point() or b.is_complex()]
+        # Integer and bool reductions are exact in any order: one all_reduce. Floating-point ones depend on the
+        # backend's summation order, which may differ between ranks (and NaN handling in max/min may too), so
+        # they are reduced onto rank 0 and broadcast from there: bit-identical everywhere, for one more round.
+        works = [dist.all_reduce(b, _exact_op(b, op), async_op=True) for b in exact]
+        works += [dist.reduce(b, dst=0, op=_TORCH_OPS[op], async_op=True) for b in inexact]
+        _wait_all(works)
+        _wait_all([dist.broadcast(b, src=0, async_op=True) for b in inexact])
+        return [buffer.to(leaf.dtype) for leaf, buffer in zip(leaves, buffers)]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object_list(self, object_list: list[Any], src: int) -> list[Any]:
+        dist.broadcast_object_list(object_list, src=src)
+        return object_list
+
+
+def _reduce_buffer(leaf: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `leaf` in the dtype its reduction runs in (backends refuse strided tensors)."""
+    dtype = _REDUCE_IN.get(leaf.dtype, leaf.dtype)
+    return leaf.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def _exact_op(buffer: torch.Tensor, op: str) -> dist.ReduceOp:
+    # A bool "sum" saturates: it is a logical or, which MAX computes on every backend.
+    return dist.ReduceOp.MAX if buffer.dtype == torch.bool and op == "sum" else _TORCH_OPS[op]
+
+
+_TORCH_DISTRIBUTED = TorchDistributedTransport()
+
+
+def select_transport(leaves: list[torch.Tensor]) -> Transport:
+    """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank."""
+    return _TORCH_DISTRIBUTED
