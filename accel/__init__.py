@@ -8,6 +8,7 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "Accelerator": "accel.accelerator",
     "AcceleratorState": "accel.state",
     "DistributedType": "accel.state",
     "GradientState": "accel.state",

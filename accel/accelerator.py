@@ -1,0 +1,365 @@
+"""The Accelerator: HF Accelerate's user-facing object, as a thin facade.
+
+It resolves the user's arguments once into a state, a strategy (how models are wrapped and synchronized)
+and a precision policy, then delegates: prepared objects come from accel.data, accel.optimizer,
+accel.scheduler and the strategy; collectives from accel.collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from accel import collectives
+from accel.optimizer import AcceleratedOptimizer
+from accel.precision import precision_for, restore_forward
+from accel.scheduler import AcceleratedScheduler
+from accel.settings import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    gradient_accumulation_steps_from_env,
+)
+from accel.state import AcceleratorState, GradientState
+from accel.strategies import strategy_for
+
+HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs)
+
+
+def sort_kwargs_handlers(handlers: Iterable[Any] | None) -> dict[type, Any]:
+    """One handler per type, keyed by type; two of one type is an error, as in HF."""
+    found: dict[type, Any] = {}
+    for handler in handlers or ():
+        kind = next((t for t in HANDLER_TYPES if isinstance(handler, t)), None)
+        if kind is None:
+            raise ValueError(f"Unsupported kwargs handler {type(handler).__name__}; accel knows {[t.__name__ for t in HANDLER_TYPES]}")
+        if kind in found:
+            raise ValueError(f"You can only pass one {kind.__name__} in `kwargs_handlers`.")
+        found[kind] = handler
+    return found
+
+
+def accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:
+    if plugin is not None:
+        if steps != 1:
+            raise ValueError("Pass either `gradient_accumulation_steps` or `gradient_accumulation_plugin`, not both.")
+        return plugin
+    return GradientAccumulationPlugin(num_steps=gradient_accumulation_steps_from_env(steps))
+
+
+class Accelerator:
+    """Makes a plain PyTorch training loop run on one device, many CPU processes or many GPUs.
+
+    Args (as HF Accelerate's):
+        device_placement: move prepared models and batches to `self.device`.
+        mixed_precision: "no" or "bf16" (default: ACCEL_MIXED_PRECISION, else "no").
+        gradient_accumulation_steps: steps to accumulate gradients over (or ACCEL_GRADIENT_ACCUMULATION_STEPS).
+        cpu: run on the CPU even when CUDA is available.
+        dataloader_config: a DataLoaderConfiguration.
+        rng_types: RNGs synchronized at each epoch start ("generator" by default).
+        project_dir / project_config: where checkpoints and logs go.
+        gradient_accumulation_plugin: a GradientAccumulationPlugin (instead of gradient_accumulation_steps).
+        step_scheduler_with_optimizer: a prepared scheduler steps only when the optimizer did.
+        kwargs_handlers: DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs.
+        dynamo_backend / dynamo_plugin: torch.compile prepared models (default: ACCEL_DYNAMO_*).
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        rng_types: list[str] | None = None,
+        log_with: Any = None,
+        project_dir: str | None = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[Any] | None = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+    ):
+        if deepspeed_plugin is not None or fsdp_plugin is not None:
+            raise NotImplementedError("DeepSpeed and FSDP are not supported by accel yet")
+        if log_with is not None:
+            raise NotImplementedError("experiment trackers (log_with) are not supported by accel yet")
+        handlers = sort_kwargs_handlers(kwargs_handlers)
+        init_kwargs = handlers[InitProcessGroupKwargs].to_kwargs() if InitProcessGroupKwargs in handlers else {}
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches is not None:
+            self.dataloader_config.split_batches = split_batches
+        self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
+        if project_dir is not None and project_config is not None:
+            self.project_configuration.set_directories(project_dir)
+        if dynamo_plugin is None:
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
+        self.state = AcceleratorState(
+            mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin, _from_accelerator=True, **init_kwargs
+        )
+        plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
+        self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
+        self.strategy = strategy_for(self.state, handlers.get(DistributedDataParallelKwargs))
+        autocast = handlers.get(AutocastKwargs)
+        self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None)
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types if rng_types is not None else ["generator"]
+        self.step = 0
+        self.flag_tensor: torch.Tensor | None = None
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[Any] = []
+
+    # --- what this process is ----------------------------------------------------------------------------
+
+    device = property(lambda self: self.state.device)
+    distributed_type = property(lambda self: self.state.distributed_type)
+    num_processes = property(lambda self: self.state.num_processes)
+    process_index = property(lambda self: self.state.process_index)
+    local_process_index = property(lambda self: self.state.local_process_index)
+    is_main_process = property(lambda self: self.state.is_main_process)
+    is_local_main_process = property(lambda self: self.state.is_local_main_process)
+    is_last_process = property(lambda self: self.state.is_last_process)
+    use_distributed = property(lambda self: self.state.use_distributed)
+    mixed_precision = property(lambda self: self.state.mixed_precision)
+    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
+    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+    even_batches = property(lambda self: self.dataloader_config.even_batches)
+    project_dir = property(lambda self: self.project_configuration.project_dir)
+    logging_dir = property(lambda self: self.project_configuration.logging_dir)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (fp16 overflow)."""
+        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
+
+    def __getattr__(self, name: str) -> Any:
+        # wait_for_everyone, print, main_process_first, on_main_process, split_between_processes, ... live on
+        # the state, exactly as in HF Accelerate; forwarding keeps this class a facade.
+        if name in FORWARDED_TO_STATE:
+            return getattr(self.__dict__["state"], name)
+        raise AttributeError(f"'Accelerator' object has no attribute {name!r}")
+
+    # --- prepare -----------------------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepares models, optimizers, dataloaders and schedulers, in any order; returns them in that order.
+
+        Schedulers are prepared last, so they follow the prepared optimizers.
+        """
+        placements = device_placement or [None] * len(args)
+        if len(placements) != len(args):
+            raise ValueError(f"device_placement has {len(placements)} entries for {len(args)} objects")
+        first = [self._prepare_one(obj, placement, schedulers=False) for obj, placement in zip(args, placements)]
+        result = tuple(self._prepare_one(obj, placement, schedulers=True) for obj, placement in zip(first, placements))
+        return result if len(result) > 1 else result[0]
+
+    def _prepare_one(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
+        if schedulers:
+            is_scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(obj, AcceleratedScheduler)
+            return self.prepare_scheduler(obj) if is_scheduler else obj
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return self.prepare_data_loader(obj, device_placement=device_placement)
+        if isinstance(obj, torch.nn.Module):
+            return self.prepare_model(obj, device_placement=device_placement)
+        if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+            return self.prepare_optimizer(obj, device_placement=device_placement)
+        return obj
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> torch.nn.Module:
+        """Places, autocasts (bf16), wraps (DDP) and compiles (dynamo) a model."""
+        placement = self.device_placement if device_placement is None else device_placement
+        self._models.append(model)
+        model = self.precision.wrap_forward(model)
+        if evaluation_mode:
+            model = model.to(self.device) if placement else model
+        else:
+            model = self.strategy.setup_model(model, placement)
+        plugin = self.state.dynamo_plugin
+        if plugin is not None and plugin.enabled and not hasattr(model, "_orig_mod"):
+            model = torch.compile(model, **plugin.compile_kwargs())
+        self._models[-1] = model
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = AcceleratedOptimizer(optimizer, device_placement=placement)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        followed = [opt for opt in self._optimizers if opt.optimizer is scheduler.optimizer] or self._optimizers
+        prepared = AcceleratedScheduler(
+            scheduler, followed, step_with_optimizer=self.step_scheduler_with_optimizer, split_batches=self.split_batches
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None) -> Any:
+        from accel.data import prepare_data_loader
+
+        config = self.dataloader_config
+        prepared = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            split_batches=config.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches,
+            even_batches=config.even_batches,
+            use_seedable_sampler=config.use_seedable_sampler,
+            non_blocking=config.non_blocking,
+            data_seed=config.data_seed,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        from accel.data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches=num_batches)
+
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's module inside DDP and torch.compile; without the bf16 forward wrapper unless kept."""
+        model = self.strategy.unwrap(model)
+        return model if keep_fp32_wrapper else restore_forward(model)
+
+    # --- the training step -------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, the loss divided by the accumulation steps (as HF Accelerate)."""
+        self.precision.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    def _do_sync(self) -> None:
+        if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module):
+        """Inside it, gradients accumulate for `gradient_accumulation_steps` batches before they are synced
+        and the prepared optimizer steps (earlier at the end of the dataloader)."""
+        self._do_sync()
+        sync_each_batch = self.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+        allow_sync = self.sync_gradients or (self.use_distributed and sync_each_batch)
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                stack.enter_context(contextlib.nullcontext() if allow_sync else self.no_sync(model))
+            yield
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Gradients computed inside are not synchronized across processes."""
+        return self.strategy.no_sync(model)
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        return self.precision.autocast(**(autocast_handler.to_kwargs() if autocast_handler else {}))
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divides gradients by the loss scale; nothing to do without an fp16 scaler."""
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # --- collectives ----------------------------------------------------------------------------------------
+
+    def gather(self, tensor: Any) -> Any:
+        return collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gathers across processes and drops the samples that sharding duplicated at the end of the data,
+        so an evaluation pass sees each sample exactly once."""
+        from accel.data import gather_for_metrics_truncation
+
+        all_tensors = _all_tensors(input_data)
+        gathered = collectives.gather_object(input_data) if use_gather_object or not all_tensors else collectives.gather(input_data)
+        return gather_for_metrics_truncation(gathered, self.gradient_state)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return collectives.reduce(tensor, reduction=reduction, scale=scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        return collectives.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def set_trigger(self) -> None:
+        """Marks this process; `check_trigger` then returns True on every process (e.g. to stop early)."""
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        flag = self.flag_tensor if self.flag_tensor is not None else torch.tensor(0, device=self.device)
+        if collectives.reduce(flag, reduction="sum").item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
+
+    # --- housekeeping ---------------------------------------------------------------------------------------
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Saves on the main process only (safetensors for a state dict with safe_serialization)."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(obj, f, metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def free_memory(self, *objects: Any) -> tuple:
+        """Drops the references this Accelerator holds (and returns `objects` as None), then frees caches."""
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return tuple(None for _ in objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        self.state.destroy_process_group()
+
+
+FORWARDED_TO_STATE = frozenset(
+    {
+        "wait_for_everyone", "print", "main_process_first", "local_main_process_first", "split_between_processes",
+        "on_main_process", "on_local_main_process", "on_last_process", "on_process", "on_local_process",
+    }
+)  # fmt: skip
+
+
+def _all_tensors(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, dict):
+        return all(_all_tensors(v) for v in data.values())
+    if isinstance(data, (list, tuple)):
+        return all(_all_tensors(v) for v in data)
+    return False
+
+
+__all__ = ["Accelerator"]

@@ -1,0 +1,110 @@
+"""AcceleratedOptimizer: the user's optimizer, stepping only when gradients are synchronized."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from accel.collectives.pytree import send_to_device
+from accel.state import AcceleratorState, GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer so that `step`/`zero_grad` are no-ops while gradients accumulate.
+
+    It is an instance of `torch.optim.Optimizer` (as in HF Accelerate), but every attribute lives on the
+    wrapped optimizer; `state_dict`/`load_state_dict` move state to the training device.
+
+    Args:
+        optimizer: the user's optimizer.
+        device_placement: move the optimizer state to the Accelerator's device.
+        scaler: a gradient scaler (fp16); its skipped steps make `step_was_skipped` true.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = True, scaler: Any = None):
+        # No super().__init__: the wrapped optimizer owns param_groups, state and defaults.
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.accelerator_state = AcceleratorState()
+        self.gradient_state = GradientState()
+        self.device_placement = device_placement
+        self._is_overflow = False
+        if device_placement:
+            self.optimizer.load_state_dict(send_to_device(self.optimizer.state_dict(), self.accelerator_state.device))
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: dict) -> None:
+        self.optimizer.state = state
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, param_groups: list[dict]) -> None:
+        self.optimizer.param_groups = param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict) -> None:
+        self.optimizer.defaults = defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.device_placement:
+            state_dict = send_to_device(state_dict, self.accelerator_state.device)
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            return  # keep accumulating
+        if "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters:
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        else:
+            self.optimizer.zero_grad()
+
+    def step(self, closure: Any = None) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        if self.scaler is None:
+            self.optimizer.step(closure)
+            return
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer, closure)
+        self.scaler.update()
+        self._is_overflow = self.scaler.get_scale() < scale_before
+
+    def train(self) -> None:
+        if hasattr(self.optimizer, "train"):  # schedule-free optimizers
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step was skipped because of inf/nan gradients (fp16)."""
+        return self._is_overflow
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("accelerator_state", "gradient_state")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.accelerator_state = AcceleratorState()
+        self.gradient_state = GradientState()

@@ -1,0 +1,89 @@
+"""Mixed-precision policies: how the forward runs and how the loss goes backward.
+
+One object per policy, chosen once by name (`precision_for`). `no` and `bf16` live here; fp16 (with its
+gradient scaler and the fused unscale) and fp8 are refused with a clear error until they land.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+from accel.collectives.pytree import recursively_apply
+
+
+class FullPrecision:
+    """`mixed_precision="no"`: fp32 forward, plain backward."""
+
+    name = "no"
+
+    def __init__(self, device: torch.device, autocast_kwargs: dict | None = None):
+        self.device = device
+        self.autocast_kwargs = autocast_kwargs or {}
+
+    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+
+class BF16Precision(FullPrecision):
+    """`mixed_precision="bf16"`: the forward under torch.autocast(bfloat16), its outputs returned in fp32."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager:
+        kwargs = {**self.autocast_kwargs, **overrides}
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype, **kwargs)
+
+    def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Runs `model.forward` under autocast and returns fp32 outputs, as HF Accelerate does."""
+        if hasattr(model, "_accel_original_forward"):
+            return model
+        original = model.forward
+        autocast = self.autocast
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with autocast():
+                outputs = original(*args, **kwargs)
+            return outputs_to_fp32(outputs)
+
+        model._accel_original_forward = original
+        model.forward = forward
+        return model
+
+
+def outputs_to_fp32(outputs: Any) -> Any:
+    def upcast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+    return recursively_apply(upcast, outputs, test_type=lambda t: isinstance(t, torch.Tensor))
+
+
+def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """Undoes `wrap_forward` (unwrap_model(keep_fp32_wrapper=False))."""
+    original = model.__dict__.pop("_accel_original_forward", None)
+    if original is not None:
+        model.forward = original
+    return model
+
+
+PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision}
+
+
+def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None) -> FullPrecision:
+    if mixed_precision in ("fp16", "fp8"):
+        raise NotImplementedError(
+            f"mixed_precision={mixed_precision!r} is not supported by accel yet (fp16 comes with the fused "
+            "gradient-unscale issue); use 'no' or 'bf16'"
+        )
+    return PRECISIONS[mixed_precision](device, autocast_kwargs)

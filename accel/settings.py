@@ -1,0 +1,215 @@
+"""The dataclasses users hand to `Accelerator`, with HF Accelerate's names, fields and defaults.
+
+`accel.utils` and `accel.utils.dataclasses` re-export them, so `from accelerate.utils import
+DistributedDataParallelKwargs` keeps working with only the package name changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from datetime import timedelta
+from typing import Any
+
+from accel._env import get_flag, get_setting
+
+
+class KwargsHandler:
+    """A dataclass mixin whose `to_kwargs()` gives the fields that differ from the class defaults (as HF)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_kwargs(self) -> dict[str, Any]:
+        defaults = {f.name: default_of(f) for f in dataclasses.fields(self)}
+        return {k: v for k, v in self.to_dict().items() if defaults[k] != v}
+
+
+def default_of(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments for `torch.nn.parallel.DistributedDataParallel`, plus a gradient communication hook."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The changed arguments DDP's constructor takes (the hook fields are not among them)."""
+        hook_fields = ("comm_hook", "comm_wrapper", "comm_state_option")
+        return {k: v for k, v in self.to_kwargs().items() if k not in hook_fields}
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Registers the configured hook (optionally wrapped in fp16/bf16 compression) on a DDP model."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hooks = {
+            DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+            DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+            DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+            DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+        }
+        wrappers = {
+            DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+            DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+        }
+        hook = hooks.get(DDPCommunicationHookType(self.comm_hook))
+        if hook is None:
+            return
+        wrapper = wrappers.get(DDPCommunicationHookType(self.comm_wrapper))
+        power_sgd = self.comm_hook in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD)
+        state = powerSGD_hook.PowerSGDState(None, **self.comm_state_option) if power_sgd else None
+        model.register_comm_hook(state=state, hook=wrapper(hook) if wrapper else hook)
+
+
+@dataclasses.dataclass
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for `torch.distributed.init_process_group`; `timeout` bounds every cross-process wait."""
+
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: timedelta | None = None
+
+
+@dataclasses.dataclass
+class AutocastKwargs(KwargsHandler):
+    """Arguments for `torch.autocast` in mixed precision."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin(KwargsHandler):
+    """How gradients accumulate.
+
+    Unlike HF Accelerate, `to_kwargs()` of this plugin returns every field, so the documented defaults
+    (`adjust_scheduler=True`) are the ones in effect; HF drops unchanged fields and GradientState then
+    falls back to `adjust_scheduler=False`.
+    """
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def to_kwargs(self) -> dict[str, Any]:
+        kwargs = self.to_dict()
+        if kwargs["num_steps"] is None:
+            del kwargs["num_steps"]
+        return kwargs
+
+
+@dataclasses.dataclass
+class DataLoaderConfiguration:
+    """How prepared dataloaders shard, dispatch and place batches."""
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclasses.dataclass
+class ProjectConfiguration:
+    """Where a project saves checkpoints and logs."""
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: str | None = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self) -> None:
+        self.set_directories(self.project_dir)
+
+
+class DynamoBackend(str, enum.Enum):
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+
+
+@dataclasses.dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """torch.compile settings; unset fields come from ACCEL_DYNAMO_* (what `accel launch` exports)."""
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.backend = DynamoBackend(str(self.backend or get_setting("DYNAMO_BACKEND", "no")).upper())
+        self.mode = self.mode or get_setting("DYNAMO_MODE", "default")
+        if self.fullgraph is None:
+            self.fullgraph = get_flag("DYNAMO_USE_FULLGRAPH")
+        if self.use_regional_compilation is None:
+            self.use_regional_compilation = get_flag("DYNAMO_USE_REGIONAL_COMPILATION")
+        if self.dynamic is None and get_setting("DYNAMO_USE_DYNAMIC") is not None:
+            self.dynamic = get_flag("DYNAMO_USE_DYNAMIC")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != DynamoBackend.NO and not self.disable
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """The arguments for torch.compile (`mode="default"` is passed as None, as torch expects)."""
+        kwargs = {"backend": self.backend.value.lower(), "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.mode and self.mode != "default":
+            kwargs["mode"] = self.mode
+        if self.options:
+            kwargs["options"] = self.options
+        return kwargs
+
+
+def gradient_accumulation_steps_from_env(default: int) -> int:
+    """ACCEL_GRADIENT_ACCUMULATION_STEPS (what `accel launch --gradient_accumulation_steps` exports), else `default`."""
+    value = get_setting("GRADIENT_ACCUMULATION_STEPS")
+    return default if not value else int(value)

@@ -1,0 +1,33 @@
+"""Several processes, each with a full copy of the model: torch's DistributedDataParallel (gloo or NCCL)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from accel.settings import DistributedDataParallelKwargs
+from accel.strategies.single import SingleDeviceStrategy
+
+
+class DDPStrategy(SingleDeviceStrategy):
+    def __init__(self, state, ddp_kwargs: DistributedDataParallelKwargs | None = None):
+        super().__init__(state)
+        self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
+
+    def setup_model(self, model: torch.nn.Module, device_placement: bool) -> torch.nn.Module:
+        model = super().setup_model(model, device_placement)
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # DDP refuses a model with nothing to train (e.g. a frozen teacher), as HF skips it
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
+            **self.ddp_kwargs.ddp_kwargs(),
+        )  # fmt: skip
+        self.ddp_kwargs.register_comm_hook(wrapped)
+        return wrapped
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
