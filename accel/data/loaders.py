@@ -1,0 +1,752 @@
+"""Sharded dataloaders, `prepare_data_loader`, `skip_first_batches` and the truncation behind `gather_for_metrics`.
+
+Both dataloader classes are `torch.utils.data.DataLoader` subclasses (len, batch_size, dataset, sampler keep
+their meaning) that register with `GradientState` while they are iterated and know, before yielding it, whether
+a batch is the last one (`end_of_dataloader`) and how many real samples the last global batch holds
+(`remainder`).
+
+- `DataLoaderShard`: every process reads its own share (`BatchSamplerShard` / `IterableDatasetShard`).
+- `DataLoaderDispatcher`: process 0 reads whole global batches and broadcasts them; each process keeps its slice.
+
+In both, at every step the batches of processes 0..N-1, concatenated in that order, are the next samples of the
+epoch in order; only the last step may add copies (to even out the batches), and they come after the real samples.
+So `gather` + `gather_for_metrics_truncation` returns every sample exactly once, in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, IterDataPipe, RandomSampler
+
+from accel.data import batches as pytree
+from accel.data.rng import multi_process, synchronize_rng_states
+from accel.data.samplers import (
+    BatchSamplerShard,
+    IterableDatasetShard,
+    SeedableRandomSampler,
+    SkipBatchSampler,
+    sampler_num_samples,
+)
+from accel.state import GradientState, PartialState
+
+__all__ = [
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "DataLoaderStateMixin",
+    "gather_for_metrics_truncation",
+    "get_sampler",
+    "prepare_data_loader",
+    "skip_first_batches",
+]
+
+# The DataLoader arguments a prepared loader copies from the original (the sampling ones are rebuilt).
+_COPIED_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                  "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def _copied_kwargs(dataloader: DataLoader) -> dict:
+    return {name: getattr(dataloader, name) for name in _COPIED_KWARGS if hasattr(dataloader, name)}
+
+
+def _last_step_sizes(samples: int | None, batch: int | None, steps: int, evened: bool) -> tuple[int, int | None]:
+    """(real samples, gathered rows) of the global batch at step `steps - 1`, for global batches of `batch`.
+
+    Every global batch before the last one is full; `evened` means the last one is completed to `batch` rows.
+    """
+    if samples is None or batch is None:
+        return -1, None
+    if steps == 0:
+        return 0, 0
+    real = max(0, min(samples - (steps - 1) * batch, batch))
+    return real, batch if evened else real
+
+
+class DataLoaderStateMixin:
+    """What a prepared dataloader tells `GradientState` while it is iterated.
+
+    Attributes:
+        end_of_dataloader: True while the last batch of this process is being used (set before it is yielded).
+        remainder: The number of real samples in the global batch of this process's last step (-1 when unknown).
+            At the end of the loader, gathering a per-sample tensor gives `remainder` real samples first, then
+            copies added to even out the batches.
+    """
+
+    end_of_dataloader = False
+    remainder = -1
+    _last_global_rows = None  # rows `gather` returns at the last step; truncation only touches leaves this long
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self._last_global_rows = None
+
+    def begin(self) -> None:
+        """Resets the state and registers with `GradientState` (innermost dataloader)."""
+        self.reset()
+        self.gradient_state._add_dataloader(self)
+
+    def end(self) -> None:
+        """Unregisters from `GradientState`."""
+        self.gradient_state._remove_dataloader(self)
+
+
+def _set_epoch_everywhere(loader: DataLoader, epoch: int) -> None:
+    """Calls `set_epoch` on every sampler in the loader's chain, and on its dataset, where they have it."""
+    seen = set()
+    pending = [loader.batch_sampler, loader.sampler]
+    while pending:
+        sampler = pending.pop()
+        if sampler is None or id(sampler) in seen:
+            continue
+        seen.add(id(sampler))
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        pending += [getattr(sampler, "batch_sampler", None), getattr(sampler, "sampler", None)]
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
+
+
+class _PreparedLoader(DataLoader, DataLoaderStateMixin):
+    """What both prepared loaders share: GradientState, epochs, and the DataLoader arguments they keep."""
+
+    def __init__(self, dataset, _drop_last: bool = False, _non_blocking: bool = False, skip_batches: int = 0,
+                 iteration: int = 0, **kwargs):
+        super().__init__(dataset, **kwargs)
+        self._drop_last = _drop_last
+        self._non_blocking = _non_blocking
+        self.skip_batches = skip_batches
+        self.iteration = iteration
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """The `GradientState` singleton (looked up, not stored, so that the loader pickles)."""
+        return GradientState()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch of this loader and of the samplers / dataset under it that have `set_epoch`."""
+        self.iteration = epoch
+        _set_epoch_everywhere(self, epoch)
+
+    @property
+    def base_dataloader(self) -> DataLoader:
+        """This loader itself (HF Accelerate's prepared loaders wrap one; code that reads it keeps working)."""
+        return self
+
+    def _base_len(self) -> int:
+        return DataLoader.__len__(self)
+
+    def _index_batch_sampler(self):
+        """The batch sampler that yields this loader's index batches (None for an iterable dataset)."""
+        if isinstance(self.dataset, IterableDataset):
+            return None
+        return self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+
+    def get_sampler(self):
+        """The sampler of indices under the batch sampler."""
+        return get_sampler(self)
+
+    @property
+    def total_dataset_length(self) -> int:
+        """The length of the whole dataset (of the wrapped one for an `IterableDatasetShard`)."""
+        return getattr(self.dataset, "total_length", None) or len(self.dataset)
+
+
+class DataLoaderShard(_PreparedLoader):
+    """A `DataLoader` whose sampler or dataset is sharded, with device placement and RNG synchronization.
+
+    At each `iter()`: synchronizes `rng_types` from process 0, calls `set_epoch(self.iteration)`, then yields the
+    batches on `device`, reading one batch ahead to know which one is last; `iteration` counts finished epochs.
+
+    Args:
+        dataset: The (possibly `IterableDatasetShard`-wrapped) dataset.
+        device: Where to put the batches (None: leave them where collate put them).
+        rng_types: Generators to synchronize at the start of each epoch ("torch", "cuda", "generator").
+        synchronized_generator: The generator "generator" refers to (the sampler's or the dataset's).
+        skip_batches: Batches to skip at the start of each epoch (for an iterable dataset).
+        _drop_last: The original loader's `drop_last`.
+        _non_blocking: Copy to `device` with `non_blocking=True`.
+        iteration: The epoch to start at.
+        **kwargs: `torch.utils.data.DataLoader` arguments.
+    """
+
+    def __init__(self, dataset, device=None, rng_types=None, synchronized_generator=None, skip_batches: int = 0,
+                 _drop_last: bool = False, _non_blocking: bool = False, iteration: int = 0, **kwargs):
+        super().__init__(dataset, _drop_last=_drop_last, _non_blocking=_non_blocking, skip_batches=skip_batches,
+                         iteration=iteration, **kwargs)
+        self.device = device
+        self.rng_types = rng_types
+        self.synchronized_generator = synchronized_generator
+
+    def __iter__(self):
+        if self.rng_types:
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        self.begin()
+        try:
+            self.set_epoch(self.iteration)
+            self.remainder, self._last_global_rows = self._last_step()
+            yield from self._read_ahead(super().__iter__())
+            self.iteration += 1
+        finally:
+            self.end()
+
+    def _read_ahead(self, batches: Iterator) -> Iterator:
+        done = object()
+        current = next(batches, done)
+        index = 0
+        while current is not done:
+            # Placed before reading the next batch, so a non_blocking copy overlaps with the read.
+            current = pytree.to_device(current, self.device, self._non_blocking)
+            following = next(batches, done)
+            self.end_of_dataloader = following is done
+            if index >= self.skip_batches:
+                yield current
+            index += 1
+            current = following
+
+    def __len__(self) -> int:
+        return max(0, self._base_len() - self.skip_batches)
+
+    def _last_step(self) -> tuple[int, int | None]:
+        """(remainder, gathered rows) of this process's last step, from the lengths alone; -1 if unknown."""
+        try:
+            return self._last_step_from_lengths()
+        except TypeError:  # a dataset or sampler without a length
+            return -1, None
+
+    def _last_step_from_lengths(self) -> tuple[int, int | None]:
+        if isinstance(self.dataset, IterableDatasetShard):
+            return self._last_iterable_step(len(self.dataset.dataset), self.dataset.global_batch_size, True)
+        if isinstance(self.dataset, IterableDataset):
+            return self._last_iterable_step(len(self.dataset), self.batch_size, False)
+        sampler = self._index_batch_sampler()
+        while isinstance(sampler, SkipBatchSampler):
+            sampler = sampler.batch_sampler
+        if isinstance(sampler, BatchSamplerShard):
+            split, processes = sampler.split_batches, sampler.num_processes
+            batch = None if sampler.batch_size is None else sampler.batch_size * (1 if split else processes)
+            evened = sampler.even_batches or sampler.drop_last
+            return _last_step_sizes(sampler_num_samples(sampler.batch_sampler), batch, len(sampler), evened)
+        batch = getattr(sampler, "batch_size", None)
+        return _last_step_sizes(sampler_num_samples(sampler), batch, len(sampler), False)
+
+    def _last_iterable_step(self, samples: int, batch: int | None, evened: bool) -> tuple[int, int | None]:
+        if batch is None:
+            return -1, None
+        steps = samples // batch if self._drop_last else math.ceil(samples / batch)
+        return _last_step_sizes(samples, batch, steps, evened)
+
+    @property
+    def total_batch_size(self) -> int:
+        """The samples of one step across all processes."""
+        sampler = self._index_batch_sampler()
+        if isinstance(self.dataset, IterableDatasetShard):
+            return self.dataset.global_batch_size
+        if sampler is None:
+            return self.batch_size
+        processes = 1 if getattr(sampler, "split_batches", False) else getattr(sampler, "num_processes", 1)
+        return sampler.batch_size * processes
+
+    def set_sampler(self, sampler) -> None:
+        """Replaces the sampler of indices under the batch sampler."""
+        target = self._index_batch_sampler()
+        while isinstance(target, (BatchSamplerShard, SkipBatchSampler)):
+            target = target.batch_sampler
+        target.sampler = sampler
+
+
+# --- DataLoaderDispatcher -----------------------------------------------------------------------------------------
+
+
+def _comm_device() -> torch.device:
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _with_last_flag(items: Iterator) -> Iterator[tuple[Any, bool]]:
+    """(item, is_last) for each item, reading one ahead."""
+    done = object()
+    current = next(items, done)
+    while current is not done:
+        following = next(items, done)
+        yield current, following is done
+        current = following
+
+
+class _GlobalBatch:
+    """One global batch as every process sees it after the broadcast."""
+
+    def __init__(self, data: Any, rows: int, last: bool):
+        self.data, self.rows, self.last = data, rows, last
+
+
+class DataLoaderDispatcher(_PreparedLoader):
+    """A `DataLoader` that only process 0 reads; each global batch is broadcast and every process keeps its slice.
+
+    A global batch is one batch of the wrapped loader with `split_batches`, else `num_processes` consecutive
+    batches joined. Process `r` keeps rows `[r*s, (r+1)*s)` with `s = rows / num_processes`. When the rows do
+    not divide evenly, the slices differ by at most one row, except on the last global batch with
+    `even_batches` (the default), which is completed by repeating its own first rows so that every process gets
+    `ceil(rows / num_processes)` rows (HF Accelerate repeats the epoch's first rows; repeating the last batch's
+    makes a resumed epoch, see `skip_first_batches`, yield exactly the same batches); without `even_batches`
+    a process whose slice of the last batch is empty gets one batch fewer. The batch travels as one byte buffer
+    (one object broadcast for its structure, one tensor broadcast for its data).
+
+    Args:
+        dataset: The dataset (not sharded: process 0 reads all of it).
+        split_batches: Split each batch of the wrapped loader instead of joining `num_processes` of them.
+        skip_batches: Global batches to skip at the start of each epoch.
+        even_batches: Complete the last global batch so that every process gets the same number of rows.
+        device: Where the slices go (default: this process's device).
+        slice_fn: `slice_fn(batch, slice, process_index=, num_processes=)` cuts a process's rows
+            (default: `slice_tensors`).
+        _drop_last: The original loader's `drop_last` (a last incomplete group of batches is dropped).
+        _non_blocking: Copy to `device` with `non_blocking=True`.
+        iteration: The epoch to start at.
+        **kwargs: `torch.utils.data.DataLoader` arguments.
+    """
+
+    def __init__(self, dataset, split_batches: bool = False, skip_batches: int = 0, even_batches: bool = True,
+                 device=None, slice_fn: Callable | None = None, _drop_last: bool = False,
+                 _non_blocking: bool = False, iteration: int = 0, **kwargs):
+        super().__init__(dataset, _drop_last=_drop_last, _non_blocking=_non_blocking, skip_batches=skip_batches,
+                         iteration=iteration, **kwargs)
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.device = device if device is not None else PartialState().device
+        self.slice_fn = slice_fn if slice_fn is not None else pytree.slice_tensors
+
+    @property
+    def state(self) -> PartialState:
+        """The `PartialState` singleton."""
+        return PartialState()
+
+    def __iter__(self):
+        self.begin()
+        try:
+            self.set_epoch(self.iteration)
+            source = None
+            if self.state.process_index == 0:
+                source = self._global_batches()
+            elif isinstance(self.dataset, IterDataPipe):
+                DataLoader.__iter__(self)  # its iterator agrees on a shared seed with a collective on every rank
+            yield from self._dispatch(source)
+            self.iteration += 1
+        finally:
+            self.end()
+
+    def _global_batches(self) -> Iterator[tuple[Any, bool]]:
+        """On process 0: (global batch, is_last) pairs."""
+        loaded = super().__iter__()
+        if self.split_batches:
+            return _with_last_flag(loaded)
+        processes = self.state.num_processes
+        groups = iter(lambda: list(itertools.islice(loaded, processes)), [])
+        if self._drop_last:
+            groups = itertools.takewhile(lambda group: len(group) == processes, groups)
+        return _with_last_flag(map(self._join, groups))
+
+    @staticmethod
+    def _join(group: list) -> Any:
+        try:
+            return pytree.concatenate(group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "dispatch_batches=True joins num_processes batches into one, which needs batches whose tensors "
+                "have the same shape apart from dim 0. Pad them to a common shape in collate_fn, use "
+                "split_batches=True (the main process splits each batch), or dispatch_batches=False."
+            ) from error
+
+    def _dispatch(self, source) -> Iterator:
+        current = self._receive(source)
+        index = 0
+        while current is not None:
+            following = None if current.last else self._receive(source)
+            part = self._part(current)
+            if following is None or self._part_bounds(following)[1] is None:
+                self.end_of_dataloader = True
+                self.remainder = current.rows
+                self._last_global_rows = self._gathered_rows(current)
+            if part is not None and index >= self.skip_batches:
+                yield pytree.to_device(part, self.device, self._non_blocking)
+            index += 1
+            current = following
+
+    def _receive(self, source) -> _GlobalBatch | None:
+        """The next global batch on every process (None when the loader is exhausted): a collective."""
+        message = [None]
+        buffer = None
+        if source is not None:
+            item = next(source, None)
+            if item is not None:
+                structure, buffer = pytree.pack(item[0])
+                message = [(structure, buffer.numel(), pytree.find_batch_size(item[0]), item[1])]
+        if multi_process():
+            dist.broadcast_object_list(message, src=0, device=_comm_device())
+        if message[0] is None:
+            return None
+        structure, nbytes, rows, last = message[0]
+        if multi_process():
+            device = _comm_device()
+            buffer = buffer.to(device) if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if nbytes:
+                dist.broadcast(buffer, 0)
+        return _GlobalBatch(pytree.unpack(structure, buffer), rows, last)
+
+    def _evened(self, batch: _GlobalBatch) -> bool:
+        return batch.last and self.even_batches and batch.rows % self.state.num_processes != 0
+
+    def _gathered_rows(self, batch: _GlobalBatch) -> int:
+        processes = self.state.num_processes
+        return math.ceil(batch.rows / processes) * processes if self._evened(batch) else batch.rows
+
+    def _part_bounds(self, batch: _GlobalBatch) -> tuple[int, int | None]:
+        """[start, end) of this process's rows; end is None when it gets nothing from the last batch."""
+        processes, rank = self.state.num_processes, self.state.process_index
+        if self._evened(batch):
+            size = math.ceil(batch.rows / processes)
+            return rank * size, (rank + 1) * size
+        size, extra = divmod(batch.rows, processes)
+        start = rank * size + min(rank, extra)
+        end = start + size + (1 if rank < extra else 0)
+        return start, None if batch.last and end == start and batch.rows > 0 else end
+
+    def _part(self, batch: _GlobalBatch) -> Any:
+        start, end = self._part_bounds(batch)
+        if end is None:
+            return None
+        data = batch.data
+        if self._evened(batch):
+            padding = self._gathered_rows(batch) - batch.rows
+            data = pytree.concatenate([data, pytree.take_rows(data, padding)])
+        return self.slice_fn(data, slice(start, end), process_index=self.state.process_index,
+                             num_processes=self.state.num_processes)
+
+    def __len__(self) -> int:
+        processes, rank = self.state.num_processes, self.state.process_index
+        per_step = 1 if self.split_batches else processes
+        sampler, skipped = self._index_batch_sampler(), 0
+        while isinstance(sampler, SkipBatchSampler):  # count the epoch's steps, then take the skipped ones off
+            skipped, sampler = skipped + sampler.skip_batches, sampler.batch_sampler
+        whole = self._base_len() if sampler is None else len(sampler)
+        steps = whole // per_step if self._drop_last else math.ceil(whole / per_step)
+        if not self.even_batches and steps > 0:
+            batch = self._base_batch_size()
+            last = _last_step_sizes(self._sample_count(), batch * per_step if batch else None, steps, False)[0]
+            steps -= 1 if 0 <= last < processes and rank >= last else 0
+        return max(0, steps - skipped // per_step - self.skip_batches)
+
+    def _base_batch_size(self) -> int | None:
+        sampler = self._index_batch_sampler()
+        return self.batch_size if sampler is None else getattr(sampler, "batch_size", None)
+
+    def _sample_count(self) -> int | None:
+        sampler = self._index_batch_sampler()
+        if sampler is not None:
+            return sampler_num_samples(sampler)
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    @property
+    def total_batch_size(self) -> int:
+        """The samples of one step across all processes."""
+        return self._base_batch_size() * (1 if self.split_batches else self.state.num_processes)
+
+    def set_sampler(self, sampler) -> None:
+        """Replaces the sampler of indices under the batch sampler."""
+        target = self._index_batch_sampler()
+        while isinstance(target, SkipBatchSampler):
+            target = target.batch_sampler
+        target.sampler = sampler
+
+
+# --- prepare_data_loader ------------------------------------------------------------------------------------------
+
+
+def get_sampler(dataloader: DataLoader):
+    """The sampler of indices of `dataloader` (under its batch sampler), or None."""
+    if isinstance(dataloader.sampler, BatchSampler):
+        return getattr(dataloader.sampler, "sampler", None)
+    return getattr(dataloader.batch_sampler, "sampler", None)
+
+
+def _with_sampler(batch_sampler, sampler):
+    """A copy of `batch_sampler` drawing from `sampler` (the user's batch sampler is left as it is)."""
+    if type(batch_sampler) is BatchSampler:
+        return BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+    replaced = copy.copy(batch_sampler)
+    replaced.sampler = sampler
+    return replaced
+
+
+def _shared_seed(data_seed: int | None) -> int:
+    """`data_seed`, else process 0's `torch.initial_seed()` on every process (so all shuffle alike)."""
+    if data_seed is not None:
+        return data_seed
+    seed = [torch.initial_seed()]
+    if multi_process():
+        dist.broadcast_object_list(seed, src=0, device=_comm_device())
+    return seed[0]
+
+
+def _seedable(sampler: RandomSampler, data_seed: int | None) -> SeedableRandomSampler:
+    return SeedableRandomSampler(
+        data_source=sampler.data_source,
+        replacement=sampler.replacement,
+        num_samples=sampler._num_samples,
+        generator=sampler.generator,
+        data_seed=_shared_seed(data_seed),
+    )
+
+
+def _synchronized_generator(sampler) -> torch.Generator | None:
+    """The sampler's generator, given one seeded from the global torch RNG when it has none (as HF does)."""
+    if not hasattr(sampler, "generator"):
+        return None
+    if sampler.generator is None:
+        sampler.generator = torch.Generator()
+        sampler.generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    return sampler.generator
+
+
+def _check_split_batches(dataloader: DataLoader, num_processes: int) -> None:
+    batch_size = dataloader.batch_size
+    if batch_size is None:
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+    if batch_size is None:
+        raise ValueError(
+            "split_batches=True needs a `batch_size` attribute on the dataloader or its batch_sampler; both are "
+            f"None (batch_sampler is a {type(dataloader.batch_sampler).__name__})."
+        )
+    if num_processes > 1 and batch_size % num_processes != 0:
+        raise ValueError(
+            f"To use a `DataLoader` in `split_batches` mode, the batch size ({batch_size}) needs to be a round "
+            f"multiple of the number of processes ({num_processes})."
+        )
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: torch.device | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: list | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Callable | None = None,
+    use_seedable_sampler: bool = False,
+    data_seed: int | None = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    torch_device_mesh=None,
+) -> DataLoader:
+    """Wraps `dataloader` so that this process gets its share of every batch (HF Accelerate's semantics).
+
+    The user's dataloader and its samplers are not modified, except that a `RandomSampler` without a
+    generator gets one (seeded from the torch RNG), which `rng_types=["generator"]` then keeps identical
+    across processes.
+
+    Args:
+        dataloader: The loader to shard.
+        device: Where to put the batches (with `put_on_device`; the dispatcher defaults to this process's device).
+        num_processes: The number of processes (default: `PartialState().num_processes`).
+        process_index: This process's index (default: `PartialState().process_index`).
+        split_batches: Split each batch across the processes (the batch size must be a multiple of
+            `num_processes`) instead of giving each process whole batches.
+        put_on_device: Move the batches to `device`.
+        rng_types: Generators to synchronize at each epoch start: "torch", "cuda", "generator".
+        dispatch_batches: Process 0 reads and broadcasts (default: True for an `IterableDataset` when
+            `put_on_device`, else False). Needs `put_on_device`.
+        even_batches: Complete the last batches with samples from the start so all processes get the same number.
+        slice_fn_for_dispatch: How the dispatcher cuts each process's rows (default: `slice_tensors`).
+        use_seedable_sampler: Replace a `RandomSampler` with a `SeedableRandomSampler` (same order on every
+            process and epoch-reproducible; pair with `set_epoch`).
+        non_blocking: Copy batches to the device with `non_blocking=True` (useful with `pin_memory`).
+        data_seed: The seed of the `SeedableRandomSampler` (default: process 0's `torch.initial_seed()`).
+        use_stateful_dataloader: torchdata's `StatefulDataLoader` is not supported yet (True raises).
+        torch_device_mesh: Device meshes (tensor parallelism) are not supported yet (a mesh raises).
+
+    Returns:
+        A `DataLoaderShard` or a `DataLoaderDispatcher`.
+
+    Example:
+        ```python
+        loader = DataLoader(range(8), batch_size=2)
+        prepared = prepare_data_loader(loader, num_processes=2, process_index=0)
+        list(prepared)  # rank 0: [tensor([0, 1]), tensor([4, 5])]   rank 1: [tensor([2, 3]), tensor([6, 7])]
+        ```
+    """
+    if use_stateful_dataloader or torch_device_mesh is not None:
+        raise NotImplementedError("accel does not support use_stateful_dataloader or torch_device_mesh yet.")
+    if dispatch_batches is None:
+        dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
+        raise ValueError("Using `dispatch_batches=True` requires `put_on_device=True`.")
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else num_processes
+    process_index = state.process_index if process_index is None else process_index
+    if split_batches:
+        _check_split_batches(dataloader, num_processes)
+    rng_types = list(rng_types) if rng_types is not None else None
+    dataset = dataloader.dataset
+    batch_sampler = None if isinstance(dataset, IterableDataset) else (
+        dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler)
+    sampler = get_sampler(dataloader)
+    if batch_sampler is not None and use_seedable_sampler and isinstance(sampler, RandomSampler):
+        sampler = _seedable(sampler, data_seed)
+        batch_sampler = _with_sampler(batch_sampler, sampler)
+    kwargs = _copied_kwargs(dataloader)
+    if dispatch_batches:
+        return _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn_for_dispatch,
+                           non_blocking, kwargs)
+    dataset, batch_sampler, synchronized_generator = _shard(dataset, batch_sampler, sampler, dataloader,
+                                                            num_processes, process_index, split_batches,
+                                                            even_batches)
+    if rng_types is not None and synchronized_generator is None and "generator" in rng_types:
+        rng_types.remove("generator")
+    common = dict(device=device if put_on_device else None, rng_types=rng_types,
+                  synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
+                  _non_blocking=non_blocking, **kwargs)
+    if batch_sampler is None:
+        batch_size = dataloader.batch_size
+        if split_batches and num_processes > 1:
+            batch_size //= num_processes
+        return DataLoaderShard(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
+    if isinstance(dataloader.sampler, BatchSampler):
+        return DataLoaderShard(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common)
+    return DataLoaderShard(dataset, batch_sampler=batch_sampler, **common)
+
+
+def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_index, split_batches, even_batches):
+    """(dataset, batch sampler, generator to keep synchronized) of this process."""
+    if num_processes == 1:
+        return dataset, batch_sampler, None
+    if isinstance(dataset, IterableDataset):
+        shard = IterableDatasetShard(dataset, dataloader.batch_size, dataloader.drop_last, num_processes,
+                                     process_index, split_batches)
+        return shard, None, getattr(dataset, "generator", None)
+    generator = None if isinstance(sampler, SeedableRandomSampler) else _synchronized_generator(sampler)
+    shard = BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches, even_batches)
+    return dataset, shard, generator
+
+
+def _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn, non_blocking, kwargs):
+    common = dict(split_batches=split_batches, even_batches=even_batches, device=device, slice_fn=slice_fn,
+                  _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
+    if batch_sampler is None:
+        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
+                                    drop_last=dataloader.drop_last, **common)
+    return DataLoaderDispatcher(dataloader.dataset, batch_sampler=batch_sampler, **common)
+
+
+# --- skip_first_batches -------------------------------------------------------------------------------------------
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A copy of `dataloader` whose epochs start after their first `num_batches` batches (to resume mid-epoch).
+
+    `num_batches` counts the batches this process saw (global batches for a `DataLoaderDispatcher`). A prepared
+    loader keeps its settings (device, RNG synchronization, epoch, even_batches); its RNG state is not changed,
+    so restore it (`load_state`) or use a seedable sampler with `set_epoch` to get the same order as before.
+
+    Example:
+        ```python
+        for step, batch in enumerate(loader):
+            if step == 3:
+                break  # saw batches 0, 1, 2, 3
+        resumed = skip_first_batches(loader, 4)  # yields batch 4 onwards of the same epoch order
+        ```
+    """
+    if isinstance(dataloader, DataLoaderDispatcher):
+        return _skipped_dispatcher(dataloader, num_batches)
+    kwargs = _copied_kwargs(dataloader)
+    if isinstance(dataloader, DataLoaderShard):
+        kwargs.update(device=dataloader.device, rng_types=dataloader.rng_types,
+                      synchronized_generator=dataloader.synchronized_generator, _drop_last=dataloader._drop_last,
+                      _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+    else:
+        kwargs.update(_drop_last=dataloader.drop_last)
+    if isinstance(dataloader.dataset, IterableDataset):
+        return DataLoaderShard(dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
+                               skip_batches=num_batches, **kwargs)
+    if isinstance(dataloader.sampler, BatchSampler):
+        skipped = SkipBatchSampler(dataloader.sampler, num_batches)
+        kwargs.update(sampler=skipped, batch_size=dataloader.batch_size)
+    else:
+        kwargs.update(batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches))
+    if isinstance(dataloader, DataLoaderShard):
+        return DataLoaderShard(dataloader.dataset, **kwargs)
+    kwargs.pop("_drop_last")
+    return DataLoader(dataloader.dataset, **kwargs)
+
+
+def _skipped_dispatcher(dataloader: DataLoaderDispatcher, num_batches: int) -> DataLoaderDispatcher:
+    kwargs = _copied_kwargs(dataloader)
+    kwargs.update(split_batches=dataloader.split_batches, even_batches=dataloader.even_batches,
+                  device=dataloader.device, slice_fn=dataloader.slice_fn, _drop_last=dataloader._drop_last,
+                  _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+    sampler = dataloader._index_batch_sampler()
+    if sampler is None:
+        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
+                                    drop_last=dataloader.drop_last, skip_batches=num_batches, **kwargs)
+    # A global batch joins num_processes batches of the wrapped sampler unless they are split.
+    per_step = 1 if dataloader.split_batches else dataloader.state.num_processes
+    skipped = SkipBatchSampler(sampler, num_batches * per_step)
+    if isinstance(dataloader.sampler, BatchSampler):
+        return DataLoaderDispatcher(dataloader.dataset, sampler=skipped, batch_size=dataloader.batch_size, **kwargs)
+    return DataLoaderDispatcher(dataloader.dataset, batch_sampler=skipped, **kwargs)
+
+
+# --- gather_for_metrics -------------------------------------------------------------------------------------------
+
+
+def gather_for_metrics_truncation(gathered: Any, gradient_state: GradientState | None = None,
+                                  use_gather_object: bool = False) -> Any:
+    """Drops the copies that evened-out last batches added to data already gathered across processes.
+
+    Contract: `gathered` is what `gather` (or `gather_object`) returned for per-sample data of the current
+    batch of the active prepared dataloader: every leaf's dim 0 is the processes' batches concatenated in rank
+    order. Outside the last batch this returns `gathered` unchanged. At the last batch
+    (`gradient_state.end_of_dataloader`), each tensor leaf whose dim 0 has the length the gathered batch has
+    at that step is cut to its first `gradient_state.remainder` rows (the real samples; the copies always come
+    after them); other leaves (a gathered per-process loss, non-tensors) are returned unchanged, and so is
+    everything when the remainder is unknown (-1: an iterable dataset without a length). Sharding never
+    reorders samples, so over a full pass the results are every sample exactly once, in order.
+
+    Args:
+        gathered: A tensor or a pytree (dict, list, tuple, named tuple) of tensors; with `use_gather_object`,
+            the list of per-sample objects `gather_object` returned.
+        gradient_state: The state to read (default: the `GradientState` singleton).
+        use_gather_object: `gathered` is a flat list of per-sample objects: cut the list itself.
+
+    Example:
+        ```python
+        # 7 samples, batch_size=2, 2 processes: the last step gathers [4, 5, 6, 0]
+        for batch in prepared_loader:
+            preds = gather_for_metrics_truncation(gather(model(batch)))  # last step: [4, 5, 6]
+        ```
+    """
+    state = gradient_state if gradient_state is not None else GradientState()
+    if not state.end_of_dataloader or state.remainder < 0:
+        return gathered
+    remainder = state.remainder
+    rows = getattr(state.active_dataloader, "_last_global_rows", None)
+
+    def cut(values):
+        if rows is not None and len(values) != rows:
+            return values
+        return values[:remainder]
+
+    if use_gather_object:
+        return cut(gathered)
+    return pytree.map_tensors(lambda tensor: cut(tensor) if tensor.dim() > 0 else tensor, gathered)
