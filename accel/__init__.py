@@ -13,6 +13,7 @@ _PUBLIC = {
     "DistributedType": "accel.state",
     "GradientState": "accel.state",
     "PartialState": "accel.state",
+    "skip_first_batches": "accel.data",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

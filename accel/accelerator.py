@@ -295,9 +295,22 @@ class Accelerator:
         so an evaluation pass sees each sample exactly once."""
         from accel.data import gather_for_metrics_truncation
 
-        all_tensors = _all_tensors(input_data)
-        gathered = collectives.gather_object(input_data) if use_gather_object or not all_tensors else collectives.gather(input_data)
-        return gather_for_metrics_truncation(gathered, self.gradient_state)
+        as_objects = use_gather_object or not _all_tensors(input_data)
+        if as_objects:
+            gathered = collectives.gather_object(input_data)
+        elif self.even_batches or not self.use_distributed:
+            gathered = collectives.gather(input_data)
+        else:
+            gathered = self._gather_uneven(input_data)
+        return gather_for_metrics_truncation(gathered, self.gradient_state, use_gather_object=as_objects)
+
+    def _gather_uneven(self, data: Any) -> Any:
+        """Gather for ranks whose last batches differ in length (even_batches=False): per-rank pytrees,
+        concatenated. Slower than gather (pickled); the native padded all-gather will replace it."""
+        from accel.collectives.transport import select_transport
+
+        per_rank = select_transport([]).all_gather_object(collectives.send_to_device(data, "cpu"))
+        return collectives.send_to_device(collectives.concatenate(per_rank), self.device)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction=reduction, scale=scale)

@@ -623,9 +623,11 @@ class GradientState:
     Attributes:
         sync_gradients: Whether this step synchronizes (and applies) the accumulated gradients.
         end_of_dataloader: Whether the active dataloader yielded its last batch.
-        remainder: Samples the active dataloader added by padding its last batch (-1 outside a dataloader).
+        remainder: The number of real samples in the global batch of the active dataloader's last step (-1 when
+            unknown or outside a dataloader); gather_for_metrics keeps that many gathered rows.
         num_steps: Steps to accumulate over (plugin `num_steps`, default 1).
-        adjust_scheduler: Whether the scheduler steps are adjusted for accumulation (default False).
+        adjust_scheduler: Whether the scheduler steps are adjusted for accumulation (False without a plugin; the
+            Accelerator's plugin defaults it to True).
         sync_with_dataloader: Whether the end of a dataloader forces a sync (default True).
         active_dataloader: The innermost dataloader being iterated, or None.
         dataloader_references: The dataloaders being iterated, outermost first (weak references; None first).
@@ -700,7 +702,7 @@ class GradientState:
         return (
             f"Sync Gradients: {self.sync_gradients}\n"
             f"At end of current dataloader: {self.end_of_dataloader}\n"
-            f"Extra samples added: {self.remainder}\n"
+            f"Samples in the last global batch: {self.remainder}\n"
             f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
         )
 

@@ -1,22 +1,22 @@
-"""A small real training run: an MLP learns a fixed random "teacher" network from noisy samples.
+"""A small real training run, written for HF Accelerate: only the import line names accel.
 
-Run it on 2 CPU processes with:  accel launch --cpu --num_processes 2 examples/train.py
-Each rank trains on its shard of every batch (DistributedSampler), gradients are averaged by DDP, and the
-main process prints the mean loss over all ranks per epoch. It also runs as `python examples/train.py`.
+An MLP learns a fixed random "teacher" network from noisy samples, with gradient accumulation, a learning
+rate schedule and an evaluation pass whose metric sees every sample exactly once (gather_for_metrics).
+
+    accel launch --cpu --num_processes 2 examples/train.py
+    python examples/train.py                           # one process
+    accelerate launch --cpu examples/train.py          # HF Accelerate, after changing the import back
 """
-
-from __future__ import annotations
 
 import argparse
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-from accel.state import PartialState
+from accel import Accelerator  # the only difference from HF Accelerate: `from accelerate import Accelerator`
 
 
-def make_dataset(samples: int, features: int, seed: int = 0) -> TensorDataset:
+def make_dataset(samples, features, seed):
     generator = torch.Generator().manual_seed(seed)
     teacher = torch.nn.Sequential(torch.nn.Linear(features, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     with torch.no_grad():
@@ -27,57 +27,55 @@ def make_dataset(samples: int, features: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(inputs, targets)
 
 
-def make_model(features: int) -> torch.nn.Module:
-    torch.manual_seed(1)  # every rank starts from the same weights
-    return torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+def evaluate(accelerator, model, loader):
+    model.eval()
+    squared_error, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in loader:
+            predictions, targets = accelerator.gather_for_metrics((model(inputs), targets))
+            squared_error += torch.nn.functional.mse_loss(predictions, targets, reduction="sum").item()
+            count += len(targets)
+    return squared_error / count, count
 
 
-def mean_over_ranks(state: PartialState, value: float) -> float:
-    if not state.use_distributed:
-        return value
-    total = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item() / state.num_processes
-
-
-def train_epoch(model, loader, optimizer, device) -> float:
-    model.train()
-    losses = []
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device), targets.to(device)
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return sum(losses) / len(losses)
-
-
-def main() -> None:
+def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch_size", type=int, default=64, help="global batch size, split over the ranks")
+    parser.add_argument("--batch_size", type=int, default=32, help="per process")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4096)
     args = parser.parse_args()
 
-    state = PartialState()
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    torch.manual_seed(1)  # every process builds the same initial weights
     features = 16
-    dataset = make_dataset(args.samples, features)
-    sampler = DistributedSampler(dataset, state.num_processes, state.process_index, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=args.batch_size // state.num_processes, sampler=sampler)
-    model = make_model(features).to(state.device)
-    if state.use_distributed:
-        device_ids = [state.device.index] if state.device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    train_loader = DataLoader(make_dataset(args.samples, features, seed=0), batch_size=args.batch_size, shuffle=True)
+    eval_loader = DataLoader(make_dataset(1001, features, seed=0), batch_size=args.batch_size)  # 1001: uneven on purpose
+    model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(train_loader))
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler
+    )
 
-    state.print(f"training on {state.num_processes} process(es) ({state.distributed_type}), {len(dataset)} samples")
+    accelerator.print(f"training on {accelerator.num_processes} process(es) ({accelerator.distributed_type}), "
+                      f"{len(train_loader.dataset)} samples")  # fmt: skip
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        loss = mean_over_ranks(state, train_epoch(model, loader, optimizer, state.device))
-        state.print(f"epoch {epoch}: loss {loss:.4f}")
-    state.wait_for_everyone()
-    state.destroy_process_group()
+        model.train()
+        total, batches = 0.0, 0
+        for inputs, targets in train_loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            total, batches = total + loss.item(), batches + 1
+        train_loss = accelerator.reduce(torch.tensor(total / batches, device=accelerator.device), "mean").item()
+        eval_mse, seen = evaluate(accelerator, model, eval_loader)
+        accelerator.print(f"epoch {epoch}: loss {train_loss:.4f}, eval mse {eval_mse:.4f} over {seen} samples")
+    accelerator.print(f"final loss {train_loss:.4f}")
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

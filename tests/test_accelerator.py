@@ -143,3 +143,37 @@ def _trigger(rank_that_fires):
 
 def test_a_trigger_set_on_one_rank_is_seen_on_all_once():
     assert run_on_ranks(_trigger, 2, 1) == [(True, False), (True, False)]
+
+
+def _eval_pass(length, batch_size, even_batches, dispatch_batches):
+    from accel.settings import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(even_batches=even_batches, dispatch_batches=dispatch_batches)
+    accelerator = Accelerator(dataloader_config=config)
+    dataset = torch.utils.data.TensorDataset(torch.arange(length), torch.arange(length).float() * 2)
+    loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, batch_size=batch_size))
+    seen, doubled = [], []
+    for index, value in loader:
+        index, value = accelerator.gather_for_metrics((index, value))
+        seen += index.tolist()
+        doubled += value.tolist()
+    labels = accelerator.gather_for_metrics([f"sample {i}" for i in range(2)], use_gather_object=True)
+    return seen, doubled, len(labels)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gather_for_metrics_sees_every_sample_once_through_the_accelerator(world_size):
+    for even_batches in (True, False):
+        for dispatch_batches in (False, True):
+            results = run_on_ranks(_eval_pass, world_size, 7, 2, even_batches, dispatch_batches)
+            for seen, doubled, labels in results:
+                assert seen == list(range(7)), (even_batches, dispatch_batches)
+                assert doubled == [2.0 * i for i in range(7)]
+                assert labels == 2 * world_size
+
+
+def test_skip_first_batches_through_the_accelerator():
+    accelerator = Accelerator()
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(10), batch_size=3))
+    skipped = accelerator.skip_first_batches(loader, num_batches=2)
+    assert [batch.tolist() for batch in skipped] == [[6, 7, 8], [9]]

@@ -41,6 +41,11 @@ _PUBLIC = {
     "ProjectConfiguration": "accel.settings",
     "TorchDynamoPlugin": "accel.settings",
     "get_logger": "accel.logging",
+    "RNGType": "accel.data",
+    "set_seed": "accel.data",
+    "skip_first_batches": "accel.data",
+    "synchronize_rng_state": "accel.data",
+    "synchronize_rng_states": "accel.data",
 }
 __all__ = list(_PUBLIC)
 
