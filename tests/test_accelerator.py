@@ -177,3 +177,62 @@ def test_skip_first_batches_through_the_accelerator():
     loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(10), batch_size=3))
     skipped = accelerator.skip_first_batches(loader, num_batches=2)
     assert [batch.tolist() for batch in skipped] == [[6, 7, 8], [9]]
+
+
+def test_clip_grad_norm_and_value_clip_like_torch():
+    accelerator = Accelerator()
+    model = accelerator.prepare(make_model())
+    inputs, targets = global_batches(count=1)
+    accelerator.backward(torch.nn.functional.mse_loss(model(inputs[0]) * 100, targets[0]))
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    torch.testing.assert_close(clipped, torch.tensor(0.5), atol=1e-5, rtol=0)
+    accelerator.clip_grad_value_(model.parameters(), 0.01)
+    assert max(p.grad.abs().max() for p in model.parameters()) <= 0.01
+
+
+def test_dynamo_plugin_compiles_prepared_models(monkeypatch):
+    from accel.settings import TorchDynamoPlugin
+
+    accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True))
+    model = make_model()
+    compiled = accelerator.prepare(model)
+    assert hasattr(compiled, "_orig_mod") and accelerator.unwrap_model(compiled) is model
+    inputs, _ = global_batches(count=1)
+    torch.testing.assert_close(compiled(inputs[0]), model(inputs[0]))
+
+
+def test_dynamo_settings_come_from_the_launcher_env(monkeypatch):
+    from accel.settings import TorchDynamoPlugin
+
+    monkeypatch.setenv("ACCEL_DYNAMO_BACKEND", "EAGER")
+    monkeypatch.setenv("ACCEL_DYNAMO_MODE", "reduce-overhead")
+    monkeypatch.setenv("ACCEL_DYNAMO_USE_FULLGRAPH", "true")
+    plugin = TorchDynamoPlugin()
+    assert plugin.enabled and plugin.compile_kwargs() == {"backend": "eager", "fullgraph": True, "dynamic": None,
+                                                          "mode": "reduce-overhead"}  # fmt: skip
+
+
+def test_get_logger_logs_on_the_main_process(caplog):
+    from accel.logging import get_logger
+
+    accelerator = Accelerator()
+    logger = get_logger("accel.test", log_level="INFO")
+    with caplog.at_level("INFO", logger="accel.test"):
+        logger.info("only once", main_process_only=True)
+        logger.info("from every process", main_process_only=False)
+    assert [r.message for r in caplog.records] == ["only once", "from every process"]
+    assert accelerator.is_main_process
+
+
+def test_save_writes_on_the_main_process(tmp_path):
+    from safetensors.torch import load_file
+
+    accelerator = Accelerator()
+    state = {"weight": torch.arange(6.0).view(2, 3)}
+    accelerator.save(state, tmp_path / "model.safetensors", safe_serialization=True)
+    accelerator.save(state, tmp_path / "model.bin")
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["weight"], state["weight"])
+    assert torch.equal(torch.load(tmp_path / "model.bin", weights_only=True)["weight"], state["weight"])
