@@ -67,9 +67,12 @@ def _do_nothing(*args, **kwargs) -> None:
 # --- Resolving the environment once ------------------------------------------------------------------------------
 
 
-def _launched_distributed() -> bool:
-    """Whether a launcher (torchrun, `accel launch`) started this process as one of a group."""
-    return int(os.environ.get("LOCAL_RANK", -1)) != -1 or int(os.environ.get("WORLD_SIZE", 1)) > 1
+def _launched_distributed(use_cuda: bool) -> bool:
+    """HF Accelerate's rule: several processes, or, on CUDA, any process a launcher started (MULTI_GPU even
+    alone). One CPU process is `NO`: a process group of one would only add DDP overhead."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return True
+    return use_cuda and int(os.environ.get("LOCAL_RANK", -1)) != -1
 
 
 def _wants_cuda(cpu: bool) -> bool:
@@ -273,7 +276,7 @@ class PartialState:
         backend = kwargs.pop("backend", None) or ("nccl" if use_cuda else "gloo")
         timeout = _requested_timeout(kwargs.pop("timeout", None))
         debug = get_flag("DEBUG_MODE")
-        if not dist.is_initialized() and _launched_distributed():
+        if not dist.is_initialized() and _launched_distributed(use_cuda):
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
             _start_process_group(backend, timeout, _device(True, use_cuda, local_rank), kwargs)
         if dist.is_initialized():

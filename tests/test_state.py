@@ -397,7 +397,7 @@ def _describe():
     }
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w > 1])
 def test_launched_cpu_processes_are_multi_cpu_without_cpu_flag(world_size):
     for rank, info in enumerate(run_on_ranks(_describe, world_size)):
         assert info == {
@@ -406,6 +406,12 @@ def test_launched_cpu_processes_are_multi_cpu_without_cpu_flag(world_size):
             "last": rank == world_size - 1, "use_distributed": world_size > 1, "device": "cpu",
             "group": world_size,
         }
+
+
+def test_one_launched_cpu_process_is_not_distributed():
+    # As HF Accelerate: MULTI_CPU needs several processes; one is NO, with no process group.
+    (info,) = run_on_ranks(_describe, 1)
+    assert info["type"] == DistributedType.NO and info["group"] is False and info["backend"] is None
 
 
 def _barrier_times(delay: float):
@@ -506,7 +512,8 @@ def _destroy():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_destroy_process_group(world_size):
-    assert run_on_ranks(_destroy, world_size) == [(True, False)] * world_size
+    had_group = world_size > 1  # one CPU process has no group to destroy, and destroying is then a no-op
+    assert run_on_ranks(_destroy, world_size) == [(had_group, False)] * world_size
 
 
 def _timeouts(kwarg_seconds):
@@ -581,7 +588,7 @@ def _bad_backend():
 
 @pytest.mark.skipif(dist.is_backend_available("nccl"), reason="this torch build has NCCL")
 def test_unavailable_backend_is_refused():
-    message, uninitialized, group = run_on_ranks(_bad_backend, 1)[0]
+    message, uninitialized, group = run_on_ranks(_bad_backend, 2)[0]
     assert "'nccl' is not available" in message and "'gloo'" in message
     assert uninitialized and not group
 

@@ -53,6 +53,8 @@ def _indices(batch):
 
 def _all_gather_rows(rows):
     """Every rank's 1-D int64 `rows` (None: the rank has no batch) concatenated in rank order; None if none had."""
+    if not dist.is_initialized():  # one process: no group (as HF Accelerate, one CPU process is not distributed)
+        return rows
     world = dist.get_world_size()
     size = torch.tensor([-1 if rows is None else len(rows)])
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
