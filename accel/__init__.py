@@ -13,6 +13,9 @@ _PUBLIC = {
     "DistributedType": "accel.state",
     "GradientState": "accel.state",
     "PartialState": "accel.state",
+    "debug_launcher": "accel.launchers",
+    "find_executable_batch_size": "accel.memory",
+    "notebook_launcher": "accel.launchers",
     "skip_first_batches": "accel.data",
 }
 __all__ = [*_PUBLIC, "__version__"]
