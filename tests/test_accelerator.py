@@ -262,3 +262,46 @@ def test_example_trains_on_every_gpu(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"training on {count} process(es) (DistributedType.MULTI_GPU)" in result.stdout  # even alone, as HF
     assert "over 1001 samples" in result.stdout
+
+
+def _group_timeout():
+    from datetime import timedelta
+
+    from accel.settings import InitProcessGroupKwargs
+
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=77))])
+    return accelerator.state.timeout.total_seconds()
+
+
+def test_init_process_group_kwargs_set_the_group_timeout():
+    assert run_on_ranks(_group_timeout, 2) == [77.0, 77.0]
+
+
+def _first_step_gradients(sync_each_batch):
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    model = accelerator.prepare(make_model())
+    inputs, targets = global_batches(count=1)
+    x, y = inputs[0].chunk(2)[accelerator.process_index], targets[0].chunk(2)[accelerator.process_index]
+    with accelerator.accumulate(model):  # step 1 of 2: not a sync step
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    return accelerator.sync_gradients, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_sync_each_batch_all_reduces_while_accumulating(sync_each_batch):
+    (sync_0, grads_0), (sync_1, grads_1) = run_on_ranks(_first_step_gradients, 2, sync_each_batch)
+    assert not sync_0 and not sync_1  # still accumulating either way
+    same = all(torch.equal(a, b) for a, b in zip(grads_0, grads_1))
+    assert same == sync_each_batch  # ranks saw different data: only an all-reduce makes their grads equal
+
+
+def test_autocast_kwargs_reach_the_forward():
+    from accel.settings import AutocastKwargs
+
+    accelerator = Accelerator(mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
+    model = accelerator.prepare(DtypeProbe())
+    model(torch.randn(2, 4))
+    assert model.seen == [torch.float32]  # enabled=False reached the wrapped forward
+    with accelerator.autocast(autocast_handler=AutocastKwargs(enabled=True)):
+        assert model.linear(torch.randn(2, 4)).dtype == torch.bfloat16
