@@ -272,7 +272,8 @@ class Accelerator:
         return self.strategy.no_sync(model)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
-        return self.precision.autocast(**(autocast_handler.to_kwargs() if autocast_handler else {}))
+        """Runs the enclosed code in the mixed-precision context; a handler replaces the Accelerator's own."""
+        return self.precision.autocast(autocast_handler.to_kwargs() if autocast_handler else None)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divides gradients by the loss scale; nothing to do without an fp16 scaler."""

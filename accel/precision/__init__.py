@@ -24,7 +24,8 @@ class FullPrecision:
         self.device = device
         self.autocast_kwargs = autocast_kwargs or {}
 
-    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager:
+    def autocast(self, autocast_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
+        """The forward's autocast context; `autocast_kwargs` replaces the Accelerator's AutocastKwargs."""
         return contextlib.nullcontext()
 
     def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -40,8 +41,8 @@ class BF16Precision(FullPrecision):
     name = "bf16"
     dtype = torch.bfloat16
 
-    def autocast(self, **overrides: Any) -> contextlib.AbstractContextManager:
-        kwargs = {**self.autocast_kwargs, **overrides}
+    def autocast(self, autocast_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
+        kwargs = self.autocast_kwargs if autocast_kwargs is None else autocast_kwargs
         return torch.autocast(device_type=self.device.type, dtype=self.dtype, **kwargs)
 
     def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
