@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -192,6 +193,8 @@ class Accelerator:
             model = self.strategy.setup_model(model, placement)
         plugin = self.state.dynamo_plugin
         if plugin is not None and plugin.enabled and not hasattr(model, "_orig_mod"):
+            if plugin.use_regional_compilation:
+                warnings.warn("accel does not support regional compilation yet; compiling the whole model")
             model = torch.compile(model, **plugin.compile_kwargs())
         self._models[-1] = model
         return model

@@ -305,3 +305,11 @@ def test_autocast_kwargs_reach_the_forward():
     assert model.seen == [torch.float32]  # enabled=False reached the wrapped forward
     with accelerator.autocast(autocast_handler=AutocastKwargs(enabled=True)):
         assert model.linear(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+def test_regional_compilation_is_not_faked():
+    from accel.settings import TorchDynamoPlugin
+
+    accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
+    with pytest.warns(UserWarning, match="does not support regional compilation yet"):
+        accelerator.prepare(make_model())
