@@ -8,6 +8,7 @@ accel.scheduler and the strategy; collectives from accel.collectives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import warnings
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ from accel.state import AcceleratorState, GradientState
 from accel.strategies import strategy_for
 
 HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs)
+PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so code that checks it keeps working
 
 
 def sort_kwargs_handlers(handlers: Iterable[Any] | None) -> dict[type, Any]:
@@ -99,11 +101,11 @@ class Accelerator:
             raise NotImplementedError("experiment trackers (log_with) are not supported by accel yet")
         handlers = sort_kwargs_handlers(kwargs_handlers)
         init_kwargs = handlers[InitProcessGroupKwargs].to_kwargs() if InitProcessGroupKwargs in handlers else {}
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        if split_batches is not None:
+        self.dataloader_config = dataclasses.replace(dataloader_config or DataLoaderConfiguration())
+        if split_batches is not None:  # on a copy: the user's configuration object is left as it was
             self.dataloader_config.split_batches = split_batches
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
-        if project_dir is not None and project_config is not None:
+        if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
         if dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
@@ -138,7 +140,14 @@ class Accelerator:
     use_distributed = property(lambda self: self.state.use_distributed)
     mixed_precision = property(lambda self: self.state.mixed_precision)
     sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
-    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.plugin_kwargs.update({"num_steps": steps})
+
     split_batches = property(lambda self: self.dataloader_config.split_batches)
     even_batches = property(lambda self: self.dataloader_config.even_batches)
     project_dir = property(lambda self: self.project_configuration.project_dir)
@@ -171,6 +180,15 @@ class Accelerator:
         return result if len(result) > 1 else result[0]
 
     def _prepare_one(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
+        if getattr(obj, PREPARED_MARK, False):
+            return obj  # preparing twice would shard a loader twice or wrap DDP in DDP
+        prepared = self._prepare_new(obj, device_placement, schedulers)
+        if prepared is not obj or isinstance(prepared, (torch.nn.Module, AcceleratedOptimizer)):
+            with contextlib.suppress(AttributeError):
+                setattr(prepared, PREPARED_MARK, True)
+        return prepared
+
+    def _prepare_new(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
         if schedulers:
             is_scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(obj, AcceleratedScheduler)
             return self.prepare_scheduler(obj) if is_scheduler else obj
@@ -239,10 +257,19 @@ class Accelerator:
 
         return skip_first_batches(dataloader, num_batches=num_batches)
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's module inside DDP and torch.compile; without the bf16 forward wrapper unless kept."""
-        model = self.strategy.unwrap(model)
-        return model if keep_fp32_wrapper else restore_forward(model)
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's module inside DDP (and torch.compile, unless `keep_torch_compile`, as in HF Accelerate:
+        then the compiled wrapper is returned around the unwrapped module); the bf16 forward kept or removed."""
+        compiled = model if hasattr(model, "_orig_mod") else None
+        inner = self.strategy.unwrap(model)
+        if not keep_fp32_wrapper:
+            restore_forward(inner)
+        if keep_torch_compile and compiled is not None:
+            compiled._orig_mod = inner
+            return compiled
+        return inner
 
     # --- the training step -------------------------------------------------------------------------------
 
@@ -302,19 +329,9 @@ class Accelerator:
         as_objects = use_gather_object or not _all_tensors(input_data)
         if as_objects:
             gathered = collectives.gather_object(input_data)
-        elif self.even_batches or not self.use_distributed:
-            gathered = collectives.gather(input_data)
-        else:
-            gathered = self._gather_uneven(input_data)
+        else:  # last batches can differ in length across ranks (even_batches=False, dispatched batches)
+            gathered = collectives.gather_ragged(input_data)
         return gather_for_metrics_truncation(gathered, self.gradient_state, use_gather_object=as_objects)
-
-    def _gather_uneven(self, data: Any) -> Any:
-        """Gather for ranks whose last batches differ in length (even_batches=False): per-rank pytrees,
-        concatenated. Slower than gather (pickled); the native padded all-gather will replace it."""
-        from accel.collectives.transport import select_transport
-
-        per_rank = select_transport([]).all_gather_object(collectives.send_to_device(data, "cpu"))
-        return collectives.send_to_device(collectives.concatenate(per_rank), self.device)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction=reduction, scale=scale)
@@ -336,8 +353,10 @@ class Accelerator:
     # --- housekeeping ---------------------------------------------------------------------------------------
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
-        """Saves on the main process only (safetensors for a state dict with safe_serialization)."""
-        if not self.is_main_process:
+        """Saves on the main process (each node's, with ProjectConfiguration(save_on_each_node=True));
+        safetensors for a state dict with safe_serialization."""
+        each_node = self.project_configuration.save_on_each_node
+        if not (self.is_local_main_process if each_node else self.is_main_process):
             return
         if safe_serialization:
             from safetensors.torch import save_file
@@ -370,13 +389,12 @@ FORWARDED_TO_STATE = frozenset(
 
 
 def _all_tensors(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, dict):
-        return all(_all_tensors(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return all(_all_tensors(v) for v in data)
-    return False
+    """Whether every leaf is a tensor (any Mapping, so transformers' BatchEncoding/ModelOutput count)."""
+    try:
+        collectives.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 __all__ = ["Accelerator"]

@@ -1,5 +1,6 @@
 """The Accelerator facade: prepare, backward, accumulate, and DDP training equal to one process."""
 
+import collections
 import pytest
 import torch
 from spawn_pool import run_on_ranks
@@ -105,7 +106,29 @@ def test_bf16_autocasts_the_forward_and_returns_fp32():
     model = accelerator.prepare(DtypeProbe())
     output = model(torch.randn(2, 4))
     assert model.seen == [torch.bfloat16] and output.dtype == torch.float32
-    assert accelerator.unwrap_model(model, keep_fp32_wrapper=False)(torch.randn(2, 4)).dtype == torch.float32
+    accelerator.unwrap_model(model, keep_fp32_wrapper=False)(torch.randn(2, 4))
+    assert model.seen[-1] == torch.float32  # the forward runs without autocast once unwrapped
+
+
+def test_a_deep_copy_of_a_bf16_model_runs_its_own_weights():
+    import copy
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(torch.nn.Linear(3, 3))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.weight.zero_()
+        twin.bias.zero_()
+    x = torch.randn(2, 3)
+    assert twin(x).abs().sum() == 0 and model(x).abs().sum() > 0 and twin(x).dtype == torch.float32
+
+
+def test_preparing_twice_returns_the_prepared_objects():
+    accelerator = Accelerator()
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(8), batch_size=2))
+    model = accelerator.prepare(make_model())
+    assert accelerator.prepare(loader) is loader and accelerator.prepare(model) is model
+    assert len(accelerator._dataloaders) == 1 and len(accelerator._models) == 1
 
 
 def test_unsupported_precision_and_plugins_are_clear_errors():
@@ -122,17 +145,21 @@ def test_unsupported_precision_and_plugins_are_clear_errors():
 def _hooked_ddp_training(hook):
     accelerator = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=hook)])
     model = accelerator.prepare(make_model())
-    inputs, targets = global_batches(count=1)
-    accelerator.backward(torch.nn.functional.mse_loss(model(inputs[0]), targets[0]))
-    return type(model).__name__, [p.grad.clone() for p in model.parameters()]
+    inputs, targets = global_batches(count=2)
+    rank = accelerator.process_index  # different data per rank: equal grads prove the all-reduce ran
+    accelerator.backward(torch.nn.functional.mse_loss(model(inputs[rank]), targets[rank]))
+    return model._get_ddp_logging_data().get("comm_hook", ""), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("hook", ["fp16", "power_sgd", "batched_power_sgd"])  # bf16 compression needs NCCL
-def test_ddp_communication_hooks_compress_gradients(hook):
-    (name, grads), (_, other) = run_on_ranks(_hooked_ddp_training, 2, hook)
-    assert name == "DistributedDataParallel"
-    for mine, theirs in zip(grads, other):
-        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)  # every rank got the same averaged gradient
+@pytest.mark.parametrize(
+    "hook,name",
+    [("fp16", "fp16_compress_hook"), ("power_sgd", "powerSGD_hook"), ("batched_power_sgd", "batched_powerSGD_hook")],
+)  # bf16 compression needs NCCL
+def test_ddp_communication_hooks_are_registered_and_reduce(hook, name):
+    (hook_0, grads_0), (hook_1, grads_1) = run_on_ranks(_hooked_ddp_training, 2, hook)
+    assert name in hook_0 and name in hook_1
+    for mine, theirs in zip(grads_0, grads_1):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
 
 
 def _trigger(rank_that_fires):
@@ -200,7 +227,8 @@ def test_dynamo_plugin_compiles_prepared_models(monkeypatch):
     accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True))
     model = make_model()
     compiled = accelerator.prepare(model)
-    assert hasattr(compiled, "_orig_mod") and accelerator.unwrap_model(compiled) is model
+    assert hasattr(compiled, "_orig_mod") and accelerator.unwrap_model(compiled, keep_torch_compile=False) is model
+    assert accelerator.unwrap_model(compiled) is compiled and compiled._orig_mod is model  # HF's default keeps it
     inputs, _ = global_batches(count=1)
     torch.testing.assert_close(compiled(inputs[0]), model(inputs[0]))
 
@@ -313,3 +341,16 @@ def test_regional_compilation_is_not_faked():
     accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
     with pytest.warns(UserWarning, match="does not support regional compilation yet"):
         accelerator.prepare(make_model())
+
+
+def _ragged_metrics():
+    accelerator = Accelerator()
+    rank = accelerator.process_index
+    encoding = collections.UserDict({"ids": torch.arange(rank + 1), "mask": torch.ones(rank + 1, dtype=torch.bool)})
+    return accelerator.gather_for_metrics(encoding)
+
+
+def test_gather_for_metrics_takes_any_mapping_and_uneven_lengths():
+    for gathered in run_on_ranks(_ragged_metrics, 2):
+        assert isinstance(gathered, collections.UserDict)  # a Mapping, not pickled objects (BatchEncoding is one)
+        assert gathered["ids"].tolist() == [0, 0, 1] and gathered["mask"].tolist() == [True] * 3

@@ -6,6 +6,7 @@ from accel.collectives.operations import (
     broadcast_object_list,
     gather,
     gather_object,
+    gather_ragged,
     reduce,
     verify_operation,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "find_device",
     "gather",
     "gather_object",
+    "gather_ragged",
     "get_data_structure",
     "get_shape",
     "honor_type",

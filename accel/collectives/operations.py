@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from accel.collectives.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
+from accel.collectives.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.collectives.transport import select_transport
 from accel.state import PartialState
 
@@ -248,3 +248,26 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     if PartialState().num_processes == 1:
         return object_list
     return select_transport([]).broadcast_object_list(object_list, from_process)
+
+
+def gather_ragged(tensor: Any) -> Any:
+    """Like `gather`, for ranks whose tensors may differ in length along dim 0 (uneven last batches).
+
+    One small object collective compares the lengths; when they agree this is `gather`, otherwise every
+    rank's pytree travels pickled and is concatenated in rank order (the native padded all-gather will
+    replace that path).
+
+    Example (2 ranks)::
+
+        gather_ragged(torch.arange(rank + 1))   # both ranks: tensor([0, 0, 1])
+    """
+    if PartialState().num_processes == 1:
+        return tensor
+    leaves = tensor_leaves(tensor, "gather_ragged")
+    transport = select_transport([])
+    lengths = transport.all_gather_object([leaf.shape[0] if leaf.dim() else None for leaf in leaves])
+    if all(rank_lengths == lengths[0] for rank_lengths in lengths):
+        return gather(tensor)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    per_rank = transport.all_gather_object(send_to_device(tensor, "cpu"))
+    return send_to_device(concatenate(per_rank), device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any
 
 import torch
@@ -46,21 +47,31 @@ class BF16Precision(FullPrecision):
         return torch.autocast(device_type=self.device.type, dtype=self.dtype, **kwargs)
 
     def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Runs `model.forward` under autocast and returns fp32 outputs, as HF Accelerate does."""
-        if hasattr(model, "_accel_original_forward"):
+        """Runs `model.forward` under autocast and returns fp32 outputs, as HF Accelerate does.
+
+        The wrapper is bound to the model as a method (not a closure over it), so `copy.deepcopy` of the
+        model binds the copy's own forward, as it would without accel.
+        """
+        if "_accel_original_forward" in model.__dict__:
             return model
         original = model.forward
-        autocast = self.autocast
-
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with autocast():
-                outputs = original(*args, **kwargs)
-            return outputs_to_fp32(outputs)
-
         model._accel_original_forward = original
-        model.forward = forward
+        model.forward = types.MethodType(AutocastForward(original.__func__, self), model)
         return model
+
+
+class AutocastForward:
+    """`forward(module, ...)` under the precision's autocast, outputs in fp32; bound with MethodType."""
+
+    def __init__(self, forward: Any, precision: FullPrecision):
+        self.forward = forward
+        self.precision = precision
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with self.precision.autocast():
+            outputs = self.forward(module, *args, **kwargs)
+        return outputs_to_fp32(outputs)
 
 
 def outputs_to_fp32(outputs: Any) -> Any:

@@ -28,6 +28,7 @@ class DDPStrategy(SingleDeviceStrategy):
         return wrapped
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model.no_sync()
+        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            return inner.no_sync()
         return contextlib.nullcontext()
