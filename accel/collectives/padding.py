@@ -58,20 +58,22 @@ def pad_tensor(
     return out
 
 
-def _max_size_across_processes(tensor: torch.Tensor, dim: int) -> int:
-    sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, tuple(tensor.shape))
-    lengths = set(len(s) for s in sizes)
-    if len(lengths) != 1:
-        raise ValueError(f"pad_across_processes: ranks hold tensors of different ranks (shapes {sizes})")
-    return max(s[dim] for s in sizes)
+def _all_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, tuple(tensor.shape))
+    return shapes
 
 
 def _pad_one(tensor: torch.Tensor, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
+    # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
+    # returning early on its own would leave the others waiting in the collective).
+    shapes = _all_shapes(tensor)
+    if len({len(shape) for shape in shapes}) != 1:
+        raise ValueError(f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})")
     if dim >= tensor.dim() or dim < -tensor.dim():
         return tensor  # HF leaves tensors without that dim untouched
     dim = dim % tensor.dim()
-    max_size = _max_size_across_processes(tensor, dim)
+    max_size = max(shape[dim] for shape in shapes)
     if max_size == tensor.shape[dim]:
         return tensor
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)

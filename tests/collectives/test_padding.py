@@ -52,17 +52,18 @@ def test_native_result_on_ranks_is_the_reference_bit_for_bit():
         assert torch.equal(padded.view(torch.int32), expected.view(torch.int32))
 
 
-def _mismatched_ranks():
+def _mismatched_ranks(dim):
     rank = PartialState().process_index
     try:
-        pad_across_processes(torch.zeros([2] * (rank + 1)))
+        pad_across_processes(torch.zeros([2] * (rank + 1)), dim=dim)
     except ValueError as error:
         return str(error)
     return None
 
 
-def test_tensors_of_different_rank_across_processes_are_an_error():
-    messages = run_on_ranks(_mismatched_ranks, 2)
+@pytest.mark.parametrize("dim", [0, 1])  # dim 1 exists on rank 1 only: no rank may skip the exchange and hang
+def test_tensors_of_different_rank_across_processes_are_an_error(dim):
+    messages = run_on_ranks(_mismatched_ranks, 2, dim, timeout=60)
     assert all(m is not None and "ranks hold tensors of different ranks" in m for m in messages)
 
 
