@@ -16,6 +16,7 @@ So `gather` + `gather_for_metrics_truncation` returns every sample exactly once,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 from typing import Any, Callable, Iterator
@@ -286,6 +287,13 @@ class _GlobalBatch:
         self.data, self.rows, self.last = data, rows, last
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoaderFailed:
+    """Sent instead of a batch when process 0's loader raised, so the other processes raise too, not wait."""
+
+    reason: str
+
+
 class DataLoaderDispatcher(_PreparedLoader):
     """A `DataLoader` that only process 0 reads; each global batch is broadcast and every process keeps its slice.
 
@@ -382,13 +390,22 @@ class DataLoaderDispatcher(_PreparedLoader):
         """The next global batch on every process (None when the loader is exhausted): a collective."""
         message = [None]
         buffer = None
+        failure = None
         if source is not None:
-            item = next(source, None)
+            try:
+                item = next(source, None)
+            except Exception as error:  # noqa: BLE001 - every process must hear of it, then it is re-raised
+                failure, item = error, None
+                message = [_LoaderFailed(f"{type(error).__name__}: {error}")]
             if item is not None:
                 structure, buffer = pytree.pack(item[0])
                 message = [(structure, buffer.numel(), pytree.find_batch_size(item[0]), item[1])]
         if multi_process():
             dist.broadcast_object_list(message, src=0, device=_comm_device())
+        if isinstance(message[0], _LoaderFailed):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"the main process's dataloader raised {message[0].reason} (see its traceback)")
         if message[0] is None:
             return None
         structure, nbytes, rows, last = message[0]

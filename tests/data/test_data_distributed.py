@@ -212,3 +212,30 @@ def test_dispatcher_with_batches_of_varying_sizes():
     assert [kept for kept, _, _ in results] == [list(range(10))] * 2
     assert [local for _, _, local in results] == [[[0, 1, 2], [5, 6, 7]], [[3, 4], [8, 9, 5]]]
     assert [ends for _, ends, _ in results] == [[False, True]] * 2
+
+
+class _FailsAt(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise ValueError("sample 5 is corrupt")
+        return torch.tensor(index)
+
+
+def _dispatch_failing_dataset():
+    loader = prepare_data_loader(torch.utils.data.DataLoader(_FailsAt(), batch_size=2), device=torch.device("cpu"),
+                                 put_on_device=True, dispatch_batches=True)
+    try:
+        for _ in loader:
+            pass
+    except (ValueError, RuntimeError) as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_failing_loader_on_the_main_process_raises_on_every_process():
+    (kind_0, message_0), (kind_1, message_1) = run_on_ranks(_dispatch_failing_dataset, 2, timeout=60)
+    assert kind_0 == "ValueError" and message_0 == "sample 5 is corrupt"
+    assert kind_1 == "RuntimeError" and "ValueError: sample 5 is corrupt" in message_1
