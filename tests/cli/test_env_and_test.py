@@ -15,7 +15,7 @@ SEED_ANSWERS = ["This machine", "multi-CPU", "1", "no", "no", "no", "2", "fp16"]
 
 def cli_env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "ACCELERATE_"))}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), **extra)
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), TMPDIR=str(tmp_path), **extra)
     if "ACCEL_DISABLE_NATIVE" in os.environ:
         env.setdefault("ACCEL_DISABLE_NATIVE", os.environ["ACCEL_DISABLE_NATIVE"])
     return env

@@ -34,7 +34,8 @@ def write(path, text):
 def isolated_env(tmp_path, **extra):
     """The child's env: no config file from the real home, no ACCEL_* settings from the caller."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL_", "ACCELERATE_"))}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), **extra)
+    # TMPDIR: a launcher killed on purpose cannot remove its temporary log folder; pytest removes tmp_path.
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), TMPDIR=str(tmp_path), **extra)
     for name in ("ACCEL_DISABLE_NATIVE",):  # keep the suite's native/fallback mode
         if name in os.environ:
             env[name] = os.environ[name]
