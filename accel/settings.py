@@ -156,6 +156,8 @@ class ProjectConfiguration:
 
 
 class DynamoBackend(str, enum.Enum):
+    """HF Accelerate's torch.compile backends; the one list (the config file and launcher check against it)."""
+
     NO = "NO"
     EAGER = "EAGER"
     AOT_EAGER = "AOT_EAGER"
@@ -171,6 +173,7 @@ class DynamoBackend(str, enum.Enum):
     TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
 
 
 @dataclasses.dataclass

@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from accel._env import MIXED_PRECISIONS
+from accel.settings import DynamoBackend  # torch-free, so the CLI still starts without torch
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
 DISTRIBUTED_TYPES = (
@@ -47,11 +48,7 @@ DISTRIBUTED_TYPES = (
     "MULTI_HPU", "MULTI_NEURON", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM",
 )  # fmt: skip
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
-# HF Accelerate's DynamoBackend values.
-DYNAMO_BACKENDS = (
-    "NO", "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI", "FX2TRT",
-    "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "TVM", "HPU_BACKEND", "NEURON",
-)  # fmt: skip
+DYNAMO_BACKENDS = tuple(backend.value for backend in DynamoBackend)
 # The modes torch.compile accepts; HF's questionnaire offers the first three.
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CONFIG_FILE_NAME = "default_config.yaml"

@@ -8,8 +8,9 @@ import itertools
 import torch
 import torch.distributed as dist
 from spawn_pool import run_on_ranks
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
+from data_fixtures import Stream
 from accel.data import (
     SeedableRandomSampler,
     gather_for_metrics_truncation,
@@ -19,19 +20,6 @@ from accel.data import (
     synchronize_rng_states,
 )
 from accel.state import GradientState, PartialState
-
-
-class Stream(IterableDataset):
-    """0..length-1 as an iterable dataset with a length (batches are plain tensors)."""
-
-    def __init__(self, length):
-        self.length = length
-
-    def __iter__(self):
-        return iter(range(self.length))
-
-    def __len__(self):
-        return self.length
 
 
 class Records(torch.utils.data.Dataset):

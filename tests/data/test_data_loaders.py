@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from data_fixtures import Stream
 from accel.data import (
     DataLoaderDispatcher,
     DataLoaderShard,
@@ -17,17 +18,6 @@ from accel.data import (
 )
 from accel.data import batches as pytree
 from accel.state import GradientState
-
-
-class Stream(IterableDataset):
-    def __init__(self, length):
-        self.length = length
-
-    def __iter__(self):
-        return iter(range(self.length))
-
-    def __len__(self):
-        return self.length
 
 
 def test_prepared_loader_keeps_dataloader_semantics():

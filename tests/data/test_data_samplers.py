@@ -4,22 +4,10 @@ import itertools
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, IterableDataset
+from torch.utils.data import BatchSampler
 
+from data_fixtures import Stream
 from accel.data import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
-
-
-class RangeStream(IterableDataset):
-    """0..length-1 as an iterable dataset with a length."""
-
-    def __init__(self, length):
-        self.length = length
-
-    def __iter__(self):
-        return iter(range(self.length))
-
-    def __len__(self):
-        return self.length
 
 
 def shards(batch_sampler, world, **kwargs):
@@ -82,12 +70,12 @@ def test_split_batches_needs_a_multiple_of_the_processes():
     with pytest.raises(ValueError, match="round multiple"):
         BatchSamplerShard(BatchSampler(range(8), 3, False), 2, 0, split_batches=True)
     with pytest.raises(ValueError, match="round multiple"):
-        IterableDatasetShard(RangeStream(8), 3, num_processes=2, split_batches=True)
+        IterableDatasetShard(Stream(8), 3, num_processes=2, split_batches=True)
 
 
 def test_iterable_docstring_example():
     def shard(rank, **kwargs):
-        return list(IterableDatasetShard(RangeStream(8), 4, num_processes=2, process_index=rank, **kwargs))
+        return list(IterableDatasetShard(Stream(8), 4, num_processes=2, process_index=rank, **kwargs))
 
     assert [shard(0), shard(1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [shard(0, split_batches=True), shard(1, split_batches=True)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
@@ -134,7 +122,7 @@ def test_iterable_dataset_shard_covers_every_sample_in_order(world):
         case = (length, batch, world, drop_last, split)
         per_rank = []
         for rank in range(world):
-            shard = IterableDatasetShard(RangeStream(length), batch, drop_last, world, rank, split)
+            shard = IterableDatasetShard(Stream(length), batch, drop_last, world, rank, split)
             samples = list(shard)
             assert len(shard) == len(samples), case
             size = shard.process_batch_size
