@@ -351,7 +351,13 @@ class PartialState:
             load_checkpoint()  # rank 0 and rank 1 read it afterwards
             ```
         """
-        if self.backend is not None:
+        if self.backend is None:
+            return
+        from accel.collectives import uneven  # the collectives build on this module
+
+        if uneven.in_uneven_step():  # the exchange with the processes standing by is the barrier
+            uneven.exchange("wait_for_everyone")
+        else:
             _barrier(self.backend, self.device, self.timeout, self.debug)
 
     def _goes_first(self, is_first: bool):

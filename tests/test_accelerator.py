@@ -180,24 +180,81 @@ def _eval_pass(length, batch_size, even_batches, dispatch_batches):
     accelerator = Accelerator(dataloader_config=config)
     dataset = torch.utils.data.TensorDataset(torch.arange(length), torch.arange(length).float() * 2)
     loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, batch_size=batch_size))
-    seen, doubled = [], []
+    seen, doubled, labels, widths = [], [], [], []
     for index, value in loader:
+        names = [f"sample {i}" for i in index.tolist()]
         index, value = accelerator.gather_for_metrics((index, value))
         seen += index.tolist()
         doubled += value.tolist()
-    labels = accelerator.gather_for_metrics([f"sample {i}" for i in range(2)], use_gather_object=True)
-    return seen, doubled, len(labels)
+        labels += accelerator.gather_for_metrics(names, use_gather_object=True)
+        widths.append(accelerator.pad_across_processes(torch.ones(1, accelerator.process_index + 1), dim=1).shape)
+        accelerator.wait_for_everyone()
+    return seen, doubled, labels, widths
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_gather_for_metrics_sees_every_sample_once_through_the_accelerator(world_size):
+# (length, batch size): even numbers of batches per process, and uneven ones (a last step that only some
+# processes have, where the others stand by inside the loader) for 2 and 4 processes, sharded and dispatched.
+@pytest.mark.parametrize("world_size,length,batch_size", [(2, 7, 2), (2, 5, 2), (4, 7, 2), (4, 9, 2)])
+def test_gather_for_metrics_sees_every_sample_once_through_the_accelerator(world_size, length, batch_size):
     for even_batches in (True, False):
         for dispatch_batches in (False, True):
-            results = run_on_ranks(_eval_pass, world_size, 7, 2, even_batches, dispatch_batches)
-            for seen, doubled, labels in results:
-                assert seen == list(range(7)), (even_batches, dispatch_batches)
-                assert doubled == [2.0 * i for i in range(7)]
-                assert labels == 2 * world_size
+            case = dict(even_batches=even_batches, dispatch_batches=dispatch_batches)
+            results = run_on_ranks(_eval_pass, world_size, length, batch_size, even_batches, dispatch_batches)
+            seen, doubled, labels, _ = results[0]
+            assert seen == list(range(length)), case
+            assert doubled == [2.0 * i for i in range(length)], case
+            assert labels == [f"sample {i}" for i in range(length)], case
+            for rank_seen, _, _, widths in results:
+                assert rank_seen == seen[: len(rank_seen)], case  # a rank standing by misses the last step
+                assert {shape[1] for shape in widths[:-1]} <= {world_size}, case
+
+
+def _collective_in_uneven_step(name):
+    from accel.collectives import DistributedOperationException
+    from accel.settings import DataLoaderConfiguration
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    model, optimizer = accelerator.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.randn(3, 8), batch_size=1))  # 2 + 1 batches
+    steps = 0
+    try:
+        for batch in loader:
+            steps += 1
+            if name == "reduce":
+                accelerator.reduce(batch.sum())
+            else:
+                accelerator.backward(model(batch).sum())  # DDP: its forward already communicates
+    except DistributedOperationException as error:
+        return steps, str(error)
+    return steps, None
+
+
+@pytest.mark.parametrize("name", ["reduce", "forward"])
+def test_a_collective_that_needs_every_process_fails_on_all_in_an_uneven_last_step(name):
+    (steps_0, error_0), (steps_1, error_1) = run_on_ranks(_collective_in_uneven_step, 2, name)
+    assert (steps_0, steps_1) == (2, 1)
+    assert error_0 == error_1 and "cannot run in the last step" in error_0 and name in error_0
+
+
+def _disagreeing_last_step():
+    from accel.collectives import DistributedOperationException
+    from accel.settings import DataLoaderConfiguration
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(12), batch_size=2))  # 6 batches, 4 ranks
+    try:
+        for batch in loader:
+            if not (accelerator.process_index == 1 and loader.end_of_dataloader):
+                accelerator.gather_for_metrics(batch)
+    except DistributedOperationException as error:
+        return str(error)
+    return None
+
+
+def test_processes_that_disagree_in_an_uneven_last_step_all_raise():
+    errors = run_on_ranks(_disagreeing_last_step, 4)
+    assert errors == [errors[0]] * 4
+    assert "process 0: gather, process 1: loop ended" in errors[0]
 
 
 def test_skip_first_batches_through_the_accelerator():

@@ -25,14 +25,12 @@ from typing import Any, Callable
 import torch
 
 from accel.collectives.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
+from accel.collectives import uneven
+from accel.collectives.errors import DistributedOperationException
 from accel.collectives.transport import select_transport
 from accel.state import PartialState
 
 REDUCTIONS = ("mean", "sum", "max", "min", "none")
-
-
-class DistributedOperationException(Exception):
-    """A collective cannot run because its inputs disagree across processes (shapes, dtypes or devices)."""
 
 
 # --- debug-mode verification -------------------------------------------------------------------------------------
@@ -97,6 +95,18 @@ def verify_operation(function: Callable) -> Callable:
 # --- tensor collectives ------------------------------------------------------------------------------------------
 
 
+def _as_rows(tensor: Any) -> Any:
+    """`tensor` with each 0-d leaf made 1-d, as gathering concatenates along dim 0."""
+    return recursively_apply(lambda leaf: leaf[None] if leaf.dim() == 0 else leaf, tensor)
+
+
+def _gather_in_uneven_step(tensor: Any) -> Any:
+    device = next((leaf.device for leaf in tensor_leaves(tensor, "gather")), torch.device("cpu"))
+    parts = uneven.exchange("gather", send_to_device(_as_rows(tensor), "cpu"))
+    return send_to_device(concatenate([part for part in parts if part is not None]), device)
+
+
+@uneven.uneven_aware("gather", _gather_in_uneven_step)
 @verify_operation
 def gather(tensor: Any) -> Any:
     """Gathers every tensor of a nested list/tuple/dict from all processes, concatenated along dim 0.
@@ -126,6 +136,7 @@ def gather(tensor: Any) -> Any:
     return replace_tensor_leaves(tensor, select_transport(leaves).all_gather(leaves))
 
 
+@uneven.uneven_aware("broadcast", None)
 @verify_operation
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Copies every tensor of a nested list/tuple/dict from process `from_process` to all processes, in place.
@@ -170,6 +181,7 @@ def _check_reduction(leaves: list[torch.Tensor], reduction: str) -> None:
             )
 
 
+@uneven.uneven_aware("reduce", None)
 @verify_operation
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduces every tensor of a nested list/tuple/dict elementwise across all processes.
@@ -210,6 +222,16 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
 # --- object collectives ------------------------------------------------------------------------------------------
 
 
+def _flatten_items(parts: list[Any]) -> list[Any]:
+    return [item for part in parts for item in (part if isinstance(part, (list, tuple)) else [part])]
+
+
+def _gather_object_in_uneven_step(object: Any) -> list[Any]:
+    parts = uneven.exchange("gather_object", (object,))  # boxed: a process may gather None itself
+    return _flatten_items([part[0] for part in parts if part is not None])
+
+
+@uneven.uneven_aware("gather_object", _gather_object_in_uneven_step)
 def gather_object(object: Any) -> list[Any] | Any:
     """Gathers picklable objects from all processes into one list.
 
@@ -226,10 +248,10 @@ def gather_object(object: Any) -> list[Any] | Any:
     """
     if PartialState().num_processes == 1:
         return object
-    gathered = select_transport([]).all_gather_object(object)
-    return [item for part in gathered for item in (part if isinstance(part, (list, tuple)) else [part])]
+    return _flatten_items(select_transport([]).all_gather_object(object))
 
 
+@uneven.uneven_aware("broadcast_object_list", None)
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
     """Replaces the items of `object_list` with those of process `from_process`, in place.
 
@@ -250,6 +272,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     return select_transport([]).broadcast_object_list(object_list, from_process)
 
 
+@uneven.uneven_aware("gather", _gather_in_uneven_step)
 def gather_ragged(tensor: Any) -> Any:
     """Like `gather`, for ranks whose tensors may differ in length along dim 0 (uneven last batches).
 

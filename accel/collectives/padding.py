@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from accel import _ext
+from accel.collectives import uneven
+from accel.collectives.pytree import replace_tensor_leaves, tensor_leaves
 
 
 def pad_reference(
@@ -67,7 +69,11 @@ def _all_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
 def _pad_one(tensor: torch.Tensor, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
     # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
     # returning early on its own would leave the others waiting in the collective).
-    shapes = _all_shapes(tensor)
+    return _pad_to_largest(tensor, _all_shapes(tensor), dim, pad_index, pad_first)
+
+
+def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
+    """`tensor` padded along `dim` to the largest of `shapes` (every process's shape of it)."""
     if len({len(shape) for shape in shapes}) != 1:
         raise ValueError(f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})")
     if dim >= tensor.dim() or dim < -tensor.dim():
@@ -79,6 +85,16 @@ def _pad_one(tensor: torch.Tensor, dim: int, pad_index: Any, pad_first: bool) ->
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
 
 
+def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    leaves = tensor_leaves(tensor, "pad_across_processes")
+    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in leaves])
+    everyone = [part for part in parts if part is not None]
+    padded = [_pad_to_largest(leaf, [shapes[i] for shapes in everyone], dim, pad_index, pad_first)
+              for i, leaf in enumerate(leaves)]
+    return replace_tensor_leaves(tensor, padded)
+
+
+@uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, IterDataPipe, RandomSampler
 
+from accel.collectives import uneven
 from accel.data import batches as pytree
 from accel.data.rng import multi_process, synchronize_rng_states
 from accel.data.samplers import (
@@ -68,6 +69,19 @@ def _last_step_sizes(samples: int | None, batch: int | None, steps: int, evened:
     return real, batch if evened else real
 
 
+_HAS_LAST_STEP, _STANDS_BY = "has the last step", "stands by"
+
+
+def _uneven_role(mine: int, counts: list[int]) -> str | None:
+    """This process's side of the last step, given every process's count of batches (or of last-step parts).
+
+    None when the counts agree, or without a process group (a loader sharded by hand, for one process).
+    """
+    if min(counts) == max(counts) or not multi_process():
+        return None
+    return _HAS_LAST_STEP if mine == max(counts) else _STANDS_BY
+
+
 class DataLoaderStateMixin:
     """What a prepared dataloader tells `GradientState` while it is iterated.
 
@@ -81,11 +95,16 @@ class DataLoaderStateMixin:
     end_of_dataloader = False
     remainder = -1
     _last_global_rows = None  # rows `gather` returns at the last step; truncation only touches leaves this long
+    # Without even_batches some processes may have no batch in the last step (see accel.collectives.uneven):
+    # _uneven_role says which side this process is on (None when every process has the same number of batches).
+    _uneven_role: str | None = None
+    in_uneven_step = False  # True while this process uses its batch of such a last step
 
     def reset(self) -> None:
         self.end_of_dataloader = False
         self.remainder = -1
         self._last_global_rows = None
+        self._uneven_role = None
 
     def begin(self) -> None:
         """Resets the state and registers with `GradientState` (innermost dataloader)."""
@@ -95,6 +114,25 @@ class DataLoaderStateMixin:
     def end(self) -> None:
         """Unregisters from `GradientState`."""
         self.gradient_state._remove_dataloader(self)
+
+    def _through_uneven_end(self, batches: Iterator) -> Iterator:
+        """Yields `batches`; at the end of an uneven epoch, runs this process's side of the last step."""
+        for batch in batches:
+            if self.end_of_dataloader and self._uneven_role == _HAS_LAST_STEP:
+                yield from self._uneven_step(batch)
+            else:
+                yield batch
+        if self._uneven_role == _STANDS_BY:
+            uneven.stand_by()
+
+    def _uneven_step(self, batch: Any) -> Iterator:
+        self.in_uneven_step = True
+        try:
+            yield batch
+        finally:  # also when the loop breaks on this batch: the processes standing by must be released
+            if self.in_uneven_step:  # (a failed collective of that step already released everyone)
+                self.in_uneven_step = False
+                uneven.finish()
 
 
 def _set_epoch_everywhere(loader: DataLoader, epoch: int) -> None:
@@ -191,7 +229,8 @@ class DataLoaderShard(_PreparedLoader):
         try:
             self.set_epoch(self.iteration)
             self.remainder, self._last_global_rows = self._last_step()
-            yield from self._read_ahead(super().__iter__())
+            self._uneven_role = self._uneven_role_from_lengths()
+            yield from self._through_uneven_end(self._read_ahead(super().__iter__()))
             self.iteration += 1
         finally:
             self.end()
@@ -212,6 +251,23 @@ class DataLoaderShard(_PreparedLoader):
 
     def __len__(self) -> int:
         return max(0, self._base_len() - self.skip_batches)
+
+    def _uneven_role_from_lengths(self) -> str | None:
+        """This process's side of the epoch's last step when the processes' batch counts differ, else None.
+
+        Only a sharded batch sampler without even_batches makes them differ; a sampler without a length
+        cannot tell, and is treated as even.
+        """
+        sampler, skipped = self._index_batch_sampler(), self.skip_batches
+        while isinstance(sampler, SkipBatchSampler):
+            skipped, sampler = skipped + sampler.skip_batches, sampler.batch_sampler
+        if not isinstance(sampler, BatchSamplerShard) or sampler.even_batches:
+            return None
+        try:
+            lengths = [max(0, length - skipped) for length in sampler.lengths()]
+        except TypeError:
+            return None
+        return _uneven_role(lengths[sampler.process_index], lengths)
 
     def _last_step(self) -> tuple[int, int | None]:
         """(remainder, gathered rows) of this process's last step, from the lengths alone; -1 if unknown."""
@@ -344,7 +400,7 @@ class DataLoaderDispatcher(_PreparedLoader):
                 source = self._global_batches()
             elif isinstance(self.dataset, IterDataPipe):
                 DataLoader.__iter__(self)  # its iterator agrees on a shared seed with a collective on every rank
-            yield from self._dispatch(source)
+            yield from self._through_uneven_end(self._dispatch(source))
             self.iteration += 1
         finally:
             self.end()
@@ -377,6 +433,8 @@ class DataLoaderDispatcher(_PreparedLoader):
         while current is not None:
             following = None if current.last else self._receive(source)
             part = self._part(current)
+            if current.last and index >= self.skip_batches:
+                self._uneven_role = self._uneven_role_at(current)
             if following is None or self._part_bounds(following)[1] is None:
                 self.end_of_dataloader = True
                 self.remainder = current.rows
@@ -423,9 +481,16 @@ class DataLoaderDispatcher(_PreparedLoader):
         processes = self.state.num_processes
         return math.ceil(batch.rows / processes) * processes if self._evened(batch) else batch.rows
 
-    def _part_bounds(self, batch: _GlobalBatch) -> tuple[int, int | None]:
-        """[start, end) of this process's rows; end is None when it gets nothing from the last batch."""
-        processes, rank = self.state.num_processes, self.state.process_index
+    def _uneven_role_at(self, last: _GlobalBatch) -> str | None:
+        """This process's side of the last step: without even_batches, some processes may get no rows of it."""
+        parts = [self._part_bounds(last, rank)[1] is not None for rank in range(self.state.num_processes)]
+        return _uneven_role(int(parts[self.state.process_index]), [int(part) for part in parts])
+
+    def _part_bounds(self, batch: _GlobalBatch, rank: int | None = None) -> tuple[int, int | None]:
+        """[start, end) of process `rank`'s rows (default: this one's); end is None when it gets nothing from the
+        last batch."""
+        processes = self.state.num_processes
+        rank = self.state.process_index if rank is None else rank
         if self._evened(batch):
             size = math.ceil(batch.rows / processes)
             return rank * size, (rank + 1) * size

@@ -8,6 +8,7 @@ from the start of the epoch when `even_batches` has to complete the last batches
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from typing import Iterator
@@ -123,6 +124,15 @@ class BatchSamplerShard(BatchSampler):
         if extra == 0 or self.drop_last:
             return full_rounds
         return full_rounds + (1 if self.even_batches or self.process_index < extra else 0)
+
+    def lengths(self) -> list[int]:
+        """The number of batches of every process, in process order (they differ only without even_batches)."""
+        return [len(self._as_process(rank)) for rank in range(self.num_processes)]
+
+    def _as_process(self, rank: int) -> BatchSamplerShard:
+        other = copy.copy(self)
+        other.process_index = rank
+        return other
 
     def _gets_last_split_batch(self, batches: int) -> bool:
         """Whether this process gets a slice of the last batch (always, except without even_batches)."""

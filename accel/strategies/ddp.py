@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from accel.collectives import uneven
 from accel.settings import DistributedDataParallelKwargs
 from accel.strategies.single import SingleDeviceStrategy
 
@@ -25,6 +26,7 @@ class DDPStrategy(SingleDeviceStrategy):
             **self.ddp_kwargs.ddp_kwargs(),
         )  # fmt: skip
         self.ddp_kwargs.register_comm_hook(wrapped)
+        wrapped.register_forward_pre_hook(_refuse_to_train_in_uneven_step)
         return wrapped
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -32,3 +34,11 @@ class DDPStrategy(SingleDeviceStrategy):
         if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         return contextlib.nullcontext()
+
+
+
+def _refuse_to_train_in_uneven_step(module: torch.nn.parallel.DistributedDataParallel, args) -> None:
+    # A DDP forward with gradients (or with buffers to broadcast) runs collectives of its own, which a
+    # process standing by in the last step of an uneven epoch cannot join: fail on every process instead.
+    if uneven.in_uneven_step() and (torch.is_grad_enabled() or module.will_sync_module_buffers()):
+        uneven.exchange("a DDP model's forward with gradients enabled", supported=False)
