@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure bench cuda-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench cuda-check shm-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -51,7 +51,11 @@ bench: setup
 cuda-check:
 	tools/cuda_compile_check.sh
 
-ci: test cuda-check
+# The C++ tests of the shared-memory protocol: plain, ThreadSanitizer, AddressSanitizer + UBSan.
+shm-check:
+	tools/shm_ctest.sh
+
+ci: test cuda-check shm-check
 
 clean:
 	rm -rf $(VENV) $(PURE_VENV) build *.egg-info accel/_C*.so accel/_build_info.json
