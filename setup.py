@@ -54,7 +54,7 @@ def get_extensions():
         return []
     debug = env_toggle("DEBUG")
     cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
-    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp")), *sorted(glob.glob("csrc/shm/*.cpp"))]
     args = {"extra_compile_args": {"cxx": cxx_flags + ["-fopenmp"]}, "extra_link_args": ["-fopenmp"]}
     if not cuda_wanted(torch, CUDA_HOME):
         return [CppExtension("accel._C", sources, **args)]

@@ -17,6 +17,37 @@ def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_fir
     torch.ops.accel.pad_into.default(src, dim, pad_value, pad_first, out)
 
 
+def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float) -> int:
+    """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm)."""
+    return torch.ops.accel.shm_group_create.default(rank, world, token, slot_bytes, timeout_s)
+
+
+def shm_group_attach(group: int) -> None:
+    """Maps every peer's segment: once every rank has created its own."""
+    torch.ops.accel.shm_group_attach.default(group)
+
+
+def shm_group_unlink(group: int) -> None:
+    """Removes this rank's segment name from /dev/shm: once every rank has attached."""
+    torch.ops.accel.shm_group_unlink.default(group)
+
+
+def shm_group_destroy(group: int) -> None:
+    """Unmaps the group's segments; the handle is invalid afterwards."""
+    torch.ops.accel.shm_group_destroy.default(group)
+
+
+def shm_all_gather(group: int, leaves: list[torch.Tensor], pad_dim: int | None = None,
+                   pad_value: float | int | bool = 0, pad_first: bool = False) -> list[torch.Tensor]:
+    """Every rank's leaves concatenated along dim 0 (padded along `pad_dim` first), in one rendezvous."""
+    return torch.ops.accel.shm_all_gather.default(group, leaves, pad_dim, pad_value, pad_first)
+
+
+def shm_all_gather_bytes(group: int, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's 1-d uint8 `data` concatenated in rank order, and each rank's length (int64)."""
+    return torch.ops.accel.shm_all_gather_bytes.default(group, data)
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("accel::pad_into")
     def _pad_into_fake(src, dim, pad_value, pad_first, out):
@@ -31,6 +62,23 @@ def _register_fakes() -> None:
             else:
                 torch._check(out.shape[d] == src.shape[d], lambda: f"accel::pad_into: out.size({d}) != src.size({d})")
         return None
+
+    @torch.library.register_fake("accel::shm_all_gather")
+    def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first):
+        # The gathered sizes depend on what the other ranks send: unknown until the call.
+        ctx = torch.library.get_ctx()
+        outputs = []
+        for leaf in leaves:
+            shape = [ctx.new_dynamic_size(), *leaf.shape[1:]]
+            if pad_dim is not None and pad_dim % leaf.dim() != 0:
+                shape[pad_dim % leaf.dim()] = ctx.new_dynamic_size()
+            outputs.append(leaf.new_empty(shape))
+        return outputs
+
+    @torch.library.register_fake("accel::shm_all_gather_bytes")
+    def _shm_all_gather_bytes_fake(group, data):
+        ctx = torch.library.get_ctx()
+        return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
 
 
 if _ext.status().loaded:

@@ -258,7 +258,6 @@ class PartialState:
         "debug",
         "device",
         "distributed_type",
-        "fork_launched",
         "local_process_index",
         "num_processes",
         "process_index",
@@ -268,7 +267,12 @@ class PartialState:
         self.__dict__ = self._shared_state
         if not self.initialized:
             self._initialize(cpu or get_flag("USE_CPU"), dict(kwargs))
-        self.fork_launched = get_flag("FORK_LAUNCHED")
+
+    @property
+    def fork_launched(self) -> bool:
+        """Whether notebook_launcher forked this process (read when asked: every collective builds this object,
+        and a fork may set the variable after the state was first made)."""
+        return get_flag("FORK_LAUNCHED")
 
     def _initialize(self, cpu: bool, kwargs: dict) -> None:
         # Everything is resolved into `fields` first, so a failure leaves the singleton uninitialized.
@@ -354,11 +358,14 @@ class PartialState:
         if self.backend is None:
             return
         from accel.collectives import uneven  # the collectives build on this module
+        from accel.collectives.transport import select_transport
 
         if uneven.in_uneven_step():  # the exchange with the processes standing by is the barrier
             uneven.exchange("wait_for_everyone")
-        else:
+        elif self.debug:  # gloo's monitored barrier names the ranks that did not arrive
             _barrier(self.backend, self.device, self.timeout, self.debug)
+        else:
+            select_transport([]).barrier()
 
     def _goes_first(self, is_first: bool):
         if not is_first:

@@ -15,4 +15,17 @@ TORCH_LIBRARY(accel, m) {
   // Writes src into out along dim (out.size(dim) >= src.size(dim)) and pad_value everywhere else; the
   // padding goes before the data when pad_first. The pack step of the padded all-gather.
   m.def("pad_into(Tensor src, int dim, Scalar pad_value, bool pad_first, Tensor(a!) out) -> ()");
+
+  // The same-host shared-memory transport (csrc/shm/, binding in cpu/shm_transport.cpp). A group is an integer
+  // handle: created on every rank with the same token, attached once all exist, unlinked once all attached.
+  m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s) -> int");
+  m.def("shm_group_attach(int group) -> ()");
+  m.def("shm_group_unlink(int group) -> ()");
+  m.def("shm_group_destroy(int group) -> ()");
+  // One rendezvous for a whole pytree: every rank's leaves concatenated along dim 0 in rank order; with
+  // pad_dim, each rank's leaf is first padded along it to the largest size (pad_value, before the data when
+  // pad_first). Without pad_dim, dim 0 may differ between ranks and every other dim must agree.
+  m.def("shm_all_gather(int group, Tensor[] leaves, int? pad_dim, Scalar pad_value, bool pad_first) -> Tensor[]");
+  // Every rank's 1-d uint8 tensor (any length) concatenated in rank order, and each rank's length (int64).
+  m.def("shm_all_gather_bytes(int group, Tensor data) -> (Tensor, Tensor)");
 }

@@ -210,7 +210,7 @@ class _Pool:
 _pools: dict[int, _Pool] = {}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -241,7 +241,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60, **kwargs) -> l
         RanksTimedOut: not every rank finished within `timeout` seconds; the pool is killed.
     """
     pickle.dumps((fn, args, kwargs))  # an unpicklable fn or argument fails here, with pickle's own message
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
 
     def task_for_rank(rank: int) -> bytes:

@@ -276,9 +276,7 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
 def gather_ragged(tensor: Any) -> Any:
     """Like `gather`, for ranks whose tensors may differ in length along dim 0 (uneven last batches).
 
-    One small object collective compares the lengths; when they agree this is `gather`, otherwise every
-    rank's pytree travels pickled and is concatenated in rank order (the native padded all-gather will
-    replace that path).
+    Every other dim must agree. One call on the transport for the whole structure.
 
     Example (2 ranks)::
 
@@ -286,11 +284,5 @@ def gather_ragged(tensor: Any) -> Any:
     """
     if PartialState().num_processes == 1:
         return tensor
-    leaves = tensor_leaves(tensor, "gather_ragged")
-    transport = select_transport([])
-    lengths = transport.all_gather_object([leaf.shape[0] if leaf.dim() else None for leaf in leaves])
-    if all(rank_lengths == lengths[0] for rank_lengths in lengths):
-        return gather(tensor)
-    device = leaves[0].device if leaves else torch.device("cpu")
-    per_rank = transport.all_gather_object(send_to_device(tensor, "cpu"))
-    return send_to_device(concatenate(per_rank), device)
+    leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather_ragged")]
+    return replace_tensor_leaves(tensor, select_transport(leaves).all_gather_ragged(leaves))

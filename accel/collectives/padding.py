@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from accel import _ext
 from accel.collectives import uneven
 from accel.collectives.pytree import replace_tensor_leaves, tensor_leaves
+from accel.collectives.transport import select_transport
 
 
 def pad_reference(
@@ -60,18 +60,6 @@ def pad_tensor(
     return out
 
 
-def _all_shapes(tensor: torch.Tensor) -> list[tuple[int, ...]]:
-    shapes = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, tuple(tensor.shape))
-    return shapes
-
-
-def _pad_one(tensor: torch.Tensor, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
-    # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
-    # returning early on its own would leave the others waiting in the collective).
-    return _pad_to_largest(tensor, _all_shapes(tensor), dim, pad_index, pad_first)
-
-
 def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
     """`tensor` padded along `dim` to the largest of `shapes` (every process's shape of it)."""
     if len({len(shape) for shape in shapes}) != 1:
@@ -85,18 +73,24 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
 
 
-def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any, pad_first: bool) -> Any:
+    """`tensor` with each leaf padded to the largest of its shapes in `shapes` (every process's leaf shapes)."""
     leaves = tensor_leaves(tensor, "pad_across_processes")
-    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in leaves])
-    everyone = [part for part in parts if part is not None]
-    padded = [_pad_to_largest(leaf, [shapes[i] for shapes in everyone], dim, pad_index, pad_first)
+    padded = [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
               for i, leaf in enumerate(leaves)]
     return replace_tensor_leaves(tensor, padded)
+
+
+def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in tensor_leaves(tensor, "")])
+    return _pad_leaves(tensor, [part for part in parts if part is not None], dim, pad_index, pad_first)
 
 
 @uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
+
+    One exchange of shapes for the whole structure, then each tensor is padded where it is.
 
     Args:
         tensor: a tensor or a nested list/tuple/dict of tensors.
@@ -107,18 +101,19 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     Returns:
         The same structure; a tensor already at the largest size is returned as is.
 
+    Raises:
+        TypeError: a leaf is not a tensor.
+        ValueError: the processes hold tensors with different numbers of dims.
+
     Example (2 ranks)::
 
         t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
         pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
     """
-    if isinstance(tensor, torch.Tensor):
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return tensor
-        return _pad_one(tensor, dim, pad_index, pad_first)
-    if isinstance(tensor, Mapping):
-        return type(tensor)({k: pad_across_processes(v, dim, pad_index, pad_first) for k, v in tensor.items()})
-    if isinstance(tensor, (list, tuple)):
-        items = [pad_across_processes(v, dim, pad_index, pad_first) for v in tensor]
-        return type(tensor)(*items) if hasattr(tensor, "_fields") else type(tensor)(items)
-    raise TypeError(f"pad_across_processes: unsupported type {type(tensor).__name__}; expected tensors in lists/tuples/dicts")
+    leaves = tensor_leaves(tensor, "pad_across_processes")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
+    # returning early on its own would leave the others waiting in the collective).
+    shapes = select_transport(leaves).all_gather_shapes(leaves)
+    return _pad_leaves(tensor, shapes, dim, pad_index, pad_first)

@@ -1,17 +1,19 @@
 """The seam between the collectives and the wire: one `Transport` call per collective, for all leaves at once.
 
 `accel.collectives.operations` flattens a pytree into its tensor leaves, asks `select_transport(leaves)` for
-an implementation, makes one call on it and rebuilds the pytree. A faster transport (the same-host
-shared-memory one) plugs in by being returned from `select_transport` for the calls it can serve; there is no
-registry beyond that function. Today the only implementation is `TorchDistributedTransport`, the reference.
+an implementation, makes one call on it and rebuilds the pytree. Two implementations: `TorchDistributedTransport`
+(the reference, any backend) and the same-host `SharedMemoryTransport` (`accel.collectives.shm_transport`),
+which `select_transport` returns for the calls it can serve.
 
 Every rank must pick the same transport for a given call, so `select_transport` may only decide from facts
-that are equal on every rank (the process group, the leaves' dtypes and shapes when they agree, settings).
+that are equal on every rank (the process group, the leaves' devices, dtypes and shapes when they agree,
+settings).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import torch
@@ -42,6 +44,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def all_gather(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each leaf (at least 1-d) concatenated over the ranks along dim 0, in rank order; new tensors."""
+
+    @abc.abstractmethod
+    def all_gather_ragged(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Like `all_gather`, but dim 0 of a leaf may differ between ranks (every other dim must agree)."""
+
+    @abc.abstractmethod
+    def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
+        """Every rank's list of leaf shapes, in rank order."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
 
     @abc.abstractmethod
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
@@ -100,6 +114,24 @@ class TorchDistributedTransport(Transport):
         _wait_all(works)
         return outputs
 
+    def all_gather_ragged(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        lengths = self.all_gather_object([leaf.shape[0] for leaf in leaves])
+        if all(rank_lengths == lengths[0] for rank_lengths in lengths):
+            return self.all_gather(leaves)
+        # Padding every leaf to the longest would cost a second round of shapes: the uneven case (the last
+        # batch of an epoch) travels pickled instead.
+        per_rank = self.all_gather_object([leaf.detach().cpu() for leaf in leaves])
+        return [torch.cat([rank_leaves[i] for rank_leaves in per_rank]).to(leaf.device) for i, leaf in enumerate(leaves)]
+
+    def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
+        return self.all_gather_object([tuple(leaf.shape) for leaf in leaves])
+
+    def barrier(self) -> None:
+        from accel.state import PartialState, _barrier
+
+        state = PartialState()
+        _barrier(state.backend, state.device, state.timeout, state.debug)
+
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         buffers = [leaf.detach().contiguous() for leaf in leaves]
         _wait_all([dist.broadcast(_flat_bytes(buffer), src=src, async_op=True) for buffer in buffers])
@@ -134,9 +166,14 @@ class TorchDistributedTransport(Transport):
         return object_list
 
 
+def reduce_in_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of `dtype` runs in: itself, or a wider one where kernels are missing."""
+    return _REDUCE_IN.get(dtype, dtype)
+
+
 def _reduce_buffer(leaf: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `leaf` in the dtype its reduction runs in (backends refuse strided tensors)."""
-    dtype = _REDUCE_IN.get(leaf.dtype, leaf.dtype)
+    dtype = reduce_in_dtype(leaf.dtype)
     return leaf.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
@@ -148,6 +185,33 @@ def _exact_op(buffer: torch.Tensor, op: str) -> dist.ReduceOp:
 _TORCH_DISTRIBUTED = TorchDistributedTransport()
 
 
+_forced: Transport | None = None
+
+
+@contextlib.contextmanager
+def using_transport(transport: Transport):
+    """Every collective inside uses `transport` (benchmarks and tests compare transports in one job).
+
+    Collective: every rank must enter and leave it at the same point.
+    """
+    global _forced
+    previous, _forced = _forced, transport
+    try:
+        yield transport
+    finally:
+        _forced = previous
+
+
 def select_transport(leaves: list[torch.Tensor]) -> Transport:
-    """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank."""
-    return _TORCH_DISTRIBUTED
+    """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank.
+
+    The same-host shared-memory transport for CPU tensors when the group can use it (decided once, together,
+    see `accel.collectives.shm_transport`), else torch.distributed.
+    """
+    if _forced is not None:
+        return _forced
+    if any(leaf.device.type != "cpu" for leaf in leaves):
+        return _TORCH_DISTRIBUTED
+    from accel.collectives.shm_transport import shared_memory_transport
+
+    return shared_memory_transport() or _TORCH_DISTRIBUTED

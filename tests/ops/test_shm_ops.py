@@ -1,0 +1,89 @@
+"""accel::shm_all_gather and accel::shm_all_gather_bytes in one process (a group of one), with opcheck.
+
+Several ranks are covered in tests/collectives/test_shm_transport.py; here the ops' registration, fake
+kernels, argument checks and group handles.
+"""
+
+import os
+import secrets
+
+import pytest
+import torch
+
+from accel import _ext
+
+pytestmark = pytest.mark.skipif(
+    not (_ext.status().loaded and _ext.has_kernel("shm_all_gather", "CompositeExplicitAutograd")),
+    reason="needs the native extension",
+)
+
+
+@pytest.fixture
+def group():
+    from accel import ops
+
+    handle = ops.shm_group_create(0, 1, secrets.token_hex(16), 4096, 10.0)
+    ops.shm_group_attach(handle)
+    ops.shm_group_unlink(handle)
+    yield handle
+    ops.shm_group_destroy(handle)
+
+
+SAMPLES = [
+    [torch.arange(12, dtype=torch.float32).view(3, 4)],
+    [torch.ones(5, dtype=torch.bool), torch.zeros(0, 2, dtype=torch.int64), torch.randn(3, 4, 5)[:, ::2]],
+    [torch.randn(3000, 3)],  # several 4 KiB rounds
+]
+
+
+@pytest.mark.parametrize("leaves", SAMPLES)
+def test_a_group_of_one_gathers_itself(group, leaves):
+    from accel import ops
+
+    gathered = ops.shm_all_gather(group, leaves)
+    assert all(torch.equal(ours, leaf) for ours, leaf in zip(gathered, leaves))
+    padded = ops.shm_all_gather(group, leaves, -1, 7, True)
+    assert all(torch.equal(ours, leaf) for ours, leaf in zip(padded, leaves))
+
+
+@pytest.mark.parametrize("leaves", SAMPLES)
+def test_opcheck_shm_all_gather(group, leaves):
+    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, None, 0, False))
+    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, -1, 1.5, True))
+
+
+def test_opcheck_shm_all_gather_bytes(group):
+    data = torch.arange(10000, dtype=torch.int64).to(torch.uint8)
+    torch.library.opcheck(torch.ops.accel.shm_all_gather_bytes.default, (group, data))
+    gathered, lengths = torch.ops.accel.shm_all_gather_bytes.default(group, data)
+    assert torch.equal(gathered, data) and lengths.tolist() == [10000]
+
+
+def test_bad_arguments_name_the_problem(group):
+    from accel import ops
+
+    with pytest.raises(RuntimeError, match="0-d"):
+        ops.shm_all_gather(group, [torch.tensor(1.0)])
+    with pytest.raises(RuntimeError, match="1-d uint8"):
+        ops.shm_all_gather_bytes(group, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="no group with handle"):
+        ops.shm_all_gather(123456, [torch.ones(1)])
+    with pytest.raises(RuntimeError, match="token"):
+        ops.shm_group_create(0, 1, "not-hex", 4096, 1.0)
+    with pytest.raises(RuntimeError, match="timeout"):
+        ops.shm_group_create(0, 1, secrets.token_hex(16), 4096, 0.0)
+
+
+def test_a_segment_is_private_and_gone_once_unlinked():
+    from accel import ops
+
+    token = secrets.token_hex(16)
+    handle = ops.shm_group_create(0, 1, token, 4096, 1.0)
+    try:
+        path = f"/dev/shm/accel-{token}-r0"
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        ops.shm_group_attach(handle)
+        ops.shm_group_unlink(handle)
+        assert not os.path.exists(path)
+    finally:
+        ops.shm_group_destroy(handle)
