@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure bench cuda-check shm-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather cuda-check shm-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,20 @@ test-pure: $(PURE_VENV)/.installed
 
 bench: setup
 	$(VENV)/bin/pytest benchmarks/bench_*.py --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
+
+# The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
+# regenerates docs/benchmarks/gather.md and gather.png.
+BENCH_OUT ?= docs/benchmarks
+bench-gather: setup
+	$(VENV)/bin/pip install -q accelerate matplotlib
+	mkdir -p build
+	for n in 2 4; do \
+	  $(VENV)/bin/accel launch --cpu --num_processes $$n benchmarks/ranked_pytest.py benchmarks/bench_gather.py \
+	    --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds \
+	    --benchmark-json=build/bench-gather-$$n.json \
+	    || exit 1; \
+	done
+	$(VENV)/bin/python tools/bench_gather_report.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
 
 cuda-check:
 	tools/cuda_compile_check.sh

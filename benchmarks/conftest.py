@@ -2,6 +2,9 @@
 
 Every group holds one benchmark named `limit` (e.g. a plain copy of the same bytes) measured in the same
 run; ratios, not absolute times, are what we compare across these shared, noisy machines.
+
+Under `accel launch` every rank runs the same benchmarks (they are collective); ranked_pytest.py makes only
+rank 0 report.
 """
 
 
