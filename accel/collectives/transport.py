@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accel.collectives import ragged
+
 REDUCE_OPS = ("sum", "max", "min")
 
 # gloo has no kernels for these dtypes; reductions run in the wider type and cast back, which gives the same
@@ -94,6 +96,10 @@ def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor):
     return gather_single(output, tensor, async_op=True)
 
 
+def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    _all_gather_single(output, tensor).wait()
+
+
 class TorchDistributedTransport(Transport):
     """The reference transport: `torch.distributed` on the default group (gloo, NCCL, ...).
 
@@ -102,6 +108,9 @@ class TorchDistributedTransport(Transport):
     `all_gather` writes straight into the result (`all_gather_single`, which gloo supports in torch 2.13),
     without HF Accelerate's list of per-rank buffers and `torch.cat` copy.
     """
+
+    def __init__(self):
+        self._ragged: dict = {}
 
     def all_gather(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         world_size = dist.get_world_size()
@@ -115,13 +124,11 @@ class TorchDistributedTransport(Transport):
         return outputs
 
     def all_gather_ragged(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        lengths = self.all_gather_object([leaf.shape[0] for leaf in leaves])
-        if all(rank_lengths == lengths[0] for rank_lengths in lengths):
-            return self.all_gather(leaves)
-        # Padding every leaf to the longest would cost a second round of shapes: the uneven case (the last
-        # batch of an epoch) travels pickled instead.
-        per_rank = self.all_gather_object([leaf.detach().cpu() for leaf in leaves])
-        return [torch.cat([rank_leaves[i] for rank_leaves in per_rank]).to(leaf.device) for i, leaf in enumerate(leaves)]
+        """Header and data in one collective while they fit in the last call's slot size (see ragged.py)."""
+        group = dist.distributed_c10d._get_default_group()
+        if self._ragged.get("group") is not group:  # the slot size is agreed per process group
+            self._ragged = {"group": group}
+        return ragged.all_gather_ragged(leaves, self._ragged, dist.get_world_size(), _all_gather_into)
 
     def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
         return self.all_gather_object([tuple(leaf.shape) for leaf in leaves])
