@@ -22,6 +22,7 @@ from accel.precision import precision_for, restore_forward
 from accel.scheduler import AcceleratedScheduler
 from accel.settings import (
     AutocastKwargs,
+    GradScalerKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
@@ -33,7 +34,7 @@ from accel.settings import (
 from accel.state import AcceleratorState, GradientState
 from accel.strategies import strategy_for
 
-HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs)
+HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs)
 PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so code that checks it keeps working
 
 
@@ -63,7 +64,8 @@ class Accelerator:
 
     Args (as HF Accelerate's):
         device_placement: move prepared models and batches to `self.device`.
-        mixed_precision: "no" or "bf16" (default: ACCEL_MIXED_PRECISION, else "no").
+        mixed_precision: "no", "bf16" or "fp16" (default: ACCEL_MIXED_PRECISION, else "no"). fp16 scales the
+            loss with torch's GradScaler, on the CPU too.
         gradient_accumulation_steps: steps to accumulate gradients over (or ACCEL_GRADIENT_ACCUMULATION_STEPS).
         cpu: run on the CPU even when CUDA is available.
         dataloader_config: a DataLoaderConfiguration.
@@ -71,7 +73,7 @@ class Accelerator:
         project_dir / project_config: where checkpoints and logs go.
         gradient_accumulation_plugin: a GradientAccumulationPlugin (instead of gradient_accumulation_steps).
         step_scheduler_with_optimizer: a prepared scheduler steps only when the optimizer did.
-        kwargs_handlers: DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs.
+        kwargs_handlers: DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs.
         dynamo_backend / dynamo_plugin: torch.compile prepared models (default: ACCEL_DYNAMO_*).
     """
 
@@ -115,8 +117,9 @@ class Accelerator:
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
         self.strategy = strategy_for(self.state, handlers.get(DistributedDataParallelKwargs))
-        autocast = handlers.get(AutocastKwargs)
-        self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None)
+        autocast, scaler = handlers.get(AutocastKwargs), handlers.get(GradScalerKwargs)
+        self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None,
+                                       scaler.to_kwargs() if scaler else None)  # fmt: skip
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types if rng_types is not None else ["generator"]
@@ -139,6 +142,7 @@ class Accelerator:
     is_last_process = property(lambda self: self.state.is_last_process)
     use_distributed = property(lambda self: self.state.use_distributed)
     mixed_precision = property(lambda self: self.state.mixed_precision)
+    scaler = property(lambda self: self.precision.scaler, doc="The fp16 gradient scaler (None otherwise).")
     sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -219,7 +223,7 @@ class Accelerator:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
         placement = self.device_placement if device_placement is None else device_placement
-        prepared = AcceleratedOptimizer(optimizer, device_placement=placement)
+        prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self.precision.scaler)
         self._optimizers.append(prepared)
         return prepared
 
@@ -306,7 +310,9 @@ class Accelerator:
         return self.precision.autocast(autocast_handler.to_kwargs() if autocast_handler else None)
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Divides gradients by the loss scale; nothing to do without an fp16 scaler."""
+        """Divides gradients by the loss scale (fp16; once per step, as torch's GradScaler allows)."""
+        optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        self.precision.unscale([getattr(opt, "optimizer", opt) for opt in optimizers])
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
         self.unscale_gradients()

@@ -102,6 +102,17 @@ class AutocastKwargs(KwargsHandler):
 
 
 @dataclasses.dataclass
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for the fp16 gradient scaler (`torch.amp.GradScaler`), as in HF Accelerate."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclasses.dataclass
 class GradientAccumulationPlugin(KwargsHandler):
     """How gradients accumulate.
 

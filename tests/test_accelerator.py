@@ -132,8 +132,8 @@ def test_preparing_twice_returns_the_prepared_objects():
 
 
 def test_unsupported_precision_and_plugins_are_clear_errors():
-    with pytest.raises(NotImplementedError, match="fp16"):
-        Accelerator(mixed_precision="fp16")
+    with pytest.raises(NotImplementedError, match="fp8"):
+        Accelerator(mixed_precision="fp8")
     with pytest.raises(NotImplementedError, match="DeepSpeed and FSDP"):
         Accelerator(fsdp_plugin=object())
     with pytest.raises(ValueError, match="only pass one DistributedDataParallelKwargs"):

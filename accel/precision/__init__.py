@@ -1,7 +1,8 @@
 """Mixed-precision policies: how the forward runs and how the loss goes backward.
 
-One object per policy, chosen once by name (`precision_for`). `no` and `bf16` live here; fp16 (with its
-gradient scaler and the fused unscale) and fp8 are refused with a clear error until they land.
+One object per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with torch's gradient
+scaler, on CPU as on CUDA (HF Accelerate trains "fp16" on CPU in fp32, without autocast or scaler). fp8 is
+refused with a clear error.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class FullPrecision:
     """`mixed_precision="no"`: fp32 forward, plain backward."""
 
     name = "no"
+    scaler = None  # the gradient scaler (fp16 only)
 
-    def __init__(self, device: torch.device, autocast_kwargs: dict | None = None):
+    def __init__(self, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None):
         self.device = device
         self.autocast_kwargs = autocast_kwargs or {}
 
@@ -34,6 +36,9 @@ class FullPrecision:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loss.backward(**kwargs)
+
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Divides the optimizers' gradients by the loss scale; nothing to do without a scaler."""
 
 
 class BF16Precision(FullPrecision):
@@ -58,6 +63,28 @@ class BF16Precision(FullPrecision):
         model._accel_original_forward = original
         model.forward = types.MethodType(AutocastForward(original.__func__, self), model)
         return model
+
+
+class FP16Precision(BF16Precision):
+    """`mixed_precision="fp16"`: the forward under torch.autocast(float16), the loss scaled before backward.
+
+    The scaler is torch's `GradScaler` for this device type (CPU too): `AcceleratedOptimizer.step` steps
+    through it, so a step whose gradients hold inf/nan is skipped and the scale backs off.
+    """
+
+    name = "fp16"
+    dtype = torch.float16
+
+    def __init__(self, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None):
+        super().__init__(device, autocast_kwargs)
+        self.scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {}))
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            self.scaler.unscale_(optimizer)
 
 
 class AutocastForward:
@@ -89,13 +116,11 @@ def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision}
+PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision, "fp16": FP16Precision}
 
 
-def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None) -> FullPrecision:
-    if mixed_precision in ("fp16", "fp8"):
-        raise NotImplementedError(
-            f"mixed_precision={mixed_precision!r} is not supported by accel yet (fp16 comes with the fused "
-            "gradient-unscale issue); use 'no' or 'bf16'"
-        )
-    return PRECISIONS[mixed_precision](device, autocast_kwargs)
+def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None,
+                  scaler_kwargs: dict | None = None) -> FullPrecision:
+    if mixed_precision == "fp8":
+        raise NotImplementedError("mixed_precision='fp8' is not supported by accel yet; use 'no', 'bf16' or 'fp16'")
+    return PRECISIONS[mixed_precision](device, autocast_kwargs, scaler_kwargs)

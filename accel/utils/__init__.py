@@ -35,6 +35,7 @@ _PUBLIC = {
     "DataLoaderConfiguration": "accel.settings",
     "DistributedDataParallelKwargs": "accel.settings",
     "DynamoBackend": "accel.settings",
+    "GradScalerKwargs": "accel.settings",
     "GradientAccumulationPlugin": "accel.settings",
     "InitProcessGroupKwargs": "accel.settings",
     "KwargsHandler": "accel.settings",

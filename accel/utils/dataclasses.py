@@ -7,6 +7,7 @@ from accel.settings import (
     DistributedDataParallelKwargs,
     DynamoBackend,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
     ProjectConfiguration,
@@ -16,6 +17,7 @@ from accel.state import DistributedType
 
 __all__ = [
     "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-    "DistributedType", "DynamoBackend", "GradientAccumulationPlugin", "InitProcessGroupKwargs", "KwargsHandler",
+    "DistributedType", "DynamoBackend", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
+    "KwargsHandler",
     "ProjectConfiguration", "TorchDynamoPlugin",
 ]  # fmt: skip

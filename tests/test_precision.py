@@ -1,0 +1,102 @@
+"""fp16 mixed precision, on the CPU for real: autocast forward, torch's GradScaler, skipped steps."""
+
+import pytest
+import torch
+from spawn_pool import run_on_ranks
+
+from accel.accelerator import Accelerator
+from accel.settings import GradScalerKwargs
+from accel.state import AcceleratorState, GradientState
+from test_accelerator import global_batches, make_model
+
+
+def _train(mixed_precision, steps=30, overflow_at=None, scaler_kwargs=None):
+    """(losses, skipped flags, scales after each step, learning rates, final parameters)."""
+    AcceleratorState._reset_state()  # a new precision in the same process (the process group is kept)
+    GradientState._reset_state()
+    handlers = [GradScalerKwargs(**scaler_kwargs)] if scaler_kwargs else None
+    accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    inputs, targets = global_batches(count=4)
+    losses, skipped, scales, rates = [], [], [], []
+    for step in range(steps):
+        loss = torch.nn.functional.mse_loss(model(inputs[step % 4]), targets[step % 4])
+        losses.append(loss.item())
+        if step == overflow_at:
+            loss = loss * float("inf")
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        scales.append(accelerator.scaler.get_scale() if accelerator.scaler is not None else None)
+        rates.append(scheduler.get_last_lr()[0])
+    parameters = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return losses, skipped, scales, rates, parameters
+
+
+def test_fp16_follows_the_fp32_loss_curve_on_the_cpu():
+    fp32, _, _, _, _ = _train("no")
+    fp16, skipped, _, _, _ = _train("fp16", scaler_kwargs=dict(init_scale=1024.0))  # no overflow to skip
+    assert not any(skipped)
+    torch.testing.assert_close(torch.tensor(fp16), torch.tensor(fp32), rtol=0.05, atol=1e-3)
+    assert sum(fp16[-4:]) < 0.8 * sum(fp16[:4])  # it trained (4 batches in turn)
+
+
+def test_the_fp16_forward_runs_under_autocast_and_returns_fp32():
+    accelerator = Accelerator(mixed_precision="fp16")
+    model = accelerator.prepare(make_model())
+    seen = []
+    model[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    output = model(global_batches(count=1)[0][0])
+    assert seen == [torch.float16] and output.dtype == torch.float32
+    assert accelerator.scaler is not None and accelerator.scaler.get_scale() == 65536.0
+
+
+def test_an_overflow_skips_exactly_that_step_then_the_scale_backs_off_and_regrows():
+    kwargs = dict(init_scale=1024.0, growth_interval=3)
+    losses, skipped, scales, rates, _ = _train("fp16", steps=10, overflow_at=5, scaler_kwargs=kwargs)
+    assert skipped == [False] * 5 + [True] + [False] * 4
+    # grows after every 3 good steps, halves on the overflow (which also restarts the count)
+    assert scales == [1024, 1024, 2048, 2048, 2048, 1024, 1024, 1024, 2048, 2048]
+    assert rates[5] == rates[4] and rates[6] < rates[5]  # the scheduler did not step with the skipped step
+
+
+def test_the_skipped_step_leaves_the_parameters_as_they_were():
+    *_, before = _train("fp16", steps=5, scaler_kwargs=dict(init_scale=1024.0))
+    *_, after = _train("fp16", steps=6, overflow_at=5, scaler_kwargs=dict(init_scale=1024.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_clip_grad_norm_unscales_first():
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=256.0)])
+    model = accelerator.prepare(make_model())
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs, targets = global_batches(count=1)
+    accelerator.backward(torch.nn.functional.mse_loss(model(inputs[0]), targets[0]))
+    scaled = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    torch.testing.assert_close(norm, scaled / 256.0, rtol=1e-5, atol=0)
+    optimizer.step()  # the scaler remembers the unscale: no second division
+    assert not accelerator.optimizer_step_was_skipped
+
+
+def _fp16_on_ranks(overflow_rank):
+    from accel.state import PartialState
+
+    overflow_at = 3 if PartialState().process_index == overflow_rank else None
+    _, skipped, scales, _, parameters = _train("fp16", steps=6, overflow_at=overflow_at,
+                                               scaler_kwargs=dict(init_scale=1024.0))  # fmt: skip
+    return skipped, scales, parameters
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(world_size):
+    results = run_on_ranks(_fp16_on_ranks, world_size, 1, timeout=120)
+    (skipped_0, scales_0, params_0), (skipped_1, scales_1, params_1) = results
+    assert skipped_0 == skipped_1 == [False, False, False, True, False, False]
+    assert scales_0 == scales_1
+    assert all(torch.equal(a, b) for a, b in zip(params_0, params_1))  # still in lockstep
