@@ -63,7 +63,28 @@ def native_facts() -> dict[str, str]:
     if not status.loaded:
         facts["why not loaded"] = status.reason
         facts["how to fix"] = status.fix
+    facts["shared-memory transport"] = transport_fact(status.loaded)
     return facts
+
+
+def transport_fact(native_loaded: bool) -> str:
+    """What same-host collectives will use, as far as this process can tell (the group decides at run time)."""
+    import os
+
+    from accel.collectives.shm_transport import requested_transport
+
+    try:
+        choice = requested_transport()
+    except ValueError as error:
+        return f"misconfigured: {error}"
+    if choice == "torch" or not native_loaded:
+        return f"off ({'ACCEL_TRANSPORT=torch' if choice == 'torch' else 'needs the native kernels'})"
+    try:
+        stats = os.statvfs("/dev/shm")
+        free = f"{stats.f_bavail * stats.f_frsize / 2**30:.1f} GiB free in /dev/shm"
+    except OSError:
+        free = "/dev/shm not found"
+    return f"ACCEL_TRANSPORT={choice}, {free}"
 
 
 def config_facts(config_file: str | None) -> tuple[str, dict | str]:

@@ -45,6 +45,16 @@ def test_env_says_why_native_is_off(tmp_path):
     result = accel(tmp_path, "env", ACCEL_DISABLE_NATIVE="1")
     assert "- accel native kernels: NOT loaded" in result.stdout
     assert "- why not loaded: disabled by ACCEL_DISABLE_NATIVE=1" in result.stdout
+    assert "- shared-memory transport: off (needs the native kernels)" in result.stdout
+
+
+def test_env_reports_the_transport_setting(tmp_path):
+    result = accel(tmp_path, "env", ACCEL_TRANSPORT="torch")
+    assert "- shared-memory transport: off (ACCEL_TRANSPORT=torch)" in result.stdout
+    result = accel(tmp_path, "env", ACCEL_TRANSPORT="tcp")
+    assert "- shared-memory transport: misconfigured: ACCEL_TRANSPORT='tcp'" in result.stdout
+    if _ext.status().loaded:
+        assert "- shared-memory transport: ACCEL_TRANSPORT=auto, " in accel(tmp_path, "env").stdout
 
 
 def test_env_shows_the_config_and_names_a_bad_one(tmp_path):
