@@ -221,6 +221,7 @@ def _collective_in_uneven_step(name):
         for batch in loader:
             steps += 1
             if name == "reduce":
+                accelerator.reduce(batch.sum(), reduction="none")  # communicates nothing: allowed
                 accelerator.reduce(batch.sum())
             else:
                 accelerator.backward(model(batch).sum())  # DDP: its forward already communicates

@@ -181,7 +181,14 @@ def _check_reduction(leaves: list[torch.Tensor], reduction: str) -> None:
             )
 
 
-@uneven.uneven_aware("reduce", None)
+def _reduce_in_uneven_step(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    if reduction != "none":  # a reduction needs every process; "none" communicates nothing
+        uneven.exchange("reduce", supported=False)
+    copies = [leaf.clone() for leaf in tensor_leaves(tensor, "reduce")]
+    return replace_tensor_leaves(tensor, [copy * scale for copy in copies] if scale != 1.0 else copies)
+
+
+@uneven.uneven_aware("reduce", _reduce_in_uneven_step)
 @verify_operation
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Reduces every tensor of a nested list/tuple/dict elementwise across all processes.

@@ -140,7 +140,9 @@ class SharedMemoryTransport(Transport):
 
     def broadcast_object_list(self, object_list: list[Any], src: int) -> list[Any]:
         sent = _pickled(object_list) if self.rank == src else torch.empty(0, dtype=torch.uint8)
-        object_list[:] = pickle.loads(self._bytes_of(src, sent).numpy().tobytes())
+        received = self._bytes_of(src, sent)
+        if self.rank != src:  # the source keeps its own objects, as with torch.distributed
+            object_list[:] = pickle.loads(received.numpy().tobytes())
         return object_list
 
     def barrier(self) -> None:

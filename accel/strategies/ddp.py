@@ -40,5 +40,10 @@ class DDPStrategy(SingleDeviceStrategy):
 def _refuse_to_train_in_uneven_step(module: torch.nn.parallel.DistributedDataParallel, args) -> None:
     # A DDP forward with gradients (or with buffers to broadcast) runs collectives of its own, which a
     # process standing by in the last step of an uneven epoch cannot join: fail on every process instead.
-    if uneven.in_uneven_step() and (torch.is_grad_enabled() or module.will_sync_module_buffers()):
+    if not uneven.in_uneven_step():
+        return
+    if torch.is_grad_enabled():
         uneven.exchange("a DDP model's forward with gradients enabled", supported=False)
+    elif module.will_sync_module_buffers():
+        uneven.exchange("a DDP model's forward that broadcasts its buffers (DistributedDataParallelKwargs("
+                        "broadcast_buffers=False), or evaluate accelerator.unwrap_model(model))", supported=False)

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -206,9 +207,13 @@ class GatherPlan {
 
   void on_meta(const std::vector<shm::PeerMeta>& metas);
   void on_data(const std::vector<shm::PeerChunk>& chunks);
-  std::vector<at::Tensor> take_outputs() { return std::move(outputs_); }
+  std::vector<at::Tensor> take_outputs() {
+    if (rejection_) std::rethrow_exception(rejection_);
+    return std::move(outputs_);
+  }
 
  private:
+  void plan(const std::vector<shm::PeerMeta>& metas);
   void check_agreement(const std::vector<std::vector<LeafHeader>>& ranks, size_t leaf, int64_t dim) const;
   void plan_leaf(const std::vector<std::vector<LeafHeader>>& ranks, size_t leaf, std::vector<uint64_t>& starts);
   void add_copies(int rank, uint64_t offset, const std::byte* data, uint64_t size);
@@ -219,9 +224,23 @@ class GatherPlan {
   std::vector<at::Tensor> outputs_;
   std::vector<std::vector<Placement>> placements_;  // [rank][leaf]
   std::vector<Copy> copies_;
+  std::exception_ptr rejection_;
 };
 
+// A rejected plan (ranks that disagree) is kept, not thrown from inside the exchange: throwing there would
+// abort the shared-memory group for good, while every rank sees the same headers and rejects them alike, so
+// they can finish the exchange (copying nothing) and raise together afterwards, the group intact.
 void GatherPlan::on_meta(const std::vector<shm::PeerMeta>& metas) {
+  try {
+    plan(metas);
+  } catch (const c10::Error&) {
+    rejection_ = std::current_exception();
+    placements_.assign(metas.size(), {});
+    outputs_.clear();
+  }
+}
+
+void GatherPlan::plan(const std::vector<shm::PeerMeta>& metas) {
   std::vector<std::vector<LeafHeader>> ranks;
   for (const shm::PeerMeta& meta : metas) ranks.push_back(decode_headers(meta));
   for (size_t r = 1; r < ranks.size(); ++r) {

@@ -222,3 +222,38 @@ def test_a_rank_killed_mid_call_makes_the_others_raise_naming_it(tmp_path):
         elapsed, message = report.split("\n", 1)
         assert "rank 1" in message and float(elapsed) < 15, report
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("accel-")]
+
+
+def _gather_then_barrier():
+    """A rejected gather (ranks disagree) raises on every rank and leaves the group usable."""
+    from accel.collectives import gather_ragged
+
+    rank = PartialState().process_index
+    _shm()
+    try:
+        gather_ragged(torch.zeros(2, 3 + rank))
+    except RuntimeError as error:
+        message = str(error).splitlines()[0]
+    else:
+        message = None
+    PartialState().wait_for_everyone()
+    after = gather_ragged(torch.full((1,), float(rank)))
+    return message, after.tolist()
+
+
+def test_a_rejected_gather_leaves_the_group_usable():
+    (message_0, after_0), (message_1, after_1) = run_on_ranks(_gather_then_barrier, 2, timeout=60)
+    assert message_0 is not None and message_0 == message_1 and "process 1" in message_0
+    assert after_0 == after_1 == [0.0, 1.0]
+
+
+def _broadcast_objects_keeps_the_source_s():
+    item = {"rank": PartialState().process_index}
+    objects = [item]
+    _shm().broadcast_object_list(objects, src=0)
+    return objects[0] is item, objects[0]
+
+
+def test_broadcast_object_list_leaves_the_source_s_objects_alone():
+    (same_0, value_0), (same_1, value_1) = run_on_ranks(_broadcast_objects_keeps_the_source_s, 2)
+    assert same_0 and not same_1 and value_0 == value_1 == {"rank": 0}
