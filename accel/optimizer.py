@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from accel.collectives.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
@@ -80,13 +81,18 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients:
             return
-        if self.scaler is None:
+        if self.scaler is None or not self.scaler.is_enabled():
             self.optimizer.step(closure)
             return
-        scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer, closure)
-        self.scaler.update()
-        self._is_overflow = self.scaler.get_scale() < scale_before
+        # torch's record of this iteration, per optimizer (cleared by update()).
+        states = self.scaler._per_optimizer_states
+        self._is_overflow = sum(v.item() for v in states[id(self.optimizer)]["found_inf_per_device"].values()) > 0
+        # Another optimizer sharing the scaler was unscaled (clip_grad_norm_ unscales all) but has not stepped:
+        # updating now would forget that, and its step would divide its gradients by the scale a second time
+        # (HF Accelerate does that). The last of them updates; `update_pending_scale` catches a missing one.
+        if not any(state["stage"] is OptState.UNSCALED for key, state in states.items() if key != id(self.optimizer)):
+            self.scaler.update()
 
     def train(self) -> None:
         if hasattr(self.optimizer, "train"):  # schedule-free optimizers

@@ -100,3 +100,35 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(world_size):
     assert skipped_0 == skipped_1 == [False, False, False, True, False, False]
     assert scales_0 == scales_1
     assert all(torch.equal(a, b) for a, b in zip(params_0, params_1))  # still in lockstep
+
+
+def test_two_optimizers_are_unscaled_once_and_the_scale_updates_once():
+    AcceleratorState._reset_state()
+    kwargs = GradScalerKwargs(init_scale=1024.0, growth_interval=1)  # every good step doubles the scale
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[kwargs])
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    first, second = accelerator.prepare(torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=1.0))
+    for step in range(2):
+        accelerator.backward((a * 5).sum() + (b * 3).sum())
+        accelerator.clip_grad_norm_([a, b], max_norm=1e9)  # unscales both optimizers
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        assert accelerator.scaler.get_scale() == 1024.0 * 2 ** (step + 1)  # one update per iteration
+    assert a.tolist() == [-10.0, -10.0] and b.tolist() == [-6.0, -6.0]  # divided by the scale once
+
+
+def test_an_unscaled_optimizer_that_does_not_step_delays_the_update_to_the_next_backward():
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    first, second = accelerator.prepare(torch.optim.SGD([a], lr=1.0), torch.optim.SGD([b], lr=1.0))
+    accelerator.backward((a * 5).sum() + (b * 3).sum())
+    accelerator.unscale_gradients()
+    first.step()  # `second` never steps in this iteration
+    first.zero_grad()
+    second.zero_grad()
+    accelerator.backward((a * 5).sum())  # updates first, so the next step is allowed
+    first.step()
+    assert a.tolist() == [-10.0, -10.0] and b.tolist() == [0.0, 0.0]

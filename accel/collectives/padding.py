@@ -76,6 +76,9 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
 def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any, pad_first: bool) -> Any:
     """`tensor` with each leaf padded to the largest of its shapes in `shapes` (every process's leaf shapes)."""
     leaves = tensor_leaves(tensor, "pad_across_processes")
+    counts = [len(rank_shapes) for rank_shapes in shapes]
+    if len(set(counts)) > 1:  # every rank sees the same shapes, so all raise (none goes on to hang)
+        raise ValueError(f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
     padded = [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
               for i, leaf in enumerate(leaves)]
     return replace_tensor_leaves(tensor, padded)

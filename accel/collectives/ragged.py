@@ -70,6 +70,7 @@ def next_capacity(largest: int) -> int:
 def unpack(slots: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every leaf concatenated over the ranks along dim 0, from slots that hold every rank's whole pack."""
     headers = _headers(slots)
+    _check_leaf_counts([_leaf_count(words) for words in headers])
     outputs = []
     offsets = [8 * (_PREFIX_WORDS + len(words)) for words in headers]
     for index, leaf in enumerate(like):
@@ -98,6 +99,19 @@ def _leaf_shape(words: list[int], index: int) -> tuple[torch.dtype, list[int]]:
     for _ in range(index):
         at += 2 + words[at + 1]
     return _DTYPES[words[at]], words[at + 2 : at + 2 + words[at + 1]]
+
+
+def _leaf_count(words: list[int]) -> int:
+    count, at = 0, 0
+    while at < len(words):
+        count, at = count + 1, at + 2 + words[at + 1]
+    return count
+
+
+def _check_leaf_counts(counts: list[int]) -> None:
+    if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
+        listing = ", ".join(f"process {rank}: {count}" for rank, count in enumerate(counts))
+        raise RuntimeError(f"gather: the processes send different numbers of tensors ({listing})")
 
 
 def _numel(shape: list[int]) -> int:

@@ -13,6 +13,7 @@ import types
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from accel.collectives.pytree import recursively_apply
 
@@ -80,7 +81,15 @@ class FP16Precision(BF16Precision):
         self.scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {}))
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self._update_if_pending()
         self.scaler.scale(loss).backward(**kwargs)
+
+    def _update_if_pending(self) -> None:
+        # An optimizer stepped while another one, unscaled, did not (AcceleratedOptimizer.step then waits for
+        # it): the new iteration starts with the update the last iteration did not make.
+        states = self.scaler._per_optimizer_states
+        if any(state["stage"] is OptState.STEPPED for state in states.values()):
+            self.scaler.update()
 
     def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:

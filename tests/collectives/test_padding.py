@@ -113,3 +113,18 @@ def test_the_fake_kernel_traces_and_checks_shapes():
     x = torch.randn(3, 4)
     compiled = torch.compile(pad_by_two, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), pad_reference(x, 1, 6, -1) * 2)
+
+
+def _mismatched_counts():
+    from accel.state import PartialState
+
+    try:
+        pad_across_processes([torch.ones(2)] * (PartialState().process_index + 1))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_different_numbers_of_tensors_are_an_error_on_every_rank():
+    messages = run_on_ranks(_mismatched_counts, 2, timeout=60)
+    assert messages[0] == messages[1] and "different numbers of tensors" in messages[0]

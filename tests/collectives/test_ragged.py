@@ -61,3 +61,17 @@ def test_disagreeing_leaves_raise_on_every_rank():
 def test_capacity_is_a_power_of_two_with_room():
     assert ragged.next_capacity(1) == ragged.FIRST_CAPACITY
     assert ragged.next_capacity(5000) == 8192 and ragged.next_capacity(8192) == 8192
+
+
+def _mismatched_counts():
+    state = PartialState()
+    try:
+        TorchDistributedTransport().all_gather_ragged([torch.zeros(2)] * (state.process_index + 1))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_different_numbers_of_tensors_raise_on_every_rank():
+    messages = run_on_ranks(_mismatched_counts, 2)
+    assert messages[0] == messages[1] and "different numbers of tensors" in messages[0]
