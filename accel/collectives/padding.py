@@ -85,7 +85,7 @@ def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_
 
 
 def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in tensor_leaves(tensor, "")])
+    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in tensor_leaves(tensor, "pad_across_processes")])
     return _pad_leaves(tensor, [part for part in parts if part is not None], dim, pad_index, pad_first)
 
 

@@ -67,14 +67,15 @@ def next_capacity(largest: int) -> int:
     return max(FIRST_CAPACITY, 1 << (largest - 1).bit_length())
 
 
-def unpack(slots: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+def unpack(slots: torch.Tensor) -> list[torch.Tensor]:
     """Every leaf concatenated over the ranks along dim 0, from slots that hold every rank's whole pack."""
     headers = _headers(slots)
-    _check_leaf_counts([_leaf_count(words) for words in headers])
-    outputs = []
+    per_rank = [_leaves_of(words) for words in headers]  # [rank][leaf] -> (dtype, shape), parsed once
+    _check_leaf_counts([len(leaves) for leaves in per_rank])
     offsets = [8 * (_PREFIX_WORDS + len(words)) for words in headers]
-    for index, leaf in enumerate(like):
-        shapes = [_leaf_shape(words, index) for words in headers]
+    outputs = []
+    for index in range(len(per_rank[0])):
+        shapes = [leaves[index] for leaves in per_rank]
         _check_agreement(index, shapes)
         pieces = []
         for rank, (dtype, shape) in enumerate(shapes):
@@ -94,18 +95,14 @@ def _headers(slots: torch.Tensor) -> list[list[int]]:
     return [words[rank, : int(prefix[rank, 1])].tolist() for rank in range(slots.shape[0])]
 
 
-def _leaf_shape(words: list[int], index: int) -> tuple[torch.dtype, list[int]]:
-    at = 0
-    for _ in range(index):
-        at += 2 + words[at + 1]
-    return _DTYPES[words[at]], words[at + 2 : at + 2 + words[at + 1]]
-
-
-def _leaf_count(words: list[int]) -> int:
-    count, at = 0, 0
+def _leaves_of(words: list[int]) -> list[tuple[torch.dtype, list[int]]]:
+    """One rank's header words as (dtype, shape) per leaf."""
+    leaves, at = [], 0
     while at < len(words):
-        count, at = count + 1, at + 2 + words[at + 1]
-    return count
+        ndim = words[at + 1]
+        leaves.append((_DTYPES[words[at]], words[at + 2 : at + 2 + ndim]))
+        at += 2 + ndim
+    return leaves
 
 
 def _check_leaf_counts(counts: list[int]) -> None:
@@ -141,4 +138,4 @@ def all_gather_ragged(leaves: list[torch.Tensor], state: dict[str, Any], world_s
     state["capacity"] = next_capacity(largest)
     if largest > capacity:  # some rank did not fit: everyone saw it, everyone runs the second round
         slots = gather_slots(packed, state["capacity"], world_size, all_gather_into)
-    return unpack(slots, leaves)
+    return unpack(slots)

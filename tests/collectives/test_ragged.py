@@ -43,18 +43,22 @@ def test_one_round_while_the_slot_fits_two_when_a_rank_outgrows_it(world_size):
     assert capacities[4] > capacities[3] and capacities[5] == ragged.FIRST_CAPACITY  # follows the last call
 
 
-def _mismatched_dtypes():
-    state = PartialState()
-    leaf = torch.zeros(2, dtype=torch.float32 if state.process_index else torch.int32)
+def _mismatched(kind):
+    """The error one ragged gather raises when rank 1's leaves differ from rank 0's in `kind`."""
+    rank = PartialState().process_index
+    if kind == "dtype":
+        leaves = [torch.zeros(2, dtype=torch.float32 if rank else torch.int32)]
+    else:
+        leaves = [torch.zeros(2)] * (rank + 1)
     try:
-        TorchDistributedTransport().all_gather_ragged([leaf])
+        TorchDistributedTransport().all_gather_ragged(leaves)
     except RuntimeError as error:
         return str(error)
     return None
 
 
 def test_disagreeing_leaves_raise_on_every_rank():
-    messages = run_on_ranks(_mismatched_dtypes, 2)
+    messages = run_on_ranks(_mismatched, 2, "dtype")
     assert messages[0] == messages[1] and "process 0: torch.int32" in messages[0]
 
 
@@ -63,15 +67,6 @@ def test_capacity_is_a_power_of_two_with_room():
     assert ragged.next_capacity(5000) == 8192 and ragged.next_capacity(8192) == 8192
 
 
-def _mismatched_counts():
-    state = PartialState()
-    try:
-        TorchDistributedTransport().all_gather_ragged([torch.zeros(2)] * (state.process_index + 1))
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
 def test_different_numbers_of_tensors_raise_on_every_rank():
-    messages = run_on_ranks(_mismatched_counts, 2)
+    messages = run_on_ranks(_mismatched, 2, "count")
     assert messages[0] == messages[1] and "different numbers of tensors" in messages[0]
