@@ -12,8 +12,10 @@
 Starting a worker costs a torch import, so one pool per world size lives for the whole session. The workers
 are CPU-only (CUDA is hidden from them), like `torchrun` on a CPU host. For each call the parent picks a free
 port, and every worker runs `fn` under the caller's current environment plus RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; afterwards it restores its own environment, resets the accel
-singletons and destroys any process group left behind.
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; afterwards it restores its own environment. Once every rank has
+replied, the parent tells the workers to reset the accel singletons and destroy any process group left behind:
+a rank that destroyed its group as soon as its own `fn` returned could close gloo connections that a slower
+peer is still setting up inside `init_process_group` ("Connection closed by peer").
 
 Fail fast: the first rank that raises (or dies) kills the whole pool, and the call raises `RankFailed` with that
 rank's traceback; the next call starts a new pool. A call that does not finish within `timeout` kills the pool
@@ -36,6 +38,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 
 STARTUP_TIMEOUT_S = 120.0
+_RESET = b"reset"  # parent -> worker, after every rank replied; a task is always a longer pickle
 _PR_SET_PDEATHSIG = 1
 
 
@@ -91,7 +94,6 @@ def _run_task(task: bytes) -> tuple[str, object]:
     finally:
         os.environ.clear()
         os.environ.update(own_env)
-        _reset_process_state()
 
 
 def _worker_main(conn: Connection, parent_pid: int) -> None:
@@ -112,6 +114,9 @@ def _worker_main(conn: Connection, parent_pid: int) -> None:
             return
         if not task:
             return
+        if task == _RESET:
+            _reset_process_state()  # no reply: the next message waits in the pipe behind this one
+            continue
         conn.send(_run_task(task))
 
 
@@ -151,6 +156,8 @@ class _Pool:
             conn.send_bytes(task_for_rank(rank))
         results: list = [None] * self.world_size
         self._collect(lambda rank, reply: results.__setitem__(rank, pickle.loads(reply)), timeout)
+        for conn in self.conns:
+            conn.send_bytes(_RESET)
         return results
 
     def _collect(self, on_reply, timeout: float) -> None:
