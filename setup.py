@@ -41,6 +41,21 @@ def cuda_wanted(torch, cuda_home):
     return torch.version.cuda is not None and cuda_home is not None
 
 
+# Compiled once per CPU instruction set, each copy in its own namespace (see csrc/cpu/vec/grad_kernels.h).
+VEC_SOURCES = sorted(glob.glob("csrc/cpu/vec/*.cpp"))
+HEADERS = sorted(glob.glob("csrc/**/*.h", recursive=True))
+
+
+def cpu_isa_variants():
+    """(name, flags) of each copy of VEC_SOURCES: a generic one everywhere, AVX2 and AVX512 on x86-64."""
+    variants = [("DEFAULT", [])]
+    if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32":
+        variants.append(("AVX2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]))
+        variants.append(("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                                    "-DCPU_CAPABILITY_AVX512"]))
+    return variants
+
+
 def get_extensions():
     if env_toggle("ACCEL_BUILD_NATIVE") is False:
         return []
@@ -55,13 +70,22 @@ def get_extensions():
     debug = env_toggle("DEBUG")
     cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp")), *sorted(glob.glob("csrc/shm/*.cpp"))]
-    args = {"extra_compile_args": {"cxx": cxx_flags + ["-fopenmp"]}, "extra_link_args": ["-fopenmp"]}
-    if not cuda_wanted(torch, CUDA_HOME):
-        return [CppExtension("accel._C", sources, **args)]
-    # No --use_fast_math: it flushes denormals, and kernels must match torch's results bit for bit.
-    args["extra_compile_args"]["nvcc"] = ["-O0", "-g"] if debug else ["-O3"]
-    args["define_macros"] = [("ACCEL_WITH_CUDA", "1")]
-    return [CUDAExtension("accel._C", sources + sorted(glob.glob("csrc/cuda/*.cu")), **args)]
+    variants = cpu_isa_variants()
+    args = {
+        "extra_compile_args": {"cxx": cxx_flags + ["-fopenmp"]},
+        "extra_link_args": ["-fopenmp"],
+        "define_macros": [(f"ACCEL_CPU_{name}", "1") for name, _ in variants if name != "DEFAULT"],
+        "depends": VEC_SOURCES + HEADERS,
+    }
+    if cuda_wanted(torch, CUDA_HOME):
+        # No --use_fast_math: it flushes denormals, and kernels must match torch's results bit for bit.
+        args["extra_compile_args"]["nvcc"] = ["-O0", "-g"] if debug else ["-O3"]
+        args["define_macros"].append(("ACCEL_WITH_CUDA", "1"))
+        extension = CUDAExtension("accel._C", sources + sorted(glob.glob("csrc/cuda/*.cu")), **args)
+    else:
+        extension = CppExtension("accel._C", sources, **args)
+    extension.accel_isa_variants = variants
+    return [extension]
 
 
 def build_info(extensions, error=None):
@@ -72,6 +96,7 @@ def build_info(extensions, error=None):
         "cuda": torch.version.cuda if any(src.endswith(".cu") for ext in extensions for src in ext.sources) else None,
         "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernels": [name for ext in extensions for name, _ in getattr(ext, "accel_isa_variants", [])],
         "platform": platform.platform(),
         "native": bool(extensions) and error is None,
     }
@@ -121,6 +146,21 @@ def build_ext_class():
                     error = f"{type(exc).__name__}: {exc}\n{compiler_errors(log)}"
                     print(f"accel: native build failed, installing pure Python:\n{error}", file=sys.stderr)
             self.write_build_info(error)
+
+        def build_extension(self, ext):
+            ext.extra_objects = [*ext.extra_objects, *self.compile_isa_variants(ext)]
+            super().build_extension(ext)
+
+        def compile_isa_variants(self, ext):
+            """Objects of VEC_SOURCES, once per instruction set, each under its own flags and ninja file."""
+            cxx = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+            objects = []
+            for name, flags in getattr(ext, "accel_isa_variants", []):
+                objects += self.compiler.compile(
+                    VEC_SOURCES, output_dir=os.path.join(self.build_temp, f"isa-{name.lower()}"),
+                    macros=ext.define_macros, include_dirs=ext.include_dirs, debug=self.debug,
+                    extra_postargs=[*cxx, f"-DCPU_CAPABILITY=ACCEL_{name}", *flags], depends=ext.depends)
+            return objects
 
         def write_build_info(self, error):
             target = os.path.join(os.path.dirname(self.get_ext_fullpath("accel._C")), "_build_info.json")

@@ -19,6 +19,8 @@ import torch
 from accel import collectives
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import precision_for, restore_forward
+from accel.precision.grads import Measured
+from accel.precision.grads import clip_grad_norm_ as fused_clip_grad_norm_
 from accel.scheduler import AcceleratedScheduler
 from accel.settings import (
     AutocastKwargs,
@@ -311,12 +313,19 @@ class Accelerator:
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divides gradients by the loss scale (fp16; once per step, as torch's GradScaler allows)."""
+        self._unscale(optimizer)
+
+    def _unscale(self, optimizer: Any = None) -> Measured:
         optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
-        self.precision.unscale([getattr(opt, "optimizer", opt) for opt in optimizers])
+        return self.precision.unscale([getattr(opt, "optimizer", opt) for opt in optimizers])
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        """Unscales (fp16), then clips as `torch.nn.utils.clip_grad_norm_`; returns the total norm.
+
+        With the native kernels and norm_type 2, the norm comes from the unscale's own pass over the gradients
+        (or one read-only pass without fp16) and the clip is one fused scaling: see accel.precision.grads.
+        """
+        return fused_clip_grad_norm_(parameters, max_norm, norm_type, measured=self._unscale())
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self.unscale_gradients()

@@ -17,6 +17,17 @@ def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_fir
     torch.ops.accel.pad_into.default(src, dim, pad_value, pad_first, out)
 
 
+def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                   sq_norms: torch.Tensor) -> None:
+    """grads *= inv_scale, found_inf = 1 on inf/nan, sq_norms[i] = sum of squares of grads[i] after; one pass."""
+    torch.ops.accel.unscale_grads_.default(grads, found_inf, inv_scale, sq_norms)
+
+
+def clip_grads_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """grads *= min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ scales them."""
+    torch.ops.accel.clip_grads_.default(grads, total_norm, max_norm)
+
+
 def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float) -> int:
     """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm)."""
     return torch.ops.accel.shm_group_create.default(rank, world, token, slot_bytes, timeout_s)
@@ -61,6 +72,31 @@ def _register_fakes() -> None:
                 torch._check(out.shape[d] >= src.shape[d], lambda: f"accel::pad_into: out.size({d}) too small")
             else:
                 torch._check(out.shape[d] == src.shape[d], lambda: f"accel::pad_into: out.size({d}) != src.size({d})")
+        return None
+
+    def _check_grads(op, grads, device):
+        for i, grad in enumerate(grads):
+            torch._check(grad.device == device, lambda: f"{op}: grads[{i}] is on {grad.device}, expected {device}")
+            torch._check(grad.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                         lambda: f"{op}: grads[{i}] is {grad.dtype}; the fused kernels take float32, float16, bfloat16")
+
+    @torch.library.register_fake("accel::unscale_grads_")
+    def _unscale_grads_fake(grads, found_inf, inv_scale, sq_norms):
+        torch._check(found_inf.numel() == 1 and found_inf.dtype == torch.float32,
+                     lambda: "accel::unscale_grads_: found_inf must be a one-element float32 tensor")
+        torch._check(inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
+                     lambda: "accel::unscale_grads_: inv_scale must be a one-element float32 tensor")
+        torch._check(sq_norms.dtype == torch.float64 and sq_norms.shape == (len(grads),),
+                     lambda: "accel::unscale_grads_: sq_norms must be a float64 vector with one entry per grad")
+        _check_grads("accel::unscale_grads_", grads, found_inf.device)
+        return None
+
+    @torch.library.register_fake("accel::clip_grads_")
+    def _clip_grads_fake(grads, total_norm, max_norm):
+        if grads:
+            torch._check(total_norm.numel() == 1 and total_norm.dtype == torch.float32,
+                         lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor")
+            _check_grads("accel::clip_grads_", grads, grads[0].device)
         return None
 
     @torch.library.register_fake("accel::shm_all_gather")

@@ -16,6 +16,15 @@ TORCH_LIBRARY(accel, m) {
   // padding goes before the data when pad_first. The pack step of the padded all-gather.
   m.def("pad_into(Tensor src, int dim, Scalar pad_value, bool pad_first, Tensor(a!) out) -> ()");
 
+  // The fused gradient unscale (cpu/grad_unscale.cpp, cuda/grad_unscale.cu). Multiplies every grad by inv_scale
+  // in fp32, as torch._amp_foreach_non_finite_check_and_unscale_ does (bit for bit), sets found_inf to 1 when a
+  // grad holds inf or nan, and writes each grad's sum of squares after unscaling to sq_norms (fp64, one entry
+  // per grad), all in one pass; with inv_scale == 1 it only reads. Grads: dense, contiguous, fp32/fp16/bf16.
+  m.def("unscale_grads_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, Tensor(c!) sq_norms) -> ()");
+  // clip_grad_norm_'s scaling step: grads *= min(1, max_norm / (total_norm + 1e-6)), with total_norm (fp32, one
+  // element) read where it lives, so a CUDA caller never waits for it.
+  m.def("clip_grads_(Tensor(a!)[] grads, Tensor total_norm, float max_norm) -> ()");
+
   // The same-host shared-memory transport (csrc/shm/, binding in cpu/shm_transport.cpp). A group is an integer
   // handle: created on every rank with the same token, attached once all exist, unlinked once all attached.
   m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s) -> int");

@@ -1,8 +1,8 @@
 """Mixed-precision policies: how the forward runs and how the loss goes backward.
 
-One object per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with torch's gradient
-scaler, on CPU as on CUDA (HF Accelerate trains "fp16" on CPU in fp32, without autocast or scaler). fp8 is
-refused with a clear error.
+One object per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with a gradient scaler
+(torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF Accelerate trains
+"fp16" on CPU in fp32, without autocast or scaler). fp8 is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from accel.collectives.pytree import recursively_apply
+from accel.precision.grads import Measured
+from accel.precision.scaler import FusedGradScaler
 
 
 class FullPrecision:
@@ -38,8 +40,12 @@ class FullPrecision:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loss.backward(**kwargs)
 
-    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Divides the optimizers' gradients by the loss scale; nothing to do without a scaler."""
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> Measured:
+        """Divides the optimizers' gradients by the loss scale; returns the gradient norms measured doing so.
+
+        Without a scaler there is nothing to divide and nothing measured.
+        """
+        return Measured()
 
 
 class BF16Precision(FullPrecision):
@@ -69,8 +75,9 @@ class BF16Precision(FullPrecision):
 class FP16Precision(BF16Precision):
     """`mixed_precision="fp16"`: the forward under torch.autocast(float16), the loss scaled before backward.
 
-    The scaler is torch's `GradScaler` for this device type (CPU too): `AcceleratedOptimizer.step` steps
-    through it, so a step whose gradients hold inf/nan is skipped and the scale backs off.
+    The scaler is torch's `GradScaler` for this device type (CPU too), unscaling with the fused kernel
+    (`FusedGradScaler`): `AcceleratedOptimizer.step` steps through it, so a step whose gradients hold inf/nan is
+    skipped and the scale backs off.
     """
 
     name = "fp16"
@@ -78,7 +85,7 @@ class FP16Precision(BF16Precision):
 
     def __init__(self, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None):
         super().__init__(device, autocast_kwargs)
-        self.scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {}))
+        self.scaler = FusedGradScaler(device.type, **(scaler_kwargs or {}))
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self._update_if_pending()
@@ -91,9 +98,11 @@ class FP16Precision(BF16Precision):
         if any(state["stage"] is OptState.STEPPED for state in states.values()):
             self.scaler.update()
 
-    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            self.scaler.unscale_(optimizer)
+    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> Measured:
+        with self.scaler.measuring() as measured:
+            for optimizer in optimizers:
+                self.scaler.unscale_(optimizer)
+        return measured
 
 
 class AutocastForward:

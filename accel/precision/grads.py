@@ -1,0 +1,156 @@
+"""Gradient unscale and clip: accel's fused kernels, and the pure-torch reference they fall back to.
+
+torch's way, which HF Accelerate runs: `GradScaler.unscale_` reads and writes every gradient, then
+`clip_grad_norm_` reads them all again for the norm and a third time to scale them. The fused way:
+`accel::unscale_grads_` unscales, checks for inf/nan and measures each gradient's sum of squares in one pass, so
+the clip only has to scale (`accel::clip_grads_`), and does nothing when the norm is under `max_norm`.
+
+Results: unscaled gradients and `found_inf` are bit-identical to torch's. The norm agrees to rounding: the
+kernels sum squares in fp32 within chunks of 32 Ki elements and in fp64 across chunks, where torch takes a norm
+per tensor in the gradient's dtype and then the norm of those; for fp16/bf16 gradients ours is the more exact
+one, and it is returned in fp32 (torch returns it in the gradients' dtype). Given the same norm, clipping is
+bit-identical. Gradients the kernels do not take (sparse, non-contiguous, fp64, several devices, a norm other
+than 2) go through torch's own functions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from accel import _ext, ops
+
+FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+def fusable(grad: torch.Tensor) -> bool:
+    """Whether the fused kernels take `grad`: dense, contiguous, fp32/fp16/bf16, on a device with a kernel."""
+    return (
+        grad.layout == torch.strided
+        and grad.dtype in FUSED_DTYPES
+        and grad.is_contiguous()
+        and _ext.native_for("unscale_grads_", grad.device)
+    )
+
+
+class Measured:
+    """Sums of squares measured while unscaling, looked up by gradient (identity); see `unscale_`.
+
+    It holds the gradients it measured, so keep it no longer than the unscale-then-clip it serves.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def add(self, grads: list[torch.Tensor], sq_norms: torch.Tensor) -> None:
+        for index, grad in enumerate(grads):
+            self._entries[id(grad)] = (grad, sq_norms, index)
+
+    def update(self, other: Measured) -> None:
+        self._entries.update(other._entries)
+
+    def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        entry = self._entries.get(id(grad))
+        if entry is None or entry[0] is not grad:
+            return None
+        return entry[1], entry[2]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> Measured:
+    """`torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)`, any float dtype mix.
+
+    All `grads` are dense tensors on `found_inf`'s device. Returns the sums of squares the fused kernel measured
+    on the way (empty where the reference ran).
+    """
+    measured = Measured()
+    fused = [grad for grad in grads if fusable(grad)]
+    if fused:
+        sq_norms = torch.empty(len(fused), dtype=torch.float64, device=found_inf.device)
+        ops.unscale_grads_(fused, found_inf, inv_scale, sq_norms)
+        measured.add(fused, sq_norms)
+    if len(fused) < len(grads):
+        fused_ids = {id(grad) for grad in fused}
+        unscale_reference_([grad for grad in grads if id(grad) not in fused_ids], found_inf, inv_scale)
+    return measured
+
+
+def unscale_reference_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """torch's unscale, per dtype; bf16 on CUDA (which torch's kernel lacks) with the same fp32 arithmetic."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_dtype[grad.dtype].append(grad)
+    for dtype, group in by_dtype.items():
+        if dtype == torch.bfloat16 and found_inf.device.type == "cuda":
+            for grad in group:
+                found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(grad)).any().float()))
+                grad.copy_(grad.float().mul_(inv_scale))
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    measured: Measured | None = None,
+) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_`, fused where it can be; returns the total norm (fp32 when fused).
+
+    `measured`: sums of squares that `unscale_` just measured for some of these gradients (they are not read
+    again); the norm of the others is measured by a read-only pass of the same kernel.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not _fused_clip_applies(grads, norm_type):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    total_norm = total_norm_(grads, measured or Measured())
+    ops.clip_grads_(grads, total_norm, float(max_norm))
+    return total_norm
+
+
+def _fused_clip_applies(grads: list[torch.Tensor], norm_type: float) -> bool:
+    return (
+        bool(grads)
+        and float(norm_type) == 2.0
+        and len({grad.device for grad in grads}) == 1
+        and all(fusable(grad) for grad in grads)
+    )
+
+
+def total_norm_(grads: list[torch.Tensor], measured: Measured) -> torch.Tensor:
+    """The 2-norm of all `grads` together (fp32, on their device, no host sync), reusing `measured` sums."""
+    indices_by_source: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    unmeasured = []
+    for grad in grads:
+        found = measured.lookup(grad)
+        if found is None:
+            unmeasured.append(grad)
+        else:
+            sq_norms, index = found
+            indices_by_source.setdefault(id(sq_norms), (sq_norms, []))[1].append(index)
+    parts = [_selected_sum(sq_norms, indices) for sq_norms, indices in indices_by_source.values()]
+    if unmeasured:
+        parts.append(sq_norms_(unmeasured).sum())
+    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    return total.sqrt().to(torch.float32)
+
+
+def _selected_sum(sq_norms: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    if indices == list(range(sq_norms.numel())):
+        return sq_norms.sum()  # every measured gradient is clipped: the usual case, no gather
+    return sq_norms[torch.tensor(indices, device=sq_norms.device)].sum()
+
+
+def sq_norms_(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's sum of squares (fp64), by the unscale kernel in its read-only mode (inv_scale == 1)."""
+    device = grads[0].device
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    sq_norms = torch.empty(len(grads), dtype=torch.float64, device=device)
+    ops.unscale_grads_(grads, found_inf, one, sq_norms)
+    return sq_norms

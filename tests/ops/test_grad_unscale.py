@@ -1,0 +1,328 @@
+"""accel::unscale_grads_ and accel::clip_grads_ against torch: unscale and found_inf bit for bit, the norm to
+rounding, the clip bit for bit given the same norm; opcheck; bad input; every CPU instruction set."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from accel import _ext
+from accel.precision import grads as grad_ops
+
+NATIVE = _ext.status().loaded
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native extension not loaded: {_ext.status().reason}")
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and NATIVE and _ext.status().cuda_kernels),
+                                reason="needs a GPU and accel's CUDA kernels")  # fmt: skip
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INV_SCALES = [1.0, 2.0**-16, 0.37, 4.0]  # 1: the read-only path; 4: fp16 values may overflow *after* the check
+
+
+def gradient_set(kind, dtypes, generator, device="cpu"):
+    """Many tiny tensors, a few large ones (sizes off the vector width), or both; dtypes drawn from `dtypes`."""
+    sizes = {
+        "tiny": torch.randint(1, 70, (300,), generator=generator).tolist(),
+        "large": [300_001, 65_537, 131_072],
+        "mixed": [0, 1, 17, 4096, 40_000, 7, 100_003, 3],
+    }[kind]
+    grads = []
+    for i, size in enumerate(sizes):
+        dtype = dtypes[i % len(dtypes)]
+        grads.append((torch.randn(size, generator=generator) * 1000).to(dtype).to(device))
+    return grads
+
+
+def inject(grads, value, where, generator):
+    """Puts `value` at the first, last or a middle element of a random non-empty tensor."""
+    candidates = [g for g in grads if g.numel() > 0]
+    grad = candidates[torch.randint(len(candidates), (1,), generator=generator).item()]
+    index = {"first": 0, "last": grad.numel() - 1, "middle": grad.numel() // 2}[where]
+    grad.view(-1)[index] = value
+
+
+def torch_unscale(grads, inv_scale, found_inf_init=0.0):
+    """torch._amp_foreach_non_finite_check_and_unscale_ per dtype (it takes one dtype per call)."""
+    grads = [g.clone() for g in grads]
+    found_inf = torch.full((), found_inf_init, device=grads[0].device if grads else "cpu")
+    inv = torch.tensor(inv_scale, device=found_inf.device)
+    for dtype in DTYPES:
+        group = [g for g in grads if g.dtype == dtype]
+        if group:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
+    return grads, found_inf
+
+
+def native_unscale(grads, inv_scale, found_inf_init=0.0):
+    grads = [g.clone() for g in grads]
+    device = grads[0].device if grads else "cpu"
+    found_inf = torch.full((), found_inf_init, device=device)
+    sq_norms = torch.empty(len(grads), dtype=torch.float64, device=device)
+    torch.ops.accel.unscale_grads_(grads, found_inf, torch.tensor(inv_scale, device=device), sq_norms)
+    return grads, found_inf, sq_norms
+
+
+def same_bits(a, b):
+    """Bit-exact equality, except that any two NaNs are equal: NaN payloads are not part of the contract (torch's
+    own kernel writes a bf16 NaN as 0x7fc0 on its scalar path and 0xffff on its vector path)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return torch.equal(a[~both_nan].view(torch.uint8), b[~both_nan].view(torch.uint8))
+
+
+def check_parity(grads, inv_scale, found_inf_init=0.0):
+    expected, expected_inf = torch_unscale(grads, inv_scale, found_inf_init)
+    actual, actual_inf, sq_norms = native_unscale(grads, inv_scale, found_inf_init)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert same_bits(a, e), f"grads[{i}] ({a.dtype}, {a.numel()} elements) differs from torch"
+    assert same_bits(actual_inf, expected_inf)
+    if not actual_inf.item():
+        exact = torch.stack([g.double().square().sum() for g in expected]) if expected else sq_norms
+        torch.testing.assert_close(sq_norms, exact, rtol=1e-5, atol=0)
+    return actual_inf.item()
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
+@pytest.mark.parametrize("dtypes", [[d] for d in DTYPES] + [DTYPES], ids=lambda d: "+".join(str(x)[6:] for x in d))
+@pytest.mark.parametrize("inv_scale", INV_SCALES)
+def test_unscale_matches_torch_bit_for_bit(kind, dtypes, inv_scale):
+    grads = gradient_set(kind, dtypes, torch.Generator().manual_seed(len(kind) + len(dtypes)))
+    assert check_parity(grads, inv_scale) == 0.0
+
+
+@needs_native
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", ["first", "last", "middle"])
+@pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
+def test_inf_and_nan_set_found_inf_as_torch_does(value, where, kind):
+    generator = torch.Generator().manual_seed(hash((str(value), where, kind)) % 1000)
+    grads = gradient_set(kind, DTYPES, generator)
+    inject(grads, value, where, generator)
+    assert check_parity(grads, 2.0**-10) == 1.0
+
+
+@needs_native
+def test_found_inf_is_set_never_cleared():
+    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(1))
+    assert check_parity(grads, 0.5, found_inf_init=1.0) == 1.0
+
+
+@needs_native
+def test_empty_lists_and_empty_tensors():
+    found_inf, sq_norms = torch.zeros(()), torch.empty(0, dtype=torch.float64)
+    torch.ops.accel.unscale_grads_([], found_inf, torch.tensor(0.5), sq_norms)
+    assert found_inf.item() == 0.0
+    empty = [torch.empty(0), torch.empty(0, 3, dtype=torch.float16)]
+    _, found_inf, sq_norms = native_unscale(empty, 0.5)
+    assert found_inf.item() == 0.0 and sq_norms.tolist() == [0.0, 0.0]
+    torch.ops.accel.clip_grads_([], torch.tensor(5.0), 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("dtypes", [[d] for d in DTYPES] + [DTYPES], ids=lambda d: "+".join(str(x)[6:] for x in d))
+@pytest.mark.parametrize("norm", [0.5, 3.0, 1e4, float("inf"), float("nan")])
+def test_clip_matches_torch_bit_for_bit_given_the_norm(dtypes, norm):
+    grads = gradient_set("mixed", dtypes, torch.Generator().manual_seed(3))
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total_norm = torch.tensor(norm)
+    torch.nn.utils.clip_grad._clip_grads_with_norm_(params, 2.0, total_norm)
+    actual = [g.clone() for g in grads]
+    torch.ops.accel.clip_grads_(actual, total_norm, 2.0)
+    for a, p in zip(actual, params):
+        assert same_bits(a, p.grad)
+
+
+@needs_native
+# Two units in the last place of each dtype: torch's norm and clip coefficient are rounded to it, ours are fp32.
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2**-9), (torch.bfloat16, 2**-6)])
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_clip_grad_norm_agrees_with_torch_to_rounding(dtype, rtol, max_norm):
+    generator = torch.Generator().manual_seed(4)
+    grads = [g / 1000 for g in gradient_set("mixed", [dtype], generator)]  # torch's fp16 norm overflows otherwise
+    ours = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    theirs = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for a, b, g in zip(ours, theirs, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    norm = grad_ops.clip_grad_norm_(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert norm.dtype == torch.float32  # torch returns the gradients' dtype
+    torch.testing.assert_close(norm, expected.float(), rtol=rtol, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=1e-6)
+
+
+@needs_native
+def test_an_fp16_norm_above_65504_does_not_overflow():
+    """torch takes fp16 norms in fp16: past 65504 the norm is inf and clipping zeroes every gradient."""
+    params = [torch.nn.Parameter(torch.empty(4096, dtype=torch.float16)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full_like(p, 1000.0)
+    norm = grad_ops.clip_grad_norm_(params, 1.0)
+    torch.testing.assert_close(norm, torch.tensor((3 * 4096 * 1000.0**2) ** 0.5), rtol=1e-6, atol=0)
+    clipped = params[0].grad.float()
+    torch.testing.assert_close(clipped, torch.full_like(clipped, 1000.0 / norm.item()), rtol=1e-3, atol=0)
+
+
+@needs_native
+def test_the_clip_reuses_the_norms_measured_by_the_unscale():
+    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(5))
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    measured = grad_ops.unscale_([p.grad for p in params], torch.zeros(()), torch.tensor(0.25))
+    assert len(measured) == len(params)
+    exact = torch.stack([p.grad.double().square().sum() for p in params]).sum().sqrt()
+    # Half of the parameters: the measured sums are picked out; the others would be measured anew.
+    total = grad_ops.total_norm_([p.grad for p in params[::2]], measured)
+    torch.testing.assert_close(total.double(), torch.stack([p.grad.double().square().sum() for p in params[::2]]).sum().sqrt(), rtol=1e-6, atol=0)  # noqa: E501
+    norm = grad_ops.clip_grad_norm_(params, 1e9, measured=measured)
+    torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
+
+
+def test_grads_the_kernels_do_not_take_go_through_torch():
+    generator = torch.Generator().manual_seed(6)
+    dense = torch.randn(40, 30, generator=generator)
+    odd = [dense.t(), torch.randn(50, generator=generator, dtype=torch.float64), torch.randn(64, generator=generator)]
+    expected = [g.clone() for g in odd]
+    found_inf = torch.zeros(())
+    for g in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found_inf, torch.tensor(0.5))
+    grads = [g.clone() for g in odd]
+    measured = grad_ops.unscale_(grads, torch.zeros(()), torch.tensor(0.5))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    assert len(measured) == (1 if NATIVE else 0)  # only the contiguous fp32 one is fused
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in odd]
+    for p, g in zip(params, grads):
+        p.grad = g
+    reference = [torch.nn.Parameter(torch.empty_like(g)) for g in odd]
+    for p, g in zip(reference, grads):
+        p.grad = g.clone()
+    torch.testing.assert_close(grad_ops.clip_grad_norm_(params, 1.0), torch.nn.utils.clip_grad_norm_(reference, 1.0))
+    torch.testing.assert_close(grad_ops.clip_grad_norm_(params, 1.0, norm_type=1.0),
+                               torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type=1.0))  # fmt: skip
+
+
+def test_clip_grad_norm_with_no_gradients_is_zero_like_torch():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    assert grad_ops.clip_grad_norm_(params, 1.0).item() == torch.nn.utils.clip_grad_norm_(params, 1.0).item() == 0.0
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (lambda: ([torch.ones(3)], torch.zeros((), dtype=torch.float64), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), "found_inf must be a one-element float32"),  # noqa: E501
+        (lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor([1.0, 2.0]), torch.empty(1, dtype=torch.float64)), "inv_scale must be a one-element float32"),  # noqa: E501
+        (lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor(1.0), torch.empty(2, dtype=torch.float64)), "one entry per grad"),  # noqa: E501
+        (lambda: ([torch.ones(3), torch.ones(3, dtype=torch.float64)], torch.zeros(()), torch.tensor(1.0), torch.empty(2, dtype=torch.float64)), r"grads\[1\] is Double"),  # noqa: E501
+        (lambda: ([torch.ones(4, 4).t()], torch.zeros(()), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), r"grads\[0\] is not contiguous"),  # noqa: E501
+        (lambda: ([torch.ones(3).to_sparse()], torch.zeros(()), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), "'SparseCPU' backend"),  # the dispatcher refuses it before the kernel  # noqa: E501
+    ],
+)
+def test_bad_input_names_the_problem_and_changes_nothing(args, message):
+    grads, found_inf, inv_scale, sq_norms = args()
+    before = [g.clone() for g in grads]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.accel.unscale_grads_(grads, found_inf, inv_scale, sq_norms)
+    assert all(torch.equal(a.to_dense(), b.to_dense()) for a, b in zip(grads, before))
+
+
+@needs_native
+def test_clip_bad_input():
+    with pytest.raises(RuntimeError, match="total_norm must be a one-element float32"):
+        torch.ops.accel.clip_grads_([torch.ones(3)], torch.tensor([1.0, 2.0]), 1.0)
+
+
+@needs_native
+def test_opcheck_unscale_grads():
+    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(7))
+    args = (grads, torch.zeros(()), torch.tensor(0.5), torch.empty(len(grads), dtype=torch.float64))
+    torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
+
+
+@needs_native
+def test_opcheck_clip_grads():
+    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(8))
+    torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0), 1.0))
+
+
+CAPABILITY_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_grad_unscale import gradient_set, check_parity, inject, DTYPES, INV_SCALES
+    assert torch.backends.cpu.get_cpu_capability() == {capability!r}, torch.backends.cpu.get_cpu_capability()
+    for kind in ("tiny", "large", "mixed"):
+        for inv_scale in INV_SCALES:
+            assert check_parity(gradient_set(kind, DTYPES, torch.Generator().manual_seed(9)), inv_scale) == 0.0
+        generator = torch.Generator().manual_seed(10)
+        grads = gradient_set(kind, DTYPES, generator)
+        inject(grads, float("nan"), "last", generator)
+        assert check_parity(grads, 0.5) == 1.0
+    print("ok")
+    """
+)
+
+
+@needs_native
+@pytest.mark.parametrize("capability", ["DEFAULT", "AVX2"])
+def test_every_cpu_instruction_set_matches_torch(capability):
+    """The kernels torch's ATEN_CPU_CAPABILITY selects (this machine's best one runs in the tests above)."""
+    if capability not in _ext.status().build_info.get("cpu_kernels", []):
+        pytest.skip(f"this build has no {capability} kernels")
+    if capability == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    script = CAPABILITY_CHECK.format(tests=os.path.dirname(__file__), capability=capability)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability.lower())
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
+@pytest.mark.parametrize("inv_scale", INV_SCALES)
+def test_cuda_unscale_matches_torch(kind, inv_scale):
+    grads = gradient_set(kind, [torch.float32, torch.float16], torch.Generator().manual_seed(11), device="cuda")
+    assert check_parity(grads, inv_scale) == 0.0
+    generator = torch.Generator().manual_seed(12)
+    inject(grads, float("inf"), "middle", generator)
+    assert check_parity(grads, inv_scale) == 1.0
+
+
+@needs_cuda
+def test_cuda_bf16_unscale_matches_the_cpu_kernel():
+    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(13))
+    cpu, cpu_inf, cpu_sq = native_unscale(grads, 0.37)
+    cuda, cuda_inf, cuda_sq = native_unscale([g.cuda() for g in grads], 0.37)
+    assert all(same_bits(a, b.cpu()) for a, b in zip(cpu, cuda)) and cpu_inf.item() == cuda_inf.item()
+    torch.testing.assert_close(cuda_sq.cpu(), cpu_sq, rtol=1e-6, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("norm", [0.5, 1e4, float("nan")])
+def test_cuda_clip_matches_torch(norm):
+    grads = gradient_set("mixed", [torch.float32, torch.float16, torch.bfloat16], torch.Generator().manual_seed(14),
+                         device="cuda")  # fmt: skip
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total_norm = torch.tensor(norm, device="cuda")
+    torch.nn.utils.clip_grad._clip_grads_with_norm_(params, 2.0, total_norm)
+    actual = [g.clone() for g in grads]
+    torch.ops.accel.clip_grads_(actual, total_norm, 2.0)
+    assert all(same_bits(a, p.grad) for a, p in zip(actual, params))
+
+
+@needs_cuda
+def test_cuda_opcheck():
+    grads = gradient_set("mixed", [torch.float32, torch.float16], torch.Generator().manual_seed(15), device="cuda")
+    args = (grads, torch.zeros((), device="cuda"), torch.tensor(0.5, device="cuda"),
+            torch.empty(len(grads), dtype=torch.float64, device="cuda"))  # fmt: skip
+    torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
+    torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0, device="cuda"), 1.0))
