@@ -14,6 +14,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     groups = {}
     for bench in session.benchmarks:
+        if not bench.stats.data:  # the benchmark failed before its first round
+            continue
         groups.setdefault(bench.group, []).append(bench)
     terminalreporter.section("median time / median time of the group's limit (lower is better, 1.0 = limit)")
     for group, benches in sorted(groups.items(), key=lambda kv: str(kv[0])):

@@ -18,8 +18,8 @@ TORCH_LIBRARY(accel, m) {
 
   // The fused gradient unscale (cpu/grad_unscale.cpp, cuda/grad_unscale.cu). Multiplies every grad by inv_scale
   // in fp32, as torch._amp_foreach_non_finite_check_and_unscale_ does (bit for bit), sets found_inf to 1 when a
-  // grad holds inf or nan, and writes each grad's sum of squares after unscaling to sq_norms (fp64, one entry
-  // per grad), all in one pass; with inv_scale == 1 it only reads. Grads: dense, contiguous, fp32/fp16/bf16.
+  // grad holds inf or nan, and writes each grad's sum of squares of the unscaled fp32 values to sq_norms (fp64,
+  // one entry per grad), all in one pass; with inv_scale == 1 it only reads. Grads: dense, contiguous, fp32/fp16/bf16.
   m.def("unscale_grads_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, Tensor(c!) sq_norms) -> ()");
   // clip_grad_norm_'s scaling step: grads *= min(1, max_norm / (total_norm + 1e-6)), with total_norm (fp32, one
   // element) read where it lives, so a CUDA caller never waits for it.

@@ -27,38 +27,55 @@ FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 def fusable(grad: torch.Tensor) -> bool:
     """Whether the fused kernels take `grad`: dense, contiguous, fp32/fp16/bf16, on a device with a kernel."""
-    return (
-        grad.layout == torch.strided
-        and grad.dtype in FUSED_DTYPES
-        and grad.is_contiguous()
-        and _ext.native_for("unscale_grads_", grad.device)
-    )
+    return bool(_fusable_on_device([grad], grad.device))
+
+
+def _fusable_on_device(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The grads the kernels take, of `grads` all on `device` (the kernel itself refuses another device).
+
+    Per-gradient Python is what sets of thousands of small gradients pay, so the device is checked once.
+    """
+    if not _ext.native_for("unscale_grads_", device):
+        return []
+    strided, dtypes = torch.strided, FUSED_DTYPES
+    return [g for g in grads if g.layout is strided and g.dtype in dtypes and g.is_contiguous()]
 
 
 class Measured:
-    """Sums of squares measured while unscaling, looked up by gradient (identity); see `unscale_`.
+    """Sums of squares measured while unscaling: a list of (gradients, their sums) per kernel call.
 
     It holds the gradients it measured, so keep it no longer than the unscale-then-clip it serves.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.sources: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor, int]] | None = None
 
     def add(self, grads: list[torch.Tensor], sq_norms: torch.Tensor) -> None:
-        for index, grad in enumerate(grads):
-            self._entries[id(grad)] = (grad, sq_norms, index)
+        self.sources.append((grads, sq_norms))
+        self._index = None
 
     def update(self, other: Measured) -> None:
-        self._entries.update(other._entries)
+        for grads, sq_norms in other.sources:
+            self.add(grads, sq_norms)
+
+    def covers_exactly(self, grads: list[torch.Tensor]) -> bool:
+        """Whether `grads` are exactly the measured gradients (the usual unscale-then-clip case)."""
+        measured = [g for source, _ in self.sources for g in source]
+        if len(measured) != len(grads):
+            return False
+        return all(a is b for a, b in zip(measured, grads)) or {id(g) for g in measured} == {id(g) for g in grads}
 
     def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        entry = self._entries.get(id(grad))
+        if self._index is None:
+            self._index = {id(g): (g, sq, i) for grads, sq in self.sources for i, g in enumerate(grads)}
+        entry = self._index.get(id(grad))
         if entry is None or entry[0] is not grad:
             return None
         return entry[1], entry[2]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(grads) for grads, _ in self.sources)
 
 
 def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> Measured:
@@ -67,8 +84,11 @@ def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torc
     All `grads` are dense tensors on `found_inf`'s device. Returns the sums of squares the fused kernel measured
     on the way (empty where the reference ran).
     """
+    measured = try_unscale_fused_(grads, found_inf, inv_scale)
+    if measured is not None:
+        return measured
     measured = Measured()
-    fused = [grad for grad in grads if fusable(grad)]
+    fused = _fusable_on_device(grads, found_inf.device)
     if fused:
         sq_norms = torch.empty(len(fused), dtype=torch.float64, device=found_inf.device)
         ops.unscale_grads_(fused, found_inf, inv_scale, sq_norms)
@@ -76,6 +96,24 @@ def unscale_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torc
     if len(fused) < len(grads):
         fused_ids = {id(grad) for grad in fused}
         unscale_reference_([grad for grad in grads if id(grad) not in fused_ids], found_inf, inv_scale)
+    return measured
+
+
+def try_unscale_fused_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> Measured | None:
+    """All `grads` through the fused kernel in one call, or None (nothing touched) when it does not take them all.
+
+    The kernel checks every argument before it writes anything, in C++, so trying it costs nothing and spares
+    thousands of small gradients a check each in Python; the caller sorts them out only when one is refused.
+    """
+    if not grads or not _ext.native_for("unscale_grads_", found_inf.device):
+        return None
+    sq_norms = torch.empty(len(grads), dtype=torch.float64, device=found_inf.device)
+    try:
+        ops.unscale_grads_(grads, found_inf, inv_scale, sq_norms)
+    except (RuntimeError, NotImplementedError):  # a sparse, strided, fp64 or other-device gradient
+        return None
+    measured = Measured()
+    measured.add(grads, sq_norms)
     return measured
 
 
@@ -106,20 +144,21 @@ def clip_grad_norm_(
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if not _fused_clip_applies(grads, norm_type):
+    measured = measured or Measured()
+    if float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(grads):
+        total_norm = measured.sources[0][1].sum().sqrt().to(torch.float32)  # fusable by construction
+    elif _fused_clip_applies(grads, norm_type):
+        total_norm = total_norm_(grads, measured)
+    else:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    total_norm = total_norm_(grads, measured or Measured())
     ops.clip_grads_(grads, total_norm, float(max_norm))
     return total_norm
 
 
 def _fused_clip_applies(grads: list[torch.Tensor], norm_type: float) -> bool:
-    return (
-        bool(grads)
-        and float(norm_type) == 2.0
-        and len({grad.device for grad in grads}) == 1
-        and all(fusable(grad) for grad in grads)
-    )
+    if not grads or float(norm_type) != 2.0 or len({g.device for g in grads}) != 1:
+        return False
+    return len(_fusable_on_device(grads, grads[0].device)) == len(grads)
 
 
 def total_norm_(grads: list[torch.Tensor], measured: Measured) -> torch.Tensor:

@@ -37,11 +37,22 @@ class FusedGradScaler(torch.amp.GradScaler):
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer).items():
-                measured = grad_ops.unscale_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
-                if self._measured is not None:
-                    self._measured.update(measured)
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            # Usually every gradient is dense and on one device: one kernel call, no per-gradient Python.
+            device = grads[0].device if grads else None
+            measured = grads and grad_ops.try_unscale_fused_(
+                grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))  # fmt: skip
+            if measured:
+                self._record(measured)
+            else:
+                for device, device_grads in self._grads_by_device(optimizer).items():
+                    self._record(grad_ops.unscale_(
+                        device_grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)))  # fmt: skip
         return per_device_found_inf._per_device_tensors
+
+    def _record(self, measured: grad_ops.Measured) -> None:
+        if self._measured is not None:
+            self._measured.update(measured)
 
     @staticmethod
     def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, list[torch.Tensor]]:

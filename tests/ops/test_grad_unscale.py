@@ -80,7 +80,9 @@ def check_parity(grads, inv_scale, found_inf_init=0.0):
         assert same_bits(a, e), f"grads[{i}] ({a.dtype}, {a.numel()} elements) differs from torch"
     assert same_bits(actual_inf, expected_inf)
     if not actual_inf.item():
-        exact = torch.stack([g.double().square().sum() for g in expected]) if expected else sq_norms
+        # The sums are of the fp32 products, before they are rounded to the gradient's dtype.
+        inv = torch.tensor(inv_scale, dtype=torch.float32)
+        exact = torch.stack([(g.float() * inv).double().square().sum() for g in grads]) if grads else sq_norms
         torch.testing.assert_close(sq_norms, exact, rtol=1e-5, atol=0)
     return actual_inf.item()
 

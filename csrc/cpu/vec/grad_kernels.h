@@ -14,7 +14,7 @@ namespace accel::cpu {
 enum class GradDtype : int { Float = 0, Half = 1, BFloat16 = 2, Count = 3 };
 
 struct ChunkStats {
-  double sum_sq;    // sum of squares of the values as stored after unscaling (fp32 lanes, reduced in fp64)
+  double sum_sq;    // sum of squares of the unscaled values, in fp32 before any narrowing (fp32 lanes, then fp64)
   bool non_finite;  // an inf or nan was read (before unscaling, as torch checks)
 };
 
