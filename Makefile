@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather cuda-check shm-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale cuda-check shm-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ bench-gather: setup
 	    || exit 1; \
 	done
 	$(VENV)/bin/python tools/bench_gather_report.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
+
+# The fused fp16 unscale + clip against torch's (what HF Accelerate runs) and the streaming limit;
+# regenerates docs/benchmarks/unscale.md and unscale.png.
+bench-unscale: setup
+	$(VENV)/bin/pip install -q matplotlib
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -q \
+	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-unscale.json
+	$(VENV)/bin/python tools/bench_unscale_report.py $(BENCH_OUT) build/bench-unscale.json
 
 cuda-check:
 	tools/cuda_compile_check.sh

@@ -58,6 +58,8 @@ def native_facts() -> dict[str, str]:
         "accel native kernels": "loaded" if status.loaded else "NOT loaded",
         "native build": built,
         "CPU capability (running)": torch.backends.cpu.get_cpu_capability(),
+        # grad_kernels.cpp is compiled once per instruction set; the running capability picks one.
+        "vectorized CPU kernels built for": ", ".join(info.get("cpu_kernels", [])) or "none",
         "CUDA kernels": "yes" if status.cuda_kernels else f"no{' (CPU-only build)' if not info.get('cuda') else ''}",
     }
     if not status.loaded:
