@@ -328,3 +328,33 @@ def test_cuda_opcheck():
             torch.empty(len(grads), dtype=torch.float64, device="cuda"))  # fmt: skip
     torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
     torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0, device="cuda"), 1.0))
+
+
+def _unscale_synced_gradients(inject_on_rank):
+    """Every rank builds the same gradients (one with inf on `inject_on_rank`), all-reduces them as DDP does,
+    then unscales: found_inf and the measured sums must agree bit for bit across ranks."""
+    import torch.distributed as dist
+
+    from accel.state import PartialState
+
+    state = PartialState()
+    generator = torch.Generator().manual_seed(21)
+    grads = gradient_set("mixed", [torch.float32], generator)
+    if state.process_index == inject_on_rank:
+        inject(grads, float("inf"), "middle", torch.Generator().manual_seed(22))
+    for grad in grads:
+        dist.all_reduce(grad)
+    found_inf = torch.zeros(())
+    measured = grad_ops.unscale_(grads, found_inf, torch.tensor(2.0**-8))
+    sums = [sq for _, sq in measured.sources]
+    return found_inf.item(), [s.tolist() for s in sums], [g.sum().item() for g in grads]
+
+
+@pytest.mark.parametrize("inject_on_rank", [None, 1])
+def test_found_inf_and_norms_agree_across_ranks(inject_on_rank):
+    from spawn_pool import run_on_ranks
+
+    (inf_0, sums_0, totals_0), (inf_1, sums_1, totals_1) = run_on_ranks(_unscale_synced_gradients, 2, inject_on_rank)
+    assert inf_0 == inf_1 == (0.0 if inject_on_rank is None else 1.0)
+    if inject_on_rank is None:  # (with an inf the sums hold nan, which compares unequal to itself)
+        assert sums_0 == sums_1 and totals_0 == totals_1
