@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from accel import collectives
+from accel.checkpoint import save_file, save_state_dict
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import precision_for, restore_forward
 from accel.precision.grads import Measured
@@ -370,15 +371,32 @@ class Accelerator:
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """Saves on the main process (each node's, with ProjectConfiguration(save_on_each_node=True));
         safetensors for a state dict with safe_serialization."""
-        each_node = self.project_configuration.save_on_each_node
-        if not (self.is_local_main_process if each_node else self.is_main_process):
+        if not self._saves_here():
             return
         if safe_serialization:
-            from safetensors.torch import save_file
-
             save_file(obj, f, metadata={"format": "pt"})
         else:
             torch.save(obj, f)
+
+    def _saves_here(self) -> bool:
+        each_node = self.project_configuration.save_on_each_node
+        return self.is_local_main_process if each_node else self.is_main_process
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's state dict, of the user's module (DDP and compile wrappers removed) unless `unwrap=False`."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
+    def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:  # fmt: skip
+        """Saves the weights in Hugging Face's layout (`model.safetensors`, or shards + index), on the main process.
+
+        Shards are split as huggingface_hub splits them; tied weights are saved once; every file is written
+        under a temporary name and renamed, the index last. See accel.checkpoint.model_io.
+        """
+        state_dict = self.get_state_dict(model)
+        if self._saves_here():
+            save_state_dict(state_dict, save_directory, max_shard_size=max_shard_size,
+                            safe_serialization=safe_serialization)  # fmt: skip
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drops the references this Accelerator holds (and returns `objects` as None), then frees caches."""

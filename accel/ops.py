@@ -28,6 +28,16 @@ def clip_grads_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: f
     torch.ops.accel.clip_grads_.default(grads, total_norm, max_norm)
 
 
+def write_tensors_(path: str, header: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> None:
+    """Writes `header`, then each tensor's bytes at header.numel() + offsets[i], to a new file; fsyncs it."""
+    torch.ops.accel.write_tensors_.default(path, header, tensors, offsets)
+
+
+def read_tensors_(path: str, offsets: list[int], outs: list[torch.Tensor]) -> None:
+    """Reads the bytes at file offsets[i] of `path` into the contiguous tensors outs[i]."""
+    torch.ops.accel.read_tensors_.default(path, offsets, outs)
+
+
 def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float) -> int:
     """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm)."""
     return torch.ops.accel.shm_group_create.default(rank, world, token, slot_bytes, timeout_s)
@@ -97,6 +107,16 @@ def _register_fakes() -> None:
             torch._check(total_norm.numel() == 1 and total_norm.dtype == torch.float32,
                          lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor")
             _check_grads("accel::clip_grads_", grads, grads[0].device)
+        return None
+
+    @torch.library.register_fake("accel::write_tensors_")
+    def _write_tensors_fake(path, header, tensors, offsets):
+        torch._check(len(tensors) == len(offsets), lambda: "accel::write_tensors_: one offset per tensor")
+        return None
+
+    @torch.library.register_fake("accel::read_tensors_")
+    def _read_tensors_fake(path, offsets, outs):
+        torch._check(len(outs) == len(offsets), lambda: "accel::read_tensors_: one offset per tensor")
         return None
 
     @torch.library.register_fake("accel::shm_all_gather")

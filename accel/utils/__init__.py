@@ -53,6 +53,12 @@ _PUBLIC = {
     "skip_first_batches": "accel.data",
     "synchronize_rng_state": "accel.data",
     "synchronize_rng_states": "accel.data",
+    "load_checkpoint_in_model": "accel.checkpoint",
+    "CheckpointError": "accel.checkpoint",
+    "SAFE_WEIGHTS_NAME": "accel.checkpoint",
+    "SAFE_WEIGHTS_INDEX_NAME": "accel.checkpoint",
+    "WEIGHTS_NAME": "accel.checkpoint",
+    "WEIGHTS_INDEX_NAME": "accel.checkpoint",
 }
 __all__ = list(_PUBLIC)
 

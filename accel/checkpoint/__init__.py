@@ -1,0 +1,20 @@
+"""Checkpoints on disk: safetensors files (safetensors_io.py) and model weights in Hugging Face's layout
+(model_io.py: save_model's sharding and index, load_checkpoint_in_model)."""
+
+from accel.checkpoint.model_io import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    load_checkpoint_in_model,
+    parse_size,
+    save_state_dict,
+    split_into_shards,
+)
+from accel.checkpoint.safetensors_io import CheckpointError, load_file, read_header, save_file
+
+__all__ = [
+    "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "CheckpointError",
+    "load_checkpoint_in_model", "load_file", "parse_size", "read_header", "save_file", "save_state_dict",
+    "split_into_shards",
+]  # fmt: skip

@@ -1,0 +1,273 @@
+"""Model weights on disk in Hugging Face's layout: `save_model` and `load_checkpoint_in_model`.
+
+One file `model.safetensors`, or shards `model-00001-of-0000N.safetensors` with `model.safetensors.index.json`
+(`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`), split greedily in state-dict order as
+huggingface_hub's `split_torch_state_dict_into_shards` does; `.bin` files (`pytorch_model*.bin`) when
+`safe_serialization=False`. Tensors that share memory (tied weights) are saved once, under their first name,
+as transformers does. The index is written last, so a reader that finds it finds every shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+
+import torch
+
+from accel.checkpoint.safetensors_io import (
+    CheckpointError,
+    fsync_directory,
+    read_header,
+    read_into,
+    save_file,
+    temporary_name,
+)
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = "pytorch_model.bin"
+WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """`"10GB"` -> 10_000_000_000, `"5MiB"` -> 5_242_880 (decimal and binary units, as huggingface_hub)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"max_shard_size: cannot read {size!r} as a size (e.g. '10GB', '500MiB', 1000000)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def without_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with every tensor that shares memory with an earlier one dropped (logged), as transformers
+    saves tied weights once; loading ties them again through the model."""
+    seen: dict[tuple, str] = {}
+    kept = {}
+    for name, tensor in state_dict.items():
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            kept[name] = tensor
+            continue
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
+               tuple(tensor.shape), tuple(tensor.stride()))  # fmt: skip
+        if key in seen:
+            logger.info("not saving '%s': it shares its memory with '%s'", name, seen[key])
+            continue
+        seen[key] = name
+        kept[name] = tensor
+    return kept
+
+
+def split_into_shards(state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str, filename_pattern: str
+                      ) -> tuple[dict[str, list[str]], int]:  # fmt: skip
+    """({file name: tensor names}, total bytes): a tensor larger than the limit gets a shard of its own, otherwise a
+    new shard starts when the next tensor would not fit. `filename_pattern` has a `{suffix}` field."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    for name, tensor in state_dict.items():
+        size = tensor.numel() * tensor.element_size()
+        total += size
+        if size > limit:
+            shards.append([name])
+            continue
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        return {filename_pattern.format(suffix=""): shards[0]}, total
+    count = len(shards)
+    return {filename_pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}"): names for i, names in enumerate(shards)}, total
+
+
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
+                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> list[str]:  # fmt: skip
+    """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
+
+    Shard files of an earlier save that this one does not overwrite are removed, so the folder holds one
+    consistent checkpoint. With several shards the index is written last.
+    """
+    folder = os.fspath(save_directory)
+    if os.path.isfile(folder):
+        raise ValueError(f"save_directory '{folder}' is a file, expected a folder")
+    os.makedirs(folder, exist_ok=True)
+    weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    state_dict = without_shared_tensors(state_dict)
+    stem, extension = os.path.splitext(weights_name)
+    shards, total = split_into_shards(state_dict, max_shard_size, stem + "{suffix}" + extension)
+    _remove_stale_shards(folder, stem, extension, keep=set(shards))
+    for filename, names in shards.items():
+        shard = {name: state_dict[name].detach() for name in names}
+        path = os.path.join(folder, filename)
+        if safe_serialization:
+            save_file(shard, path, metadata={"format": "pt"})
+        else:
+            _torch_save_atomically({name: t.contiguous().cpu() for name, t in shard.items()}, path)
+    written = [os.path.join(folder, filename) for filename in shards]
+    if len(shards) > 1:
+        index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
+        _write_text_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(index_path)
+    return written
+
+
+def _remove_stale_shards(folder: str, stem: str, extension: str, keep: set[str]) -> None:
+    pattern = re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?" + re.escape(extension) + r"(\.index\.json)?")
+    for name in os.listdir(folder):
+        if pattern.fullmatch(name) and name not in keep:
+            os.remove(os.path.join(folder, name))
+
+
+def _torch_save_atomically(obj: object, path: str) -> None:
+    temporary = temporary_name(path)
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    fsync_directory(os.path.dirname(path) or ".")
+
+
+def _write_text_atomically(path: str, text: str) -> None:
+    temporary = temporary_name(path)
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    fsync_directory(os.path.dirname(path) or ".")
+
+
+# --- loading -------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
+    """The weight files of `checkpoint`: one file, the files an index names, or what a folder holds."""
+    path = os.fspath(checkpoint)
+    if os.path.isdir(path):
+        for name in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME):
+            if os.path.isfile(os.path.join(path, name)):
+                return checkpoint_files(os.path.join(path, name))
+        raise FileNotFoundError(f"'{path}' holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or index of either")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"'{path}' is not a checkpoint index (no weight_map): {error}") from None
+        folder = os.path.dirname(path)
+        files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise CheckpointError(f"'{path}' names shards that do not exist: {', '.join(missing)}")
+        return files
+    return [path]
+
+
+def load_checkpoint_in_model(
+    model: torch.nn.Module,
+    checkpoint: str | os.PathLike,
+    device_map: dict | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+) -> None:
+    """Loads a checkpoint (one file, a sharded index or a folder; safetensors or `.bin`) into `model` in place.
+
+    Each safetensors tensor is validated, then read straight into the parameter or buffer it belongs to
+    (converted when dtypes differ); `.bin` files are read with `torch.load(weights_only=True)`. Missing or
+    unexpected names raise when `strict`, else are logged as a warning; a shape that does not match raises,
+    naming the tensor. `dtype` converts floating-point weights to that dtype.
+    """
+    if device_map is not None or offload_folder is not None or offload_state_dict or offload_buffers:
+        raise NotImplementedError("device_map and offloading in load_checkpoint_in_model are not supported by accel "
+                                  "yet (big-model inference); load on the model's own devices (device_map=None)")
+    if offload_8bit_bnb:
+        raise NotImplementedError("offload_8bit_bnb is not supported by accel")
+    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    destinations = _destinations(model, dtype, keep_in_fp32_modules or [])
+    found: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(checkpoint):
+        names = _load_file_into(path, destinations)
+        found.update(n for n in names if n in destinations)
+        unexpected.extend(n for n in names if n not in destinations)
+    # Tied weights are saved once: a name whose memory another loaded name shares is loaded too.
+    loaded_memory = {_memory_key(destinations[name]) for name in found}
+    missing = [name for name in destinations if name not in found and _memory_key(destinations[name]) not in loaded_memory]
+    _report_mismatch(missing, unexpected, strict, os.fspath(checkpoint))
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype) if tensor.numel() else (id(tensor),)
+
+
+def _destinations(model: torch.nn.Module, dtype: torch.dtype | None, keep_fp32: list[str]) -> dict[str, torch.Tensor]:
+    """name -> the tensor to load into: the parameter or buffer itself, converted first when `dtype` says so."""
+    destinations = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if dtype is not None and tensor.is_floating_point() and not any(m in name for m in keep_fp32):
+            tensor.data = tensor.data.to(dtype)
+        destinations[name] = tensor.data
+    return destinations
+
+
+def _load_file_into(path: str, destinations: dict[str, torch.Tensor]) -> list[str]:
+    """Reads the tensors of one file that `destinations` names; returns every name in the file."""
+    if path.endswith(".safetensors"):
+        header = read_header(path)
+        read_into(header, {name: destinations[name] for name in header.tensors if name in destinations})
+        return list(header.tensors)
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            if name in destinations:
+                if tuple(tensor.shape) != tuple(destinations[name].shape):
+                    raise CheckpointError(f"'{path}', tensor '{name}': the checkpoint has shape {list(tensor.shape)}, "
+                                          f"the destination {list(destinations[name].shape)}")  # fmt: skip
+                destinations[name].copy_(tensor)
+    return list(state_dict)
+
+
+def _report_mismatch(missing: list[str], unexpected: list[str], strict: bool, checkpoint: str) -> None:
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
+    message = f"loading '{checkpoint}': " + "; ".join(parts)
+    if strict:
+        raise CheckpointError(message)
+    logger.warning(message)

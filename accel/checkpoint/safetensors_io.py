@@ -1,0 +1,295 @@
+"""safetensors files, written and read by accel's native byte mover or by a pure-Python fallback (same bytes).
+
+The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes of
+JSON (`{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [begin, end]}}`, padded with
+spaces so the data starts 8-byte aligned), then the data, every byte of it owned by exactly one tensor.
+
+Python plans the header and the offsets (tensors ordered by decreasing element size, then name, so every
+tensor starts aligned to its element size) and validates every header it reads completely before touching
+data: lengths, offsets inside the file, no overlaps or holes, known dtypes, shapes matching byte counts. The
+native ops (`accel::write_tensors_` / `accel::read_tensors_`) then move every tensor's bytes with parallel
+pwrite/pread straight from/to the tensors' memory. Files are written under a temporary name, fsync'd and
+renamed, so a reader never sees a partial file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import math
+import os
+import re
+import secrets
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from accel import _ext, ops
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+_CANDIDATE_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}  # fmt: skip
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in _CANDIDATE_DTYPES.items() if hasattr(torch, attr)
+}
+NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as what it claims to be; the message names the file and tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # file offset of the first byte
+    end: int  # file offset past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    path: str
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]  # in file order
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+
+def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+              ) -> tuple[bytes, list[tuple[str, torch.Tensor, int]]]:  # fmt: skip
+    """The header bytes (length prefix included) and (name, tensor, offset in the data section) in file order."""
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"cannot save '{name}': expected a tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in NAMES:
+            raise TypeError(f"cannot save '{name}': safetensors has no dtype for {tensor.dtype}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"cannot save '{name}': only dense tensors can be saved, it is {tensor.layout}")
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    entries: dict[str, object] = {}
+    if metadata:
+        entries["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    planned, offset = [], 0
+    for name in order:
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        entries[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        planned.append((name, tensor, offset))
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, planned
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
+              ) -> None:  # fmt: skip
+    """Writes `tensors` to `path` as safetensors: to a temporary name in the same folder, fsync'd, then renamed.
+
+    Non-contiguous and GPU tensors are copied to contiguous CPU memory first. On any failure (a full disk
+    included) the temporary file is removed and the error names the file.
+    """
+    path = os.fspath(path)
+    header, planned = plan_file(tensors, metadata)
+    staged = [(name, _host_contiguous(tensor), offset) for name, tensor, offset in planned]
+    temporary = temporary_name(path)
+    try:
+        if _ext.native_for("write_tensors_", "cpu"):
+            ops.write_tensors_(temporary, torch.frombuffer(bytearray(header), dtype=torch.uint8),
+                               [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
+        else:
+            _write_python(temporary, header, staged)
+        os.replace(temporary, path)
+    except OSError as error:
+        _remove_quietly(temporary)
+        raise OSError(error.errno, f"cannot write '{path}': {error.strerror or error}") from error
+    except RuntimeError as error:  # the native writer's I/O errors, which carry "(errno N)"
+        _remove_quietly(temporary)
+        code = re.search(r"\(errno (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), f"cannot write '{path}': {os.strerror(int(code.group(1)))}") from error
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+    fsync_directory(os.path.dirname(path) or ".")
+
+
+def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The tensor's memory as bytes, without a copy (it is contiguous and on the CPU)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_python(path: str, header: bytes, staged: list[tuple[str, torch.Tensor, int]]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(header)
+        for _, tensor, _ in staged:
+            if tensor.numel():
+                f.write(_bytes_of(tensor))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def temporary_name(path: str) -> str:
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def fsync_directory(folder: str) -> None:
+    """Makes renames inside `folder` durable (a crash after the rename keeps the new name)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Parses and fully validates the header of the safetensors file at `path`; touches no tensor data."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"'{path}' is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise CheckpointError(f"'{path}': header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
+        if 8 + length > size:
+            raise CheckpointError(f"'{path}': header length {length} runs past the end of the file ({size} bytes)")
+        raw = f.read(length)
+    return parse_header(path, raw, size)
+
+
+def parse_header(path: str, raw: bytes, file_size: int) -> Header:
+    """Validates the JSON header `raw` of a file of `file_size` bytes; raises CheckpointError naming the problem."""
+    try:
+        entries = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"'{path}': the header is not valid JSON ({error})") from None
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"'{path}': the header must be a JSON object, got {type(entries).__name__}")
+    metadata = entries.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError(f"'{path}': __metadata__ must map strings to strings")
+    data_start = 8 + len(raw)
+    tensors = {name: _tensor_info(path, name, entry, data_start, file_size) for name, entry in entries.items()}
+    _check_layout(path, list(tensors.values()), data_start, file_size)
+    return Header(path, metadata, dict(sorted(tensors.items(), key=lambda item: item[1].begin)))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensor_info(path: str, name: str, entry: object, data_start: int, file_size: int) -> TensorInfo:
+    where = f"'{path}', tensor '{name}'"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise CheckpointError(f"{where}: expected exactly the keys dtype, shape and data_offsets")
+    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype_name not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype_name!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+    dtype = DTYPES[dtype_name]
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointError(f"{where}: shape {shape} of {dtype_name} needs {expected} bytes, "
+                              f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")  # fmt: skip
+    if data_start + offsets[1] > file_size:
+        raise CheckpointError(f"{where}: data_offsets {offsets} run past the end of the file "
+                              f"({file_size - data_start} data bytes): the file is truncated")  # fmt: skip
+    return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _check_layout(path: str, infos: list[TensorInfo], data_start: int, file_size: int) -> None:
+    """Every data byte belongs to exactly one tensor: no overlaps, no holes, nothing after the last tensor."""
+    position, previous = data_start, None
+    for info in sorted(infos, key=lambda info: (info.begin, info.end)):
+        if info.begin < position:
+            raise CheckpointError(f"'{path}': tensors '{previous}' and '{info.name}' overlap")
+        if info.begin > position:
+            raise CheckpointError(f"'{path}': {info.begin - position} bytes before tensor '{info.name}' belong to no tensor")
+        position, previous = info.end, info.name
+    if position != file_size:
+        raise CheckpointError(f"'{path}': {file_size - position} bytes after the last tensor belong to no tensor")
+
+
+def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
+    """Reads the named tensors of `header`'s file into `targets` (same shapes), converting dtype and device.
+
+    Targets that are contiguous CPU tensors of the file's dtype are read into directly; the others through
+    a temporary CPU tensor and `copy_`.
+    """
+    direct, converted = [], []
+    for name, target in targets.items():
+        info = header.tensors[name]
+        if tuple(target.shape) != info.shape:
+            raise CheckpointError(f"'{header.path}', tensor '{name}': the checkpoint has shape {list(info.shape)}, "
+                                  f"the destination {list(target.shape)}")  # fmt: skip
+        if target.dtype == info.dtype and target.device.type == "cpu" and target.is_contiguous():
+            direct.append((info, target))
+        else:
+            converted.append((info, target, torch.empty(info.shape, dtype=info.dtype)))
+    # detach(): the same memory, without autograd objecting to an in-place write into a parameter.
+    _read(header.path, [(info, t.detach()) for info, t in direct] + [(info, tmp) for info, _, tmp in converted])
+    with torch.no_grad():
+        for _, target, temporary in converted:
+            target.copy_(temporary)
+
+
+def _read(path: str, pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
+    pairs = [(info, tensor) for info, tensor in pairs if info.nbytes]
+    if not pairs:
+        return
+    if _ext.native_for("read_tensors_", "cpu"):
+        ops.read_tensors_(path, [info.begin for info, _ in pairs], [tensor for _, tensor in pairs])
+        return
+    with open(path, "rb") as f:
+        for info, tensor in pairs:
+            f.seek(info.begin)
+            if f.readinto(_bytes_of(tensor)) != info.nbytes:
+                raise CheckpointError(f"'{path}' ended early while reading tensor '{info.name}': the file is truncated")
+
+
+def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (as `safetensors.torch.load_file`), validated first."""
+    header = read_header(path)
+    tensors = {name: torch.empty(info.shape, dtype=info.dtype) for name, info in header.tensors.items()}
+    read_into(header, tensors)
+    return {name: tensor.to(device) for name, tensor in tensors.items()}
