@@ -246,7 +246,8 @@ def _load_file_into(path: str, destinations: dict[str, torch.Tensor]) -> list[st
     """Reads the tensors of one file that `destinations` names; returns every name in the file."""
     if path.endswith(".safetensors"):
         header = read_header(path)
-        read_into(header, {name: destinations[name] for name in header.tensors if name in destinations})
+        # In the model's order, so that a checkpoint of another architecture names the model's first mismatch.
+        read_into(header, {name: tensor for name, tensor in destinations.items() if name in header.tensors})
         return list(header.tensors)
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
     with torch.no_grad():

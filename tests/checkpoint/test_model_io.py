@@ -1,0 +1,147 @@
+"""save_model / load_checkpoint_in_model in Hugging Face's layout, checked against transformers and
+huggingface_hub themselves."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+
+from accel.accelerator import Accelerator
+from accel.checkpoint import CheckpointError, load_checkpoint_in_model, parse_size, save_state_dict, split_into_shards
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(torch.arange(12).reshape(2, 6)).logits
+
+
+@pytest.mark.parametrize("max_shard_size", [100, 1000, 4096, 10**9, "2KB", "1MB"])  # hub has no KiB units
+def test_shards_split_as_huggingface_hub_splits_them(max_shard_size):
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 600, (40,), generator=generator).tolist()
+    state_dict = {f"layer{i}.weight": torch.zeros(size) for i, size in enumerate(sizes)}
+    ours, total = split_into_shards(state_dict, max_shard_size, "model{suffix}.safetensors")
+    theirs = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size,
+                                                filename_pattern="model{suffix}.safetensors")  # fmt: skip
+    assert ours == theirs.filename_to_tensors
+    assert total == theirs.metadata["total_size"]
+
+
+def test_parse_size():
+    assert parse_size("10GB") == 10**10 and parse_size("5MiB") == 5 * 2**20 and parse_size(123) == 123
+    assert parse_size("1.5kb") == 1500
+    with pytest.raises(ValueError, match="cannot read '10 parsecs'"):
+        parse_size("10 parsecs")
+
+
+def test_save_model_loads_with_transformers_from_pretrained(tmp_path):
+    model = tiny_gpt2()
+    accelerator = Accelerator()
+    accelerator.save_model(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert f.metadata() == {"format": "pt"}
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names  # tied: saved once
+    model.config.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=0)
+
+
+def test_sharded_save_model_writes_the_index_and_loads_with_from_pretrained(tmp_path):
+    model = tiny_gpt2()
+    Accelerator().save_model(model, tmp_path, max_shard_size="20KB")
+    files = sorted(os.listdir(tmp_path))
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    expected_total = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if n != "lm_head.weight")
+    assert index["metadata"]["total_size"] == expected_total
+    model.config.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=0)
+
+
+def test_a_new_save_removes_the_shards_of_an_older_one(tmp_path):
+    model = tiny_gpt2()
+    save_state_dict(model.state_dict(), tmp_path, max_shard_size="10KB")
+    assert len(os.listdir(tmp_path)) > 3
+    save_state_dict(model.state_dict(), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+@pytest.mark.parametrize("max_shard_size", ["30KB", "1GB"])
+def test_load_checkpoint_in_model_reads_what_transformers_saved(tmp_path, safe_serialization, max_shard_size):
+    source = tiny_gpt2(seed=0)
+    source.save_pretrained(tmp_path, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+    target = tiny_gpt2(seed=1)
+    assert not torch.equal(logits(target), logits(source))
+    load_checkpoint_in_model(target, tmp_path, strict=True)
+    torch.testing.assert_close(logits(target), logits(source), rtol=0, atol=0)
+    assert target.lm_head.weight is target.transformer.wte.weight  # still tied
+
+
+def test_load_checkpoint_in_model_from_one_file_and_from_an_index(tmp_path):
+    source = tiny_gpt2(seed=0)
+    save_state_dict(source.state_dict(), tmp_path / "one")
+    save_state_dict(source.state_dict(), tmp_path / "sharded", max_shard_size="20KB")
+    for checkpoint in (tmp_path / "one" / "model.safetensors", tmp_path / "sharded" / "model.safetensors.index.json"):
+        target = tiny_gpt2(seed=2)
+        load_checkpoint_in_model(target, checkpoint, strict=True)
+        torch.testing.assert_close(logits(target), logits(source), rtol=0, atol=0)
+
+
+def test_dtype_converts_the_floating_point_weights(tmp_path):
+    source = tiny_gpt2()
+    save_state_dict(source.state_dict(), tmp_path)
+    target = tiny_gpt2(seed=3)
+    load_checkpoint_in_model(target, tmp_path, dtype=torch.float16)
+    assert target.transformer.h[0].attn.c_attn.weight.dtype == torch.float16
+    torch.testing.assert_close(target.transformer.h[0].attn.c_attn.weight.float(),
+                               source.transformer.h[0].attn.c_attn.weight.half().float(), rtol=0, atol=0)  # fmt: skip
+
+
+def test_missing_and_unexpected_names_raise_when_strict_and_warn_otherwise(tmp_path, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state_dict = model.state_dict()
+    state_dict.pop("1.bias")
+    state_dict["extra.weight"] = torch.zeros(2)
+    save_state_dict(state_dict, tmp_path)
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: 1\.bias; in the checkpoint but not in "
+                                              r"the model: extra\.weight"):  # fmt: skip
+        load_checkpoint_in_model(model, tmp_path, strict=True)
+    with caplog.at_level(logging.WARNING):
+        load_checkpoint_in_model(model, tmp_path)
+    assert "missing from the checkpoint: 1.bias" in caplog.text
+
+
+def test_a_checkpoint_of_another_shape_names_the_tensor(tmp_path):
+    save_state_dict(torch.nn.Linear(3, 4).state_dict(), tmp_path)
+    with pytest.raises(CheckpointError, match=r"tensor 'weight': the checkpoint has shape \[4, 3\], the destination \[5, 3\]"):
+        load_checkpoint_in_model(torch.nn.Linear(3, 5), tmp_path)
+
+
+def test_a_shard_named_in_the_index_but_missing(tmp_path):
+    save_state_dict(tiny_gpt2().state_dict(), tmp_path, max_shard_size="20KB")
+    os.remove(tmp_path / "model-00002-of-" f"{len(list(tmp_path.glob('model-*'))):05d}.safetensors")
+    with pytest.raises(CheckpointError, match="names shards that do not exist: .*model-00002-of"):
+        load_checkpoint_in_model(tiny_gpt2(), tmp_path)
+
+
+def test_a_folder_without_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
+        load_checkpoint_in_model(torch.nn.Linear(2, 2), tmp_path)
