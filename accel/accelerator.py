@@ -11,13 +11,16 @@ import contextlib
 import dataclasses
 import gc
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from accel import collectives
 from accel.checkpoint import save_file, save_state_dict
+from accel.checkpoint import state as checkpoint_state
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import precision_for, restore_forward
 from accel.precision.grads import Measured
@@ -132,6 +135,10 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[Any] = []
+        self._custom_objects: list[Any] = []
+        # OrderedDict: RemovableHandle keeps a weak reference to it (a plain dict cannot be weakly referenced).
+        self._save_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
 
     # --- what this process is ----------------------------------------------------------------------------
 
@@ -397,6 +404,49 @@ class Accelerator:
         if self._saves_here():
             save_state_dict(state_dict, save_directory, max_shard_size=max_shard_size,
                             safe_serialization=safe_serialization)  # fmt: skip
+
+    # --- checkpoints: accel.checkpoint.state ------------------------------------------------------------------
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+                   ) -> str:  # fmt: skip
+        """Saves models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects into
+        `output_dir` (or the next `checkpoints/checkpoint_N` with automatic naming), atomically; returns the folder."""
+        return checkpoint_state.save_state(self, output_dir, safe_serialization, list(self._save_state_pre_hooks.values()))
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+                   ) -> str:  # fmt: skip
+        """Restores what `save_state` saved (default: the latest numbered checkpoint); returns the folder.
+
+        `load_kwargs` go to `torch.load` (weights_only=True unless they say otherwise); `strict=False` lets the
+        models' weights differ in names from the checkpoint's.
+        """
+        strict = load_model_func_kwargs.pop("strict", True)
+        return checkpoint_state.load_state(self, input_dir, load_kwargs, list(self._load_state_pre_hooks.values()),
+                                           strict=strict)  # fmt: skip
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Adds objects with `state_dict` / `load_state_dict` to what save_state / load_state cover."""
+        invalid = [f"{i}: {type(obj).__name__}" for i, obj in enumerate(objects)
+                   if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))]  # fmt: skip
+        if invalid:
+            raise ValueError("register_for_checkpointing needs objects with state_dict and load_state_dict; "
+                             f"these have not: {', '.join(invalid)}")  # fmt: skip
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Any) -> RemovableHandle:
+        """`hook(models, weights, output_dir)` runs in save_state before anything is written."""
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Any) -> RemovableHandle:
+        """`hook(models, input_dir)` runs in load_state before anything is read."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
+
+    save_iteration = property(lambda self: self.project_configuration.iteration,
+                              doc="The number the next automatically named checkpoint gets.")  # fmt: skip
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drops the references this Accelerator holds (and returns `objects` as None), then frees caches."""

@@ -1,0 +1,271 @@
+"""save_state / load_state: HF's layout, bit-identical resumption, numbered rotation, weights_only loading,
+hooks, and crash safety under SIGKILL."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from spawn_pool import run_on_ranks
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel.accelerator import Accelerator
+from accel.checkpoint import CheckpointError
+from accel.settings import DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
+from accel.state import AcceleratorState, GradientState, PartialState
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def fresh_accelerator(**kwargs):
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(**kwargs)
+
+
+def training_objects(accelerator, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(96, 8, generator=generator)
+    dataset = TensorDataset(inputs, inputs.sum(-1, keepdim=True).sin())
+    loader = DataLoader(dataset, batch_size=8, shuffle=True)
+    return accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def run_epochs(accelerator, model, optimizer, loader, scheduler, epochs):
+    losses = []
+    for _ in range(epochs):
+        for inputs, targets in loader:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def params(accelerator, model):
+    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+
+def _resume(folder, mixed_precision="no"):
+    """(straight: 3 epochs) vs (1 epoch, save, new objects with another seed, load, 2 epochs): losses and params."""
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    accelerator = fresh_accelerator(mixed_precision=mixed_precision, dataloader_config=config)
+    objects = training_objects(accelerator)
+    straight = run_epochs(accelerator, *objects, epochs=3)
+    straight_params = params(accelerator, objects[0])
+
+    accelerator = fresh_accelerator(mixed_precision=mixed_precision, dataloader_config=config)
+    objects = training_objects(accelerator)
+    first = run_epochs(accelerator, *objects, epochs=1)
+    accelerator.save_state(os.path.join(folder, f"rank-agnostic-{mixed_precision}"))
+    torch.manual_seed(1234)  # the RNG moves on before the restart; load_state must put it back
+    random.random(), np.random.rand()
+
+    accelerator = fresh_accelerator(mixed_precision=mixed_precision, dataloader_config=config)
+    objects = training_objects(accelerator, seed=99)
+    accelerator.load_state(os.path.join(folder, f"rank-agnostic-{mixed_precision}"))
+    rest = run_epochs(accelerator, *objects, epochs=2)
+    return straight, straight_params, first + rest, params(accelerator, objects[0])
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "fp16"])
+def test_resuming_continues_bit_identically(tmp_path, mixed_precision):
+    straight, straight_params, resumed, resumed_params = _resume(str(tmp_path), mixed_precision)
+    assert resumed == straight
+    assert all(torch.equal(a, b) for a, b in zip(resumed_params, straight_params))
+
+
+def _resume_on_ranks(folder):
+    straight, straight_params, resumed, resumed_params = _resume(folder)
+    return resumed == straight and all(torch.equal(a, b) for a, b in zip(resumed_params, straight_params))
+
+
+def test_resuming_continues_bit_identically_on_two_processes(tmp_path):
+    assert run_on_ranks(_resume_on_ranks, 2, str(tmp_path), timeout=180) == [True, True]
+
+
+def test_the_folder_has_hf_accelerates_layout(tmp_path):
+    accelerator = fresh_accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=64.0)])
+    training_objects(accelerator)
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.register_for_checkpointing(Counter())
+    folder = accelerator.save_state(str(tmp_path / "state"))
+    assert sorted(os.listdir(folder)) == [
+        "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "random_states_0.pkl",
+        "sampler.bin", "scaler.pt", "scheduler.bin",
+    ]  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == ["state"]  # no partial folder left behind
+    assert torch.load(os.path.join(folder, "scaler.pt"), weights_only=True)["scale"] == 64.0
+
+
+def test_safe_serialization_false_writes_bin_files(tmp_path):
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator)
+    folder = accelerator.save_state(str(tmp_path / "state"), safe_serialization=False)
+    assert "pytorch_model.bin" in os.listdir(folder)
+    before = params(accelerator, model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(folder)
+    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), before))
+
+
+def test_automatic_naming_rotates_by_number_and_load_state_takes_the_latest(tmp_path):
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3)
+    accelerator = fresh_accelerator(project_config=config)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    for i in range(12):  # checkpoint_10 and _11 sort before checkpoint_2 as strings
+        counter.count = i
+        accelerator.save_state()
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root), key=lambda n: int(n.split("_")[1])) == ["checkpoint_9", "checkpoint_10", "checkpoint_11"]
+    accelerator = fresh_accelerator(project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3))  # fmt: skip
+    restored = Counter()
+    accelerator.register_for_checkpointing(restored)
+    assert accelerator.load_state().endswith("checkpoint_11") and restored.count == 11
+    assert accelerator.save_iteration == 12
+    accelerator.save_state()  # continues the numbering instead of failing on an existing folder
+    assert "checkpoint_12" in os.listdir(root)
+
+
+class Opaque:
+    pass
+
+
+class HoldsAnObject(Counter):
+    def state_dict(self):
+        return {"count": self.count, "thing": Opaque()}
+
+
+def test_loading_never_unpickles_arbitrary_objects_by_default(tmp_path):
+    accelerator = fresh_accelerator()
+    accelerator.register_for_checkpointing(HoldsAnObject())
+    folder = accelerator.save_state(str(tmp_path / "state"))
+    with pytest.raises(Exception, match="Weights only load failed"):
+        accelerator.load_state(folder)
+    accelerator.load_state(folder, load_kwargs={"weights_only": False})  # the user vouches for the file
+
+
+def test_pre_hooks_run_with_the_models_and_can_be_removed(tmp_path):
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator)
+    calls = []
+    save_handle = accelerator.register_save_state_pre_hook(lambda models, weights, out: calls.append(("save", len(models), len(weights), out)))  # noqa: E501
+    accelerator.register_load_state_pre_hook(lambda models, folder: calls.append(("load", len(models), folder)))
+    folder = accelerator.save_state(str(tmp_path / "a"))
+    accelerator.load_state(folder)
+    save_handle.remove()
+    accelerator.save_state(str(tmp_path / "b"))
+    assert calls == [("save", 1, 1, folder), ("load", 1, folder)]
+
+
+def test_register_for_checkpointing_refuses_objects_without_state_dict():
+    with pytest.raises(ValueError, match="1: int"):
+        fresh_accelerator().register_for_checkpointing(Counter(), 3)
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    accelerator = fresh_accelerator()
+    accelerator.prepare(torch.nn.Linear(3, 4))
+    folder = accelerator.save_state(str(tmp_path / "state"))
+    accelerator = fresh_accelerator()
+    accelerator.prepare(torch.nn.Linear(3, 5))
+    with pytest.raises(CheckpointError, match=r"tensor 'weight': the checkpoint has shape \[4, 3\]"):
+        accelerator.load_state(folder)
+
+
+def _save_under_ddp(folder):
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator)
+    accelerator.save_state(folder)
+    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+
+def test_a_checkpoint_saved_by_two_processes_loads_in_one(tmp_path):
+    """Under DDP the weights are named "module.x", as HF Accelerate names them; one process loads them anyway."""
+    folder = str(tmp_path / "state")
+    saved, _ = run_on_ranks(_save_under_ddp, 2, folder)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert all(name.startswith("module.") for name in f.keys())
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator, seed=7)
+    accelerator.load_state(folder)
+    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), saved))
+
+
+CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from accel.accelerator import Accelerator
+    from accel.settings import ProjectConfiguration
+    project, mode = sys.argv[1], sys.argv[2]
+    automatic = mode == "automatic"
+    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=automatic))
+    model = accelerator.prepare(torch.nn.Linear(1024, 2048))  # 8 MiB of weights: a save takes a while
+    optimizer = accelerator.prepare(torch.optim.Adam(model.parameters()))
+    iteration = 0
+    while True:
+        with torch.no_grad():
+            model.weight.fill_(iteration)
+        accelerator.save_state(None if automatic else os.path.join(project, "fixed"))
+        iteration += 1
+        if iteration == 1:
+            print("ready", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["automatic", "fixed"])
+def test_a_process_killed_mid_save_always_leaves_a_loadable_checkpoint(tmp_path, mode):
+    script = tmp_path / "saver.py"
+    script.write_text(CRASH_SCRIPT)
+    generator = random.Random(0)
+    for run in range(10):
+        project = tmp_path / f"run{run}"
+        project.mkdir()
+        child = subprocess.Popen([sys.executable, str(script), str(project), mode], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(generator.uniform(0.0, 0.6))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        _check_loadable(project, mode)
+
+
+def _check_loadable(project, mode):
+    config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=mode == "automatic")
+    accelerator = fresh_accelerator(project_config=config)
+    model = accelerator.prepare(torch.nn.Linear(1024, 2048))
+    accelerator.prepare(torch.optim.Adam(model.parameters()))
+    folder = accelerator.load_state(None if mode == "automatic" else str(project / "fixed"))
+    value = model.weight[0, 0].item()
+    assert torch.all(model.weight == value)  # one consistent save, never a mix
+    if mode == "automatic":
+        assert value == int(os.path.basename(folder).split("_")[1])
