@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from accel.checkpoint.progress import progress_bar
 from accel.checkpoint.safetensors_io import (
     CheckpointError,
     fsync_directory,
@@ -93,11 +94,12 @@ def split_into_shards(state_dict: Mapping[str, torch.Tensor], max_shard_size: in
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
-                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> list[str]:  # fmt: skip
+                    max_shard_size: int | str = "10GB", safe_serialization: bool = True,
+                    progress: bool | None = None) -> list[str]:  # fmt: skip
     """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
 
     Shard files of an earlier save that this one does not overwrite are removed, so the folder holds one
-    consistent checkpoint. With several shards the index is written last.
+    consistent checkpoint. With several shards the index is written last. `progress`: see accel.checkpoint.progress.
     """
     folder = os.fspath(save_directory)
     if os.path.isfile(folder):
@@ -108,13 +110,15 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     stem, extension = os.path.splitext(weights_name)
     shards, total = split_into_shards(state_dict, max_shard_size, stem + "{suffix}" + extension)
     _remove_stale_shards(folder, stem, extension, keep=set(shards))
-    for filename, names in shards.items():
-        shard = {name: state_dict[name].detach() for name in names}
-        path = os.path.join(folder, filename)
-        if safe_serialization:
-            save_file(shard, path, metadata={"format": "pt"})
-        else:
-            _torch_save_atomically({name: t.contiguous().cpu() for name, t in shard.items()}, path)
+    with progress_bar(total, f"saving {folder}", progress) as bar:
+        for filename, names in shards.items():
+            shard = {name: state_dict[name].detach() for name in names}
+            path = os.path.join(folder, filename)
+            if safe_serialization:
+                save_file(shard, path, metadata={"format": "pt"})
+            else:
+                _torch_save_atomically({name: t.contiguous().cpu() for name, t in shard.items()}, path)
+            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
     written = [os.path.join(folder, filename) for filename in shards]
     if len(shards) > 1:
         index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME)
@@ -201,13 +205,15 @@ def load_checkpoint_in_model(
     keep_in_fp32_modules: list[str] | None = None,
     offload_8bit_bnb: bool = False,
     strict: bool = False,
+    progress: bool | None = None,
 ) -> None:
     """Loads a checkpoint (one file, a sharded index or a folder; safetensors or `.bin`) into `model` in place.
 
     Each safetensors tensor is validated, then read straight into the parameter or buffer it belongs to
     (converted when dtypes differ); `.bin` files are read with `torch.load(weights_only=True)`. Missing or
     unexpected names raise when `strict`, else are logged as a warning; a shape that does not match raises,
-    naming the tensor. `dtype` converts floating-point weights to that dtype.
+    naming the tensor. `dtype` converts floating-point weights to that dtype. `progress`: see
+    accel.checkpoint.progress.
     """
     if device_map is not None or offload_folder is not None or offload_state_dict or offload_buffers:
         raise NotImplementedError("device_map and offloading in load_checkpoint_in_model are not supported by accel "
@@ -218,10 +224,13 @@ def load_checkpoint_in_model(
     destinations = _destinations(model, dtype, keep_in_fp32_modules or [])
     found: set[str] = set()
     unexpected: list[str] = []
-    for path in checkpoint_files(checkpoint):
-        names = _load_file_into(path, destinations)
-        found.update(n for n in names if n in destinations)
-        unexpected.extend(n for n in names if n not in destinations)
+    files = checkpoint_files(checkpoint)
+    with progress_bar(sum(os.path.getsize(f) for f in files), f"loading {os.fspath(checkpoint)}", progress) as bar:
+        for path in files:
+            names = _load_file_into(path, destinations)
+            found.update(n for n in names if n in destinations)
+            unexpected.extend(n for n in names if n not in destinations)
+            bar.update(os.path.getsize(path))
     # Tied weights are saved once: a name whose memory another loaded name shares is loaded too.
     loaded_memory = {_memory_key(destinations[name]) for name in found}
     missing = [name for name in destinations if name not in found and _memory_key(destinations[name]) not in loaded_memory]

@@ -145,3 +145,18 @@ def test_a_shard_named_in_the_index_but_missing(tmp_path):
 def test_a_folder_without_weights(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no model.safetensors"):
         load_checkpoint_in_model(torch.nn.Linear(2, 2), tmp_path)
+
+
+def test_the_progress_bar_shows_above_the_threshold_and_can_be_turned_off(tmp_path, monkeypatch, capsys):
+    from accel.checkpoint import progress
+
+    model = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(progress, "PROGRESS_THRESHOLD", 1000)  # this model's 16 KiB count as large
+    save_state_dict(model.state_dict(), tmp_path / "a")
+    assert "saving" in capsys.readouterr().err
+    monkeypatch.setenv("ACCEL_DISABLE_PROGRESS", "1")
+    save_state_dict(model.state_dict(), tmp_path / "b")
+    load_checkpoint_in_model(model, tmp_path / "b")
+    assert capsys.readouterr().err == ""
+    load_checkpoint_in_model(model, tmp_path / "b", progress=True)  # the argument wins
+    assert "loading" in capsys.readouterr().err
