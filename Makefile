@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40" "hypothesis>=6"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale cuda-check shm-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint cuda-check shm-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,15 @@ bench-unscale: setup
 	$(VENV)/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -q \
 	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-unscale.json
 	$(VENV)/bin/python tools/bench_unscale_report.py $(BENCH_OUT) build/bench-unscale.json
+
+# Saving and loading 256 MiB / 1 GiB of weights against HF Accelerate (installed into the venv), torch and the
+# disk; regenerates docs/benchmarks/checkpoint.md and checkpoint.png.
+bench-checkpoint: setup
+	$(VENV)/bin/pip install -q accelerate matplotlib
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -q \
+	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-checkpoint.json
+	$(VENV)/bin/python tools/bench_checkpoint_report.py $(BENCH_OUT) build/bench-checkpoint.json
 
 cuda-check:
 	tools/cuda_compile_check.sh
