@@ -98,8 +98,9 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
                     progress: bool | None = None) -> list[str]:  # fmt: skip
     """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
 
-    Shard files of an earlier save that this one does not overwrite are removed, so the folder holds one
-    consistent checkpoint. With several shards the index is written last. `progress`: see accel.checkpoint.progress.
+    Weight files of an earlier save that this one does not overwrite (either format) are removed once the new
+    files are in place, so the folder holds one consistent checkpoint. With several shards the index is written
+    after them. `progress`: see accel.checkpoint.progress.
     """
     folder = os.fspath(save_directory)
     if os.path.isfile(folder):
@@ -109,7 +110,6 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     state_dict = without_shared_tensors(state_dict)
     stem, extension = os.path.splitext(weights_name)
     shards, total = split_into_shards(state_dict, max_shard_size, stem + "{suffix}" + extension)
-    _remove_stale_shards(folder, stem, extension, keep=set(shards))
     with progress_bar(total, f"saving {folder}", progress) as bar:
         for filename, names in shards.items():
             shard = {name: state_dict[name].detach() for name in names}
@@ -126,14 +126,19 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
                  "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
         _write_text_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(index_path)
+    _remove_stale_weights(folder, keep={os.path.basename(path) for path in written})
     return written
 
 
-def _remove_stale_shards(folder: str, stem: str, extension: str, keep: set[str]) -> None:
-    pattern = re.compile(re.escape(stem) + r"(-\d{5}-of-\d{5})?" + re.escape(extension) + r"(\.index\.json)?")
-    for name in os.listdir(folder):
-        if pattern.fullmatch(name) and name not in keep:
-            os.remove(os.path.join(folder, name))
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _remove_stale_weights(folder: str, keep: set[str]) -> None:
+    """Removes weight files and indexes of earlier saves (both formats): indexes first, so that no index ever
+    names a removed shard."""
+    stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in keep]
+    for name in sorted(stale, key=lambda name: not name.endswith(".index.json")):
+        os.remove(os.path.join(folder, name))
 
 
 def _torch_save_atomically(obj: object, path: str) -> None:

@@ -97,15 +97,17 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, meta
               ) -> None:  # fmt: skip
     """Writes `tensors` to `path` as safetensors: to a temporary name in the same folder, fsync'd, then renamed.
 
-    Non-contiguous and GPU tensors are copied to contiguous CPU memory first. On any failure (a full disk
-    included) the temporary file is removed and the error names the file.
+    Non-contiguous tensors are made contiguous first; GPU tensors stream through the native writer's pinned
+    buffers (or are copied to the CPU first without it). On any failure (a full disk included) the temporary
+    file is removed and the error names the file.
     """
     path = os.fspath(path)
     header, planned = plan_file(tensors, metadata)
-    staged = [(name, _host_contiguous(tensor), offset) for name, tensor, offset in planned]
+    native = _ext.native_for("write_tensors_", "cpu")
+    staged = [(name, _staged(tensor, native), offset) for name, tensor, offset in planned]
     temporary = temporary_name(path)
     try:
-        if _ext.native_for("write_tensors_", "cpu"):
+        if native:
             ops.write_tensors_(temporary, torch.frombuffer(bytearray(header), dtype=torch.uint8),
                                [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
         else:
@@ -128,6 +130,21 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, meta
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu").contiguous()
+
+
+def _staged(tensor: torch.Tensor, native: bool) -> torch.Tensor:
+    """What the writer reads from: the tensor itself when it can (contiguous, on a device with a kernel)."""
+    if native and tensor.device.type == "cuda" and _ext.native_for("write_tensors_", tensor.device):
+        return tensor.detach().contiguous()
+    return _host_contiguous(tensor)
+
+
+def _readable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    if target.dtype != dtype or not target.is_contiguous():
+        return False
+    if target.device.type == "cpu":
+        return True
+    return target.device.type == "cuda" and _ext.native_for("read_tensors_", target.device)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -253,8 +270,8 @@ def _check_layout(path: str, infos: list[TensorInfo], data_start: int, file_size
 def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
     """Reads the named tensors of `header`'s file into `targets` (same shapes), converting dtype and device.
 
-    Targets that are contiguous CPU tensors of the file's dtype are read into directly; the others through
-    a temporary CPU tensor and `copy_`.
+    Targets that are contiguous tensors of the file's dtype, on the CPU (or a GPU, with the native kernels),
+    are read into directly; the others through a temporary CPU tensor and `copy_`.
     """
     direct, converted = [], []
     for name, target in targets.items():
@@ -262,7 +279,7 @@ def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
         if tuple(target.shape) != info.shape:
             raise CheckpointError(f"'{header.path}', tensor '{name}': the checkpoint has shape {list(info.shape)}, "
                                   f"the destination {list(target.shape)}")  # fmt: skip
-        if target.dtype == info.dtype and target.device.type == "cpu" and target.is_contiguous():
+        if _readable_in_place(target, info.dtype):
             direct.append((info, target))
         else:
             converted.append((info, target, torch.empty(info.shape, dtype=info.dtype)))

@@ -72,14 +72,51 @@ def numbered_checkpoints(root: str) -> list[str]:
     return sorted((f for f in folders if os.path.isdir(f)), key=checkpoint_number)
 
 
-def partial_name(final: str) -> str:
+def partial_name(final: str, node: int | None = None) -> str:
+    """The hidden staging folder next to `final` (one per node when every node saves its own copy)."""
     folder, name = os.path.split(os.path.normpath(final))
-    return os.path.join(folder, f".{name}.partial")
+    return os.path.join(folder, f".{name}.partial" + ("" if node is None else f"-node{node}"))
+
+
+CHECKPOINT_FILE = re.compile(
+    r"(model|pytorch_model)(_\d+)?\.(safetensors|bin)|(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin|"
+    r"scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
+)
+
+
+def can_stage_beside(final: str) -> bool:
+    """Whether a staging folder next to `final` can be renamed onto it: the parent is writable and on the same
+    filesystem as `final` (not so when `final` is a mount point, e.g. a volume mounted for checkpoints)."""
+    parent = os.path.dirname(os.path.normpath(final)) or "."
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return False
+    return not os.path.exists(final) or os.stat(final).st_dev == os.stat(parent).st_dev
+
+
+def foreign_entries(final: str, staged: str) -> list[str]:
+    """What an existing `final` holds besides checkpoint files and what the new checkpoint brings (logs, other
+    runs' folders...): a folder swap would delete those."""
+    if not os.path.isdir(final):
+        return []
+    new = set(os.listdir(staged))
+    return sorted(n for n in os.listdir(final) if n not in new and not CHECKPOINT_FILE.fullmatch(n))
 
 
 def publish(partial: str, final: str) -> None:
-    """Moves the complete `partial` folder to `final`; an existing `final` is swapped out in one step."""
-    if not os.path.exists(final):
+    """Moves the complete `partial` folder to `final`; an existing `final` is swapped out in one step.
+
+    When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
+    moved in one by one instead (each file atomically, the folder as a whole not).
+    """
+    fsync_directory(partial)  # every entry of the folder is durable before it is renamed into place
+    foreign = foreign_entries(final, partial)
+    if foreign:
+        logger.warning("'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
+                       "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
+        for name in os.listdir(partial):
+            os.replace(os.path.join(partial, name), os.path.join(final, name))
+        os.rmdir(partial)
+    elif not os.path.exists(final):
         os.rename(partial, final)
     elif _exchange(partial, final):
         shutil.rmtree(partial)  # now the previous checkpoint
@@ -90,6 +127,15 @@ def publish(partial: str, final: str) -> None:
         os.rename(partial, final)
         shutil.rmtree(old)
     fsync_directory(os.path.dirname(os.path.normpath(final)) or ".")
+
+
+def recover_interrupted_publish(final: str) -> None:
+    """A crash between the two renames of publish's fallback left the previous checkpoint at `.NAME.partial.old`
+    and nothing at `final`: put it back."""
+    old = partial_name(final) + ".old"
+    if not os.path.exists(final) and os.path.isdir(old):
+        logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
+        os.rename(old, final)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -111,42 +157,102 @@ def _exchange(a: str, b: str) -> bool:
 
 def save_state(accelerator: Any, output_dir: str | None, safe_serialization: bool,
                pre_hooks: list[Callable]) -> str:  # fmt: skip
-    """Writes the state of everything `accelerator` prepared into `output_dir` (see the module docstring)."""
+    """Writes the state of everything `accelerator` prepared into `output_dir` (see the module docstring).
+
+    Every process calls it (it synchronizes them three times: the staging folder exists, every file is in place,
+    the checkpoint is published); a failure on any process raises on all of them and publishes nothing.
+    """
     config = accelerator.project_configuration
-    root = None
+    root, output_dir = _target(accelerator, output_dir)
+    writes_shared_files = accelerator._saves_here()
+    node = accelerator.process_index // max(1, accelerator.state.local_num_processes) \
+        if config.save_on_each_node else None  # fmt: skip
+    staged = can_stage_beside(output_dir)
+    staging = partial_name(output_dir, node) if staged else output_dir
+    if not staged and writes_shared_files:
+        logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
+                       "not atomically", output_dir)  # fmt: skip
+    failure = None
+    try:
+        if writes_shared_files:
+            recover_interrupted_publish(output_dir)
+            if staged:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+            os.makedirs(staging, exist_ok=True)
+    except Exception as error:  # noqa: BLE001 - reported on every process below
+        failure = error
+    _agree_or_raise(accelerator, failure, "preparing")  # the staging folder exists for every process
+
+    try:
+        os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
+        weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
+        for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
+            hook(list(accelerator._models), weights, staging)
+        if writes_shared_files:
+            _save_shared_files(accelerator, staging, weights, safe_serialization)
+        _save_rng_state(staging, accelerator.process_index, accelerator.step)
+    except Exception as error:  # noqa: BLE001
+        failure = error
+    _agree_or_raise(accelerator, failure, "writing", cleanup=staging if staged and writes_shared_files else None)
+
+    try:
+        if writes_shared_files and staged:
+            publish(staging, output_dir)
+        if writes_shared_files and root is not None and config.total_limit is not None:
+            rotate(root, keep=config.total_limit, newest=output_dir)
+    except Exception as error:  # noqa: BLE001
+        failure = error
+    _agree_or_raise(accelerator, failure, "publishing")  # nobody returns before the checkpoint is visible
+    config.iteration += 1
+    return output_dir
+
+
+def _target(accelerator: Any, output_dir: str | None) -> tuple[str | None, str]:
+    """(the checkpoints root with automatic naming, else None; the folder to save into)."""
+    config = accelerator.project_configuration
     if config.automatic_checkpoint_naming:
+        if accelerator.project_dir is None:
+            raise ValueError("automatic_checkpoint_naming needs a project_dir (ProjectConfiguration(project_dir=...))")
+        if config.total_limit is not None and config.total_limit < 1:
+            raise ValueError(f"total_limit must be at least 1, got {config.total_limit}")
         root = os.path.join(accelerator.project_dir, "checkpoints")
         output_dir = os.path.join(root, f"checkpoint_{config.iteration}")
         if os.path.exists(output_dir):
             raise ValueError(f"checkpoint folder '{output_dir}' (iteration {config.iteration}) already exists; set "
                              "accelerator.project_configuration.iteration to the number to continue from")  # fmt: skip
-    elif output_dir is None:
+        return root, output_dir
+    if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
-    output_dir = os.path.expanduser(os.fspath(output_dir))
-    partial = partial_name(output_dir)
-    writes_shared_files = accelerator._saves_here()
-    if writes_shared_files:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crashed save
-        os.makedirs(partial)
-    accelerator.wait_for_everyone()  # the folder exists for every process
+    output_dir = os.path.realpath(os.path.expanduser(os.fspath(output_dir)))  # a symlinked folder: stage by the target
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"save_state: '{output_dir}' exists and is not a folder")
+    return None, output_dir
 
-    weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
-    for hook in pre_hooks:
-        hook(accelerator._models, weights, output_dir)
-    if writes_shared_files:
-        _save_shared_files(accelerator, partial, weights, safe_serialization)
-    _save_rng_state(partial, accelerator.process_index, accelerator.step)
-    accelerator.wait_for_everyone()  # every process's files are in place
 
-    if writes_shared_files:
-        publish(partial, output_dir)
-        if root is not None and config.total_limit is not None:
-            for old in numbered_checkpoints(root)[: -config.total_limit]:
-                logger.warning("removing checkpoint '%s' (total_limit=%d)", old, config.total_limit)
-                shutil.rmtree(old)
-    config.iteration += 1
-    accelerator.wait_for_everyone()  # nobody returns before the checkpoint is visible
-    return output_dir
+def _agree_or_raise(accelerator: Any, failure: BaseException | None, stage: str, cleanup: str | None = None) -> None:
+    """A barrier that also tells every process whether any failed, so all raise instead of some waiting forever."""
+    failed = failure is not None
+    if accelerator.num_processes > 1:
+        from accel import collectives
+
+        flag = torch.tensor([1 if failed else 0], device=accelerator.device)
+        failed = bool(collectives.reduce(flag, reduction="sum").item())
+    if not failed:
+        return
+    if cleanup is not None:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    if failure is not None:
+        raise failure
+    raise RuntimeError(f"save_state failed on another process while {stage}; nothing was published")
+
+
+def rotate(root: str, keep: int, newest: str) -> None:
+    """Removes the lowest-numbered checkpoints under `root` so that `keep` remain, never `newest` (the one just
+    written: it may be numbered below older runs' checkpoints in the same folder)."""
+    others = [f for f in numbered_checkpoints(root) if os.path.normpath(f) != os.path.normpath(newest)]
+    for old in others[: max(0, len(others) + 1 - keep)]:
+        logger.warning("removing checkpoint '%s' (total_limit=%d)", old, keep)
+        shutil.rmtree(old)
 
 
 def _save_shared_files(accelerator: Any, folder: str, weights: list[dict], safe_serialization: bool) -> None:
@@ -213,19 +319,25 @@ def latest_checkpoint(accelerator: Any) -> str:
 
 def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None, pre_hooks: list[Callable],
                strict: bool = True) -> str:  # fmt: skip
-    """Restores everything `accelerator` prepared from `input_dir` (default: the latest numbered checkpoint)."""
+    """Restores everything `accelerator` prepared from `input_dir` (default: the latest numbered checkpoint).
+
+    Every file it needs is checked to be there before anything is restored, so a wrong folder changes nothing.
+    """
     config = accelerator.project_configuration
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
             raise ValueError("load_state needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
         input_dir = latest_checkpoint(accelerator)
     input_dir = os.path.expanduser(os.fspath(input_dir))
+    recover_interrupted_publish(input_dir)
     if not os.path.isdir(input_dir):
         raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
     load_kwargs = {"weights_only": True, **(load_kwargs or {})}
+    models = list(accelerator._models)  # a hook may pop the models it loads itself (HF's diffusers pattern)
     for hook in pre_hooks:
-        hook(accelerator._models, input_dir)
-    for i, model in enumerate(accelerator._models):
+        hook(models, input_dir)
+    _check_complete(accelerator, models, input_dir)
+    for i, model in enumerate(models):
         _load_model(model, input_dir, i, strict)
     for i, optimizer in enumerate(accelerator._optimizers):
         optimizer.load_state_dict(_load(os.path.join(input_dir, numbered(OPTIMIZER_NAME, i, ".bin")), load_kwargs))
@@ -235,7 +347,7 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
         path = os.path.join(input_dir, numbered(SAMPLER_NAME, i, ".bin"))
         if os.path.exists(path):
             _restore_loader(loader, _load(path, load_kwargs))
-    if accelerator.scaler is not None:
+    if accelerator.scaler is not None and os.path.exists(os.path.join(input_dir, SCALER_NAME)):
         accelerator.scaler.load_state_dict(_load(os.path.join(input_dir, SCALER_NAME), load_kwargs))
     _load_custom_objects(accelerator._custom_objects, input_dir, load_kwargs)
     step = _load_rng_state(input_dir, accelerator.process_index)
@@ -247,41 +359,67 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
     return input_dir
 
 
+def _check_complete(accelerator: Any, models: list, folder: str) -> None:
+    """Raises, naming what is missing, unless `folder` holds a file for everything that will be restored."""
+    missing = []
+    for i in range(len(models)):
+        if not any(os.path.exists(os.path.join(folder, numbered(name, i, ext)))
+                   for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin"))):  # fmt: skip
+            missing.append(numbered(SAFE_MODEL_NAME, i, ".safetensors"))
+    missing += [numbered(OPTIMIZER_NAME, i, ".bin") for i in range(len(accelerator._optimizers))]
+    missing += [numbered(SCHEDULER_NAME, i, ".bin") for i in range(len(accelerator._schedulers))]
+    missing = [name for name in missing if not os.path.exists(os.path.join(folder, name))]
+    if missing:
+        raise FileNotFoundError(f"'{folder}' is not a complete checkpoint for what was prepared: missing "
+                                f"{', '.join(missing)}")  # fmt: skip
+    found = [f for f in os.listdir(folder) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
+    if len(found) != len(accelerator._custom_objects):
+        raise RuntimeError(f"'{folder}' holds {len(found)} custom checkpoints but {len(accelerator._custom_objects)} "
+                           "objects are registered (register_for_checkpointing): load a checkpoint saved with the "
+                           "same registrations")  # fmt: skip
+
+
 def _load(path: str, load_kwargs: dict) -> Any:
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint file '{path}' is missing")
     return torch.load(path, map_location="cpu", **load_kwargs)
 
 
-def _normalized(name: str) -> str:
-    """A state-dict key without the wrappers' prefixes (DDP's "module.", torch.compile's "_orig_mod.")."""
+def _strip_wrappers(names: list[str]) -> dict[str, str]:
+    """{name without the wrappers' prefix: name}: DDP's "module." / torch.compile's "_orig_mod." are removed only
+    when every name carries it (a model may have a submodule called `module` of its own)."""
+    mapping = {name: name for name in names}
     changed = True
-    while changed:
+    while changed and mapping:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-    return name
+            if all(key.startswith(prefix) for key in mapping):
+                mapping = {key[len(prefix):]: name for key, name in mapping.items()}
+                changed = True
+    return mapping
 
 
 def _load_model(model: torch.nn.Module, folder: str, index: int, strict: bool) -> None:
-    targets = {_normalized(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    own = model.state_dict(keep_vars=True)
+    targets = {key: own[name] for key, name in _strip_wrappers(list(own)).items()}
     safe = os.path.join(folder, numbered(SAFE_MODEL_NAME, index, ".safetensors"))
     if os.path.exists(safe):
         header = read_header(safe)
-        names = {_normalized(name): name for name in header.tensors}
+        names = _strip_wrappers(list(header.tensors))
         _check_names(safe, set(names), targets, strict)
         read_into(header, {names[key]: tensor.data for key, tensor in targets.items() if key in names})
         return
     path = os.path.join(folder, numbered(MODEL_NAME, index, ".bin"))
-    state_dict = {_normalized(k): v for k, v in _load(path, {"weights_only": True}).items()}
+    loaded = _load(path, {"weights_only": True})
+    state_dict = {key: loaded[name] for key, name in _strip_wrappers(list(loaded)).items()}
     _check_names(path, set(state_dict), targets, strict)
+    for key, tensor in state_dict.items():
+        if key in targets and targets[key].shape != tensor.shape:
+            raise CheckpointError(f"'{path}', tensor '{key}': the checkpoint has shape {list(tensor.shape)}, "
+                                  f"the model {list(targets[key].shape)}")  # fmt: skip
     with torch.no_grad():
         for key, tensor in state_dict.items():
             if key in targets:
-                if targets[key].shape != tensor.shape:
-                    raise CheckpointError(f"'{path}', tensor '{key}': the checkpoint has shape {list(tensor.shape)}, "
-                                          f"the model {list(targets[key].shape)}")  # fmt: skip
                 targets[key].data.copy_(tensor)
 
 
@@ -306,17 +444,16 @@ def _restore_loader(loader: Any, state: dict) -> None:
 
 
 def _load_custom_objects(objects: list, folder: str, load_kwargs: dict) -> None:
-    found = sorted(f for f in os.listdir(folder) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f))
-    if len(found) != len(objects):
-        raise RuntimeError(f"'{folder}' holds {len(found)} custom checkpoints but {len(objects)} objects are registered "
-                           "(register_for_checkpointing): load a checkpoint saved with the same registrations")  # fmt: skip
     for i, obj in enumerate(objects):
         obj.load_state_dict(_load(os.path.join(folder, f"custom_checkpoint_{i}.pkl"), load_kwargs))
 
 
 def _numpy_rng_globals() -> list:
+    """What unpickling numpy's RNG state needs, under both module paths numpy 1 and 2 pickle it with."""
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    reconstruct = core.multiarray._reconstruct
+    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"),
+            (reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def _load_rng_state(folder: str, process_index: int) -> int | None:

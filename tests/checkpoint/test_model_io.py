@@ -160,3 +160,10 @@ def test_the_progress_bar_shows_above_the_threshold_and_can_be_turned_off(tmp_pa
     assert capsys.readouterr().err == ""
     load_checkpoint_in_model(model, tmp_path / "b", progress=True)  # the argument wins
     assert "loading" in capsys.readouterr().err
+
+
+def test_switching_formats_removes_the_other_formats_files(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    save_state_dict(model.state_dict(), tmp_path, max_shard_size=40)
+    save_state_dict(model.state_dict(), tmp_path, safe_serialization=False)
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]

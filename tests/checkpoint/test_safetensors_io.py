@@ -288,3 +288,28 @@ def test_native_bad_arguments_name_the_problem(tmp_path):
     with pytest.raises(RuntimeError, match="cannot open"):
         torch.ops.accel.read_tensors_(str(tmp_path / "missing"), [0], [torch.empty(3)])
     assert not (tmp_path / "x").exists()
+
+
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and NATIVE and _ext.status().cuda_kernels),
+                                reason="needs a GPU and accel's CUDA kernels")  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_tensors_stream_through_the_pinned_buffers(tmp_path):
+    """Several 8 MiB chunks per tensor, so both buffers are reused; CPU and GPU tensors in one file."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = {
+        "big": torch.randn(7_000_001, generator=generator).cuda(),
+        "half": torch.randn(3_000_000, generator=generator).half().cuda(),
+        "host": torch.randn(1000, generator=generator),
+        "strided": torch.randn(300, 200, generator=generator).cuda().t(),
+    }  # fmt: skip
+    path = tmp_path / "gpu.safetensors"
+    io.save_file(tensors, path)
+    loaded = io.load_file(path)
+    assert all(same(loaded[n], t.cpu()) for n, t in tensors.items())
+    header = io.read_header(path)
+    targets = {"big": torch.empty(7_000_001, device="cuda"), "half": torch.empty(3_000_000, dtype=torch.half, device="cuda")}
+    io.read_into(header, targets)
+    assert all(same(targets[n].cpu(), tensors[n].cpu()) for n in targets)

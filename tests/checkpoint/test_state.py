@@ -170,17 +170,91 @@ def test_loading_never_unpickles_arbitrary_objects_by_default(tmp_path):
     accelerator.load_state(folder, load_kwargs={"weights_only": False})  # the user vouches for the file
 
 
-def test_pre_hooks_run_with_the_models_and_can_be_removed(tmp_path):
+def test_pre_hooks_save_and_load_models_themselves_as_diffusers_does(tmp_path):
+    """HF's hook pattern: the save hook writes a model its own way and pops its weights; the load hook pops the
+    model it loads. The hook's files land in the published checkpoint; the Accelerator keeps its models."""
     accelerator = fresh_accelerator()
     model, *_ = training_objects(accelerator)
     calls = []
-    save_handle = accelerator.register_save_state_pre_hook(lambda models, weights, out: calls.append(("save", len(models), len(weights), out)))  # noqa: E501
-    accelerator.register_load_state_pre_hook(lambda models, folder: calls.append(("load", len(models), folder)))
+
+    def save_hook(models, weights, folder):
+        calls.append(("save", len(models)))
+        torch.save(accelerator.unwrap_model(models[0]).state_dict(), os.path.join(folder, "my_model.pt"))
+        weights.pop()
+
+    def load_hook(models, folder):
+        calls.append(("load", len(models)))
+        accelerator.unwrap_model(models.pop()).load_state_dict(torch.load(os.path.join(folder, "my_model.pt")))
+
+    save_handle = accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
     folder = accelerator.save_state(str(tmp_path / "a"))
+    assert "my_model.pt" in os.listdir(folder) and "model.safetensors" not in os.listdir(folder)
     accelerator.load_state(folder)
+    assert len(accelerator._models) == 1  # the hook popped from a copy
     save_handle.remove()
     accelerator.save_state(str(tmp_path / "b"))
-    assert calls == [("save", 1, 1, folder), ("load", 1, folder)]
+    assert calls == [("save", 1), ("load", 1)]
+
+
+def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
+    """An earlier run left checkpoint_7..9 in the same project; a new run starts numbering at 0."""
+    for number in (7, 8, 9):
+        (tmp_path / "checkpoints" / f"checkpoint_{number}").mkdir(parents=True)
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = fresh_accelerator(project_config=config)
+    accelerator.save_state()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_9"]
+
+
+def test_saving_into_a_folder_with_other_content_keeps_it(tmp_path):
+    accelerator = fresh_accelerator()
+    training_objects(accelerator)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.txt").write_text("keep me")
+    accelerator.save_state(str(tmp_path))
+    accelerator.save_state(str(tmp_path))
+    assert (tmp_path / "logs" / "events.txt").read_text() == "keep me"
+    assert "model.safetensors" in os.listdir(tmp_path)
+
+
+def test_loading_an_incomplete_folder_changes_nothing(tmp_path):
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator)
+    folder = accelerator.save_state(str(tmp_path / "state"))
+    os.remove(os.path.join(folder, "optimizer.bin"))
+    before = params(accelerator, model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    changed = params(accelerator, model)
+    with pytest.raises(FileNotFoundError, match="missing optimizer.bin"):
+        accelerator.load_state(folder)
+    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), changed))
+    assert not all(torch.equal(a, b) for a, b in zip(changed, before))
+
+
+def _fail_on_rank_one(folder):
+    accelerator = fresh_accelerator()
+    training_objects(accelerator)
+
+    def hook(models, weights, out):
+        if accelerator.process_index == 1:
+            raise OSError(28, "No space left on device")
+
+    accelerator.register_save_state_pre_hook(hook)
+    try:
+        accelerator.save_state(folder)
+    except (OSError, RuntimeError) as error:
+        return type(error).__name__, str(error)
+    return "saved", ""
+
+
+def test_a_failure_on_one_process_raises_on_every_process_and_publishes_nothing(tmp_path):
+    folder = str(tmp_path / "state")
+    (kind_0, message_0), (kind_1, _) = run_on_ranks(_fail_on_rank_one, 2, folder, timeout=120)
+    assert kind_1 == "OSError" and kind_0 == "RuntimeError" and "another process" in message_0
+    assert os.listdir(tmp_path) == []  # neither the checkpoint nor its staging folder
 
 
 def test_register_for_checkpointing_refuses_objects_without_state_dict():

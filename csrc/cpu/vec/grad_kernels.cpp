@@ -8,6 +8,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <cstring>
 
 #ifndef CPU_CAPABILITY
 #error "grad_kernels.cpp is compiled by setup.py with -DCPU_CAPABILITY=ACCEL_<isa>"
@@ -47,17 +48,28 @@ struct Accumulator {
   }
 };
 
-// Vector k of a float chunk: loaded, unscaled (unless read-only), stored, accumulated. The missing lanes of a
-// partial vector read as 0 and are not stored.
+// Runs `body` on the last `count` (< one vector) elements at `p` through a zeroed vector-sized buffer, so the
+// missing lanes read as 0: Vectorized::loadu(ptr, count) leaves them undefined in older torch releases, and stray
+// bits there would look like nan to the probe.
+template <typename T, int64_t kWidth, typename Body>
+inline void through_zeroed_buffer(T* p, int64_t count, bool write_back, const Body& body) {
+  alignas(64) T buffer[kWidth];
+  std::memset(static_cast<void*>(buffer), 0, sizeof(buffer));
+  std::memcpy(static_cast<void*>(buffer), p, count * sizeof(T));
+  body(buffer);
+  if (write_back) std::memcpy(static_cast<void*>(p), buffer, count * sizeof(T));
+}
+
+// One full vector of a float chunk (set k of accumulators): loaded, unscaled (unless read-only), stored, accumulated.
 template <bool kReadOnly>
-inline void unscale_float_vector(float* p, int64_t count, const FloatVec& scale, Accumulator& acc, int k) {
-  const FloatVec x = FloatVec::loadu(p, count);
+inline void unscale_float_vector(float* p, const FloatVec& scale, Accumulator& acc, int k) {
+  const FloatVec x = FloatVec::loadu(p);
   if (kReadOnly) {
     acc.read(k, x, x);
     return;
   }
   const FloatVec y = x * scale;
-  y.store(p, count);
+  y.store(p);
   acc.read(k, x, y);
 }
 
@@ -68,10 +80,15 @@ ChunkStats unscale_float_impl(float* p, int64_t n, float inv_scale) {
   Accumulator acc;
   int64_t i = 0;
   for (; i + 2 * kWidth <= n; i += 2 * kWidth) {
-    unscale_float_vector<kReadOnly>(p + i, kWidth, scale, acc, 0);
-    unscale_float_vector<kReadOnly>(p + i + kWidth, kWidth, scale, acc, 1);
+    unscale_float_vector<kReadOnly>(p + i, scale, acc, 0);
+    unscale_float_vector<kReadOnly>(p + i + kWidth, scale, acc, 1);
   }
-  for (; i < n; i += kWidth) unscale_float_vector<kReadOnly>(p + i, std::min(kWidth, n - i), scale, acc, 0);
+  for (; i + kWidth <= n; i += kWidth) unscale_float_vector<kReadOnly>(p + i, scale, acc, 0);
+  if (i < n) {
+    through_zeroed_buffer<float, kWidth>(p + i, n - i, !kReadOnly, [&](float* buffer) {
+      unscale_float_vector<kReadOnly>(buffer, scale, acc, 0);
+    });
+  }
   return acc.result();
 }
 
@@ -85,22 +102,30 @@ ChunkStats unscale_float(void* data, int64_t n, float inv_scale) {
 // before they are narrowed: narrowing them back to fp32 just to square them would cost two more conversions per
 // vector, for a difference far below the norm's own rounding.
 template <typename T, bool kReadOnly>
+inline void unscale_reduced_vector(T* p, const FloatVec& scale, Accumulator& acc) {
+  auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+  if (kReadOnly) {
+    acc.read(0, lo, lo);
+    acc.read(1, hi, hi);
+    return;
+  }
+  const FloatVec out_lo = lo * scale, out_hi = hi * scale;
+  at::vec::convert_from_float<T>(out_lo, out_hi).store(p);
+  acc.read(0, lo, out_lo);
+  acc.read(1, hi, out_hi);
+}
+
+template <typename T, bool kReadOnly>
 ChunkStats unscale_reduced_impl(T* p, int64_t n, float inv_scale) {
-  using HalfVec = Vectorized<T>;
+  constexpr int64_t kWidth = Vectorized<T>::size();
   const FloatVec scale(inv_scale);
   Accumulator acc;
-  for (int64_t i = 0; i < n; i += HalfVec::size()) {
-    const int64_t count = std::min<int64_t>(HalfVec::size(), n - i);
-    auto [lo, hi] = at::vec::convert_to_float<T>(HalfVec::loadu(p + i, count));
-    if (kReadOnly) {
-      acc.read(0, lo, lo);
-      acc.read(1, hi, hi);
-      continue;
-    }
-    const FloatVec out_lo = lo * scale, out_hi = hi * scale;
-    at::vec::convert_from_float<T>(out_lo, out_hi).store(p + i, count);
-    acc.read(0, lo, out_lo);
-    acc.read(1, hi, out_hi);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) unscale_reduced_vector<T, kReadOnly>(p + i, scale, acc);
+  if (i < n) {
+    through_zeroed_buffer<T, kWidth>(p + i, n - i, !kReadOnly, [&](T* buffer) {
+      unscale_reduced_vector<T, kReadOnly>(buffer, scale, acc);
+    });
   }
   return acc.result();
 }
@@ -113,24 +138,27 @@ ChunkStats unscale_reduced(void* data, int64_t n, float inv_scale) {
 }
 
 void scale_float(void* data, int64_t n, float factor) {
+  constexpr int64_t kWidth = FloatVec::size();
   auto* p = static_cast<float*>(data);
   const FloatVec f(factor);
-  for (int64_t i = 0; i < n; i += FloatVec::size()) {
-    const int64_t count = std::min<int64_t>(FloatVec::size(), n - i);
-    (FloatVec::loadu(p + i, count) * f).store(p + i, count);
-  }
+  auto scale_vector = [&](float* q) { (FloatVec::loadu(q) * f).store(q); };
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) scale_vector(p + i);
+  if (i < n) through_zeroed_buffer<float, kWidth>(p + i, n - i, true, scale_vector);
 }
 
 template <typename T>
 void scale_reduced(void* data, int64_t n, float factor) {
-  using HalfVec = Vectorized<T>;
+  constexpr int64_t kWidth = Vectorized<T>::size();
   auto* p = static_cast<T*>(data);
   const FloatVec f(factor);
-  for (int64_t i = 0; i < n; i += HalfVec::size()) {
-    const int64_t count = std::min<int64_t>(HalfVec::size(), n - i);
-    auto [lo, hi] = at::vec::convert_to_float<T>(HalfVec::loadu(p + i, count));
-    at::vec::convert_from_float<T>(lo * f, hi * f).store(p + i, count);
-  }
+  auto scale_vector = [&](T* q) {
+    auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(q));
+    at::vec::convert_from_float<T>(lo * f, hi * f).store(q);
+  };
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) scale_vector(p + i);
+  if (i < n) through_zeroed_buffer<T, kWidth>(p + i, n - i, true, scale_vector);
 }
 
 }  // namespace

@@ -1,0 +1,184 @@
+// Shared by cpu/shard_copy.cpp and cuda/shard_copy.cu: the file handling, error collection and chunked
+// pwrite/pread of accel::write_tensors_ / accel::read_tensors_. Host code only.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace accel::shard_io {
+
+
+constexpr int64_t kChunkBytes = 8 << 20;  // large enough for the disk, small enough to spread over threads
+
+// One piece of I/O: `bytes` at file offset `file_offset` from/to `memory`.
+struct IoChunk {
+  char* memory;
+  int64_t file_offset;
+  int64_t bytes;
+  int64_t tensor;  // index in the caller's list, for error messages
+};
+
+inline std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+
+// Closes the descriptor on every path; `unlink_on_failure` removes a half-written file.
+class File {
+ public:
+  File(const std::string& path, int flags, bool unlink_on_failure)
+      : path_(path), unlink_on_failure_(unlink_on_failure) {
+    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+    const int err = errno;
+    TORCH_CHECK(fd_ >= 0, "cannot open '", path, "': ", errno_text(err));
+  }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_ && unlink_on_failure_) ::unlink(path_.c_str());
+  }
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  void commit() { committed_ = true; }
+
+ private:
+  std::string path_;
+  bool unlink_on_failure_;
+  bool committed_ = false;
+  int fd_ = -1;
+};
+
+// The first failure of any thread, reported once all threads are done.
+class FirstError {
+ public:
+  void set(std::string message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failed_.exchange(true)) message_ = std::move(message);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  void raise_if_failed() {
+    TORCH_CHECK(!failed_, message_);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::atomic<bool> failed_{false};
+  std::string message_;
+};
+
+inline std::vector<IoChunk> plan_io(at::TensorList tensors, at::IntArrayRef offsets, int64_t base, const char* op) {
+  TORCH_CHECK(offsets.size() == tensors.size(), op, ": ", tensors.size(), " tensors but ", offsets.size(), " offsets");
+  std::vector<IoChunk> chunks;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.is_contiguous(), op, ": tensors[", i, "] is not contiguous");
+    TORCH_CHECK(offsets[i] >= 0, op, ": offsets[", i, "] is negative");
+    const int64_t nbytes = t.numel() * t.element_size();
+    auto* memory = static_cast<char*>(t.data_ptr());
+    for (int64_t done = 0; done < nbytes; done += kChunkBytes) {
+      chunks.push_back({memory + done, base + offsets[i] + done, std::min(kChunkBytes, nbytes - done),
+                        static_cast<int64_t>(i)});
+    }
+  }
+  return chunks;
+}
+
+// Asks the kernel to start writing a chunk back to disk now rather than when the final fsync asks: the disk then
+// works while later chunks are still being copied into the page cache, and the fsync only waits for the tail.
+inline void start_writeback(const File& file, const IoChunk& c) {
+#if defined(__linux__)
+  ::sync_file_range(file.fd(), c.file_offset, c.bytes, SYNC_FILE_RANGE_WRITE);  // a hint: errors surface in fsync
+#else
+  (void)file;
+  (void)c;
+#endif
+}
+
+// pwrite/pread the whole chunk, retrying short transfers and EINTR.
+template <typename Transfer>
+void transfer_chunk(const IoChunk& c, Transfer transfer, const File& file, const char* verb, FirstError& error) {
+  int64_t done = 0;
+  while (done < c.bytes && !error.failed()) {
+    const ssize_t n = transfer(c.memory + done, static_cast<size_t>(c.bytes - done), c.file_offset + done);
+    const int err = errno;  // before anything below can change it
+    if (n > 0) {
+      done += n;
+    } else if (n == 0) {
+      error.set(std::string("'") + file.path() + "' ended early (" + verb + ", tensor " + std::to_string(c.tensor) +
+                ", at byte " + std::to_string(c.file_offset + done) + "): the file is truncated");
+      return;
+    } else if (err != EINTR) {
+      error.set(std::string("cannot ") + verb + " '" + file.path() + "' (tensor " + std::to_string(c.tensor) +
+                "): " + errno_text(err));
+      return;
+    }
+  }
+}
+
+template <typename Transfer>
+void transfer_all(const std::vector<IoChunk>& chunks, Transfer transfer, const File& file, const char* verb,
+                  bool writeback) {
+  FirstError error;
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      transfer_chunk(chunks[i], transfer, file, verb, error);
+      if (writeback) start_writeback(file, chunks[i]);
+    }
+  });
+  error.raise_if_failed();
+}
+
+// Reserves `total` bytes for the file, so that a full disk fails here, before any data moves. fallocate(2)
+// itself, not posix_fallocate: where a filesystem cannot reserve space (NFSv3, ZFS...), glibc's emulation writes a
+// byte per block, which costs more than it saves; the writes still report a full disk there.
+inline void reserve(const File& file, int64_t total) {
+  if (total <= 0) return;
+#if defined(__linux__)
+  const int err = ::fallocate(file.fd(), 0, 0, total) == 0 ? 0 : errno;
+#else
+  const int err = ::posix_fallocate(file.fd(), 0, total);
+#endif
+  TORCH_CHECK(err == 0 || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL, "cannot reserve ", total,
+              " bytes for '", file.path(), "': ", errno_text(err));
+}
+
+// Bytes the file needs: the header plus the end of the furthest tensor.
+inline int64_t file_size(int64_t header_bytes, at::TensorList tensors, at::IntArrayRef offsets) {
+  int64_t total = header_bytes;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    total = std::max(total, header_bytes + offsets[i] + tensors[i].numel() * tensors[i].element_size());
+  }
+  return total;
+}
+
+inline void check_header(const at::Tensor& header, const char* op) {
+  TORCH_CHECK(header.device().is_cpu() && header.scalar_type() == at::kByte && header.dim() == 1 &&
+                  header.is_contiguous(),
+              op, ": header must be a contiguous 1-d uint8 CPU tensor");
+}
+
+inline void write_header(const File& file, const at::Tensor& header) {
+  auto pwrite_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pwrite(file.fd(), memory, bytes, offset); };
+  FirstError error;
+  transfer_chunk(IoChunk{static_cast<char*>(header.data_ptr()), 0, header.numel(), -1}, pwrite_fn, file, "write", error);
+  error.raise_if_failed();
+}
+
+inline void finish_write(File& file) {
+  const int err = ::fsync(file.fd()) == 0 ? 0 : errno;
+  TORCH_CHECK(err == 0, "cannot flush '", file.path(), "' to disk: ", errno_text(err));
+  file.commit();
+}
+
+}  // namespace accel::shard_io
