@@ -20,7 +20,11 @@ What HF gets wrong and accel does not:
     after the new one is in place; `load_state()` loads the latest and sets the iteration so the next save gets
     the next number;
   - nothing is unpickled beyond weights_only=True (numpy's RNG arrays are allowlisted for the RNG files); pass
-    `load_kwargs={"weights_only": False}` for custom objects whose state dicts hold arbitrary Python objects.
+    `load_kwargs={"weights_only": False}` for custom objects whose state dicts hold arbitrary Python objects;
+  - a failure on one process (a full disk, a hook raising) raises on every process, and nothing is published.
+Two cases give up atomicity rather than data: a folder that holds other things than a checkpoint (logs...) gets
+its checkpoint files replaced one by one, and a folder that cannot be staged beside (a mount point, a read-only
+parent) is written in place. save_state is collective: every process must call it.
 """
 
 from __future__ import annotations
