@@ -286,6 +286,7 @@ def test_every_cpu_instruction_set_matches_torch(capability):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
 @pytest.mark.parametrize("inv_scale", INV_SCALES)
@@ -297,6 +298,7 @@ def test_cuda_unscale_matches_torch(kind, inv_scale):
     assert check_parity(grads, inv_scale) == 1.0
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_bf16_unscale_matches_the_cpu_kernel():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(13))
@@ -306,6 +308,7 @@ def test_cuda_bf16_unscale_matches_the_cpu_kernel():
     torch.testing.assert_close(cuda_sq.cpu(), cpu_sq, rtol=1e-6, atol=0)
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("norm", [0.5, 1e4, float("nan")])
 def test_cuda_clip_matches_torch(norm):
@@ -321,6 +324,7 @@ def test_cuda_clip_matches_torch(norm):
     assert all(same_bits(a, p.grad) for a, p in zip(actual, params))
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_opcheck():
     grads = gradient_set("mixed", [torch.float32, torch.float16], torch.Generator().manual_seed(15), device="cuda")
