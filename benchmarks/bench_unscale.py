@@ -35,7 +35,7 @@ SETS = {
     "large": lambda generator: [500_000] * 200,
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ROUNDS = {"small": 15, "large": 8}
+ROUNDS = {"small": 25, "large": 15}
 needs_native = pytest.mark.skipif(not _ext.status().loaded, reason="native extension not loaded")
 
 
