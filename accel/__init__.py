@@ -15,6 +15,8 @@ _PUBLIC = {
     "PartialState": "accel.state",
     "debug_launcher": "accel.launchers",
     "find_executable_batch_size": "accel.memory",
+    "init_empty_weights": "accel.big_modeling",
+    "init_on_device": "accel.big_modeling",
     "notebook_launcher": "accel.launchers",
     "skip_first_batches": "accel.data",
 }

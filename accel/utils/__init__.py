@@ -54,6 +54,8 @@ _PUBLIC = {
     "synchronize_rng_state": "accel.data",
     "synchronize_rng_states": "accel.data",
     "load_checkpoint_in_model": "accel.checkpoint",
+    "compute_module_sizes": "accel.big_modeling",
+    "named_module_tensors": "accel.big_modeling",
     "CheckpointError": "accel.checkpoint",
     "SAFE_WEIGHTS_NAME": "accel.checkpoint",
     "SAFE_WEIGHTS_INDEX_NAME": "accel.checkpoint",

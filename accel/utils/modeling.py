@@ -1,5 +1,6 @@
 """`accelerate.utils.modeling`'s checkpoint names, as users import them (`from accel.utils.modeling import ...`)."""
 
+from accel.big_modeling import compute_module_sizes, named_module_tensors
 from accel.checkpoint import load_checkpoint_in_model
 
-__all__ = ["load_checkpoint_in_model"]
+__all__ = ["compute_module_sizes", "load_checkpoint_in_model", "named_module_tensors"]
