@@ -17,6 +17,7 @@ _PUBLIC = {
     "find_executable_batch_size": "accel.memory",
     "init_empty_weights": "accel.big_modeling",
     "init_on_device": "accel.big_modeling",
+    "infer_auto_device_map": "accel.big_modeling",
     "notebook_launcher": "accel.launchers",
     "skip_first_batches": "accel.data",
 }

@@ -1,0 +1,225 @@
+"""Where each part of a model goes: `get_max_memory`, `get_balanced_memory`, `infer_auto_device_map`.
+
+A device map is {module or tensor name: device}, devices being GPU indices, "cpu" or "disk", filled in that
+order: GPUs first, then CPU RAM, then the disk. `infer_auto_device_map` walks the model's modules in order and
+puts each on the current device while it fits; a module that does not fit is split into its children, unless it
+is a leaf or its class is in `no_split_module_classes` (a transformer block, whose residual connections must
+run on one device), in which case the next device is tried. While later devices hold offloaded weights, each
+GPU keeps room for the largest unsplittable module, which is brought there for its forward. A module whose
+parameter is tied to one placed already goes where that parameter is (tied weights are one tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from accel.big_modeling.sizes import compute_module_sizes
+
+logger = logging.getLogger(__name__)
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+Device = int | str
+
+
+def convert_file_size_to_int(size: int | str) -> int:
+    """`"10GiB"` -> 10737418240, `"2GB"` -> 2000000000, an int as it is."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"cannot read {size!r} as a memory size (e.g. '10GiB', '500MB' or a number of bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _device_order(device: Device) -> tuple[int, int]:
+    if isinstance(device, int):
+        return 0, device
+    return {"mps": (1, 0), "cpu": (2, 0), "disk": (3, 0)}[device]
+
+
+def get_max_memory(max_memory: dict[Device, int | str] | None = None) -> dict[Device, int]:
+    """Bytes available per device, GPUs (by index) first, then "mps", "cpu", "disk".
+
+    Without `max_memory`: the free memory of every visible GPU and the available RAM.
+    """
+    if max_memory is None:
+        import psutil
+
+        found: dict[Device, int] = {}
+        for index in range(torch.cuda.device_count()):
+            found[index] = torch.cuda.mem_get_info(index)[0]
+        found["cpu"] = psutil.virtual_memory().available
+        return found
+    unknown = [d for d in max_memory if not (isinstance(d, int) and d >= 0) and d not in ("mps", "cpu", "disk")]
+    if unknown:
+        raise ValueError(f"max_memory: unknown device(s) {unknown}; use GPU indices, 'mps', 'cpu' or 'disk'")
+    return {d: convert_file_size_to_int(max_memory[d]) for d in sorted(max_memory, key=_device_order)}
+
+
+def _no_split(module: nn.Module, no_split_module_classes: set[str]) -> bool:
+    return type(module).__name__ in no_split_module_classes
+
+
+def _units(model: nn.Module, no_split: set[str]) -> list[tuple[str, nn.Module]]:
+    """The modules the placement can move as one piece: no-split modules and leaves."""
+    found, stack = [], [("", model)]
+    while stack:
+        name, module = stack.pop()
+        children = list(module.named_children())
+        if not children or _no_split(module, no_split):
+            found.append((name, module))
+            continue
+        stack.extend((f"{name}.{child}" if name else child, sub) for child, sub in reversed(children))
+    return found
+
+
+def get_balanced_memory(
+    model: nn.Module,
+    max_memory: dict[Device, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    special_dtypes: dict[str, str | torch.dtype] | None = None,
+    low_zero: bool = False,
+) -> dict[Device, int]:
+    """`max_memory` with every GPU's share cut to an even part of the model (plus room for its largest
+    unsplittable module), so that `infer_auto_device_map` spreads it instead of filling GPU 0 first.
+    `low_zero`: GPU 0 gets as little as possible (it often also runs the generation loop)."""
+    max_memory = get_max_memory(max_memory)
+    gpus = [d for d in max_memory if isinstance(d, int)]
+    if len(gpus) < 2:
+        return max_memory
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    no_split = set(no_split_module_classes or [])
+    largest = max((sizes.get(name, 0) for name, _ in _units(model, no_split)), default=0)
+    shared = gpus[1:] if low_zero else gpus
+    per_gpu = -(-sizes[""] // len(shared)) + largest
+    balanced = dict(max_memory)
+    for gpu in shared:
+        balanced[gpu] = min(max_memory[gpu], per_gpu)
+    if low_zero:
+        balanced[gpus[0]] = min(max_memory[gpus[0]], largest)
+    return balanced
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor (weight tying), in groups of two or more."""
+    by_identity: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_identity.setdefault(id(param), []).append(name)
+    return [names for names in by_identity.values() if len(names) > 1]
+
+
+def _owns(module_name: str, tensor_name: str) -> bool:
+    return module_name == "" or tensor_name == module_name or tensor_name.startswith(module_name + ".")
+
+
+def infer_auto_device_map(
+    model: nn.Module,
+    max_memory: dict[Device, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    special_dtypes: dict[str, str | torch.dtype] | None = None,
+    verbose: bool = False,
+    clean_result: bool = True,
+) -> OrderedDict[str, Device]:
+    """{module or tensor name: device} placing `model` on the devices of `max_memory` in order (module docstring).
+
+    Raises ValueError, saying how many bytes are missing, when even the last device cannot take what is left.
+    """
+    max_memory = get_max_memory(max_memory)
+    devices = list(max_memory)
+    no_split = set(no_split_module_classes or [])
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    offloading = any(d in ("cpu", "disk") for d in devices) and any(not isinstance(d, str) or d == "mps" for d in devices)
+    largest_unit = max(((sizes.get(n, 0), n) for n, _ in _units(model, no_split)), default=(0, ""))
+    tied = _tied_groups(model)
+
+    placed: OrderedDict[str, Device] = OrderedDict()
+    pending = [(name, module) for name, module in model.named_children()]
+    pending += [(name, None) for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
+    device_index, used = 0, 0
+    while pending:
+        name, module = pending[0]
+        size = sizes.get(name, 0)
+        forced = _tied_device(name, tied, placed)
+        if forced is not None:  # its tied weights are already there: it costs nothing more there
+            placed[name] = forced
+            pending.pop(0)
+            continue
+        if device_index >= len(devices):
+            needed = sum(sizes.get(n, 0) for n, _ in pending)
+            raise ValueError(
+                f"max_memory is too small: {needed} more bytes are needed for {', '.join(n for n, _ in pending[:5])}"
+                f"{'...' if len(pending) > 5 else ''} (the model takes {sizes['']} bytes; the largest part that cannot "
+                f"be split, '{largest_unit[1]}', takes {largest_unit[0]})"
+            )
+        device = devices[device_index]
+        reserve = largest_unit[0] if offloading and device not in ("cpu", "disk") else 0
+        capacity = max_memory[device] if device != "disk" else float("inf")
+        if used + size <= capacity - reserve:
+            placed[name] = device
+            used += size
+            pending.pop(0)
+            if verbose:
+                logger.info("'%s' (%d bytes) -> %s", name, size, device)
+            continue
+        children = list(module.named_children()) if module is not None else []
+        if children and not _no_split(module, no_split):
+            pending.pop(0)
+            own = [(f"{name}.{n}", None) for n, _ in [*module.named_parameters(recurse=False),
+                                                        *module.named_buffers(recurse=False)]]  # fmt: skip
+            pending[:0] = own + [(f"{name}.{child}", sub) for child, sub in children]
+            if verbose:
+                logger.info("'%s' (%d bytes) does not fit on %s: splitting it", name, size, device)
+            continue
+        if verbose:
+            logger.info("'%s' (%d bytes) does not fit on %s (%d of %d bytes used): next device", name, size, device,
+                        used, capacity)  # fmt: skip
+        device_index, used = device_index + 1, 0
+    return _merged(placed, model) if clean_result else placed
+
+
+def _tied_device(name: str, tied: list[list[str]], placed: dict[str, Device]) -> Device | None:
+    for group in tied:
+        if any(_owns(name, tensor) for tensor in group):
+            for tensor in group:
+                if _owns(name, tensor):
+                    continue
+                for placed_name, device in placed.items():
+                    if _owns(placed_name, tensor):
+                        return device
+    return None
+
+
+def _merged(device_map: OrderedDict[str, Device], model: nn.Module) -> OrderedDict[str, Device]:
+    """Replaces every module all of whose entries share one device by a single entry for it."""
+    changed = True
+    while changed:
+        changed = False
+        parents = OrderedDict()
+        for name in device_map:
+            if "." in name:
+                parents.setdefault(name.rsplit(".", 1)[0], []).append(name)
+        for parent, names in parents.items():
+            module = model.get_submodule(parent)
+            expected = {f"{parent}.{n}" for n, _ in module.named_children()}
+            expected |= {f"{parent}.{n}" for n, _ in [*module.named_parameters(recurse=False),
+                                                       *module.named_buffers(recurse=False)]}  # fmt: skip
+            if set(names) == expected and len({device_map[n] for n in names}) == 1:
+                device = device_map[names[0]]
+                rebuilt = OrderedDict()
+                for key, value in device_map.items():
+                    if key in expected:
+                        if key == names[0]:
+                            rebuilt[parent] = device
+                    else:
+                        rebuilt[key] = value
+                device_map, changed = rebuilt, True
+                break
+    return device_map
