@@ -1,0 +1,298 @@
+"""Running a model spread over devices: `dispatch_model`, `cpu_offload`, `disk_offload` and
+`load_checkpoint_and_dispatch`.
+
+A device map entry on a GPU (or on "cpu" when the CPU is where the model runs) puts that module there; an
+entry on "cpu" while a GPU runs the model, or on "disk", offloads it: its weights stay in CPU memory or in the
+offload folder and come to the execution device only for its forward (AlignDevicesHook). The model's output
+comes back on the device of its input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from accel.big_modeling.device_map import Device, get_balanced_memory, infer_auto_device_map
+from accel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module, set_module_tensor_to_device
+from accel.big_modeling.offload import (
+    OffloadedWeightsLoader,
+    PrefixedDataset,
+    load_offloaded_weight,
+    offload_state_dict,
+    offload_weight,
+    save_offload_index,
+)
+from accel.checkpoint.model_io import checkpoint_files
+from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into
+
+logger = logging.getLogger(__name__)
+OFFLOADED = ("cpu", "disk")
+
+
+def _torch_device(device: Device) -> torch.device:
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+def device_for(device_map: Mapping[str, Device], tensor_name: str) -> Device | None:
+    """The device of a tensor: the entry of the longest prefix of its name ("" is the whole model)."""
+    best = None
+    for name in device_map:
+        if (name == "" or tensor_name == name or tensor_name.startswith(name + ".")) and (best is None or len(name) > len(best)):
+            best = name
+    return None if best is None else device_map[best]
+
+
+def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> None:
+    """Raises unless every entry names a module or tensor of `model` and every tensor gets a device."""
+    known = {name for name, _ in model.named_modules()}
+    known |= {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {name for name, _ in model.named_buffers()}
+    unknown = [name for name in device_map if name not in known]
+    if unknown:
+        raise ValueError(f"device_map names what the model does not have: {', '.join(unknown)}")
+    uncovered = [n for n, _ in model.named_parameters() if device_for(device_map, n) is None]
+    if uncovered:
+        raise ValueError(f"device_map gives no device to {', '.join(uncovered[:5])}{'...' if len(uncovered) > 5 else ''}")
+
+
+def dispatch_model(
+    model: nn.Module,
+    device_map: Mapping[str, Device],
+    main_device: Device | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    offload_dir: str | os.PathLike | None = None,
+    offload_index: dict | None = None,
+    offload_buffers: bool = False,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+) -> nn.Module:
+    """Places `model` as `device_map` says and hooks it so that a forward runs across the devices.
+
+    Weights of modules on "disk" are written to `offload_dir` (unless `offload_index` says they already are);
+    `state_dict`, when given, holds the CPU-offloaded weights (else they are taken from the model).
+    """
+    check_device_map(model, device_map)
+    if main_device is None:
+        placed = [d for d in device_map.values() if d not in OFFLOADED]
+        main_device = placed[0] if placed else "cpu"
+    devices = set(device_map.values())
+    if len(devices) == 1 and "disk" not in devices and not force_hooks:
+        model.to(_torch_device(next(iter(devices))))
+        model.hf_device_map = dict(device_map)
+        return model
+    offloaded = {name: device for name, device in device_map.items()
+                 if device == "disk" or (device == "cpu" and main_device != "cpu")}  # fmt: skip
+    return _attach_hooks(model, device_map, main_device, offloaded, state_dict, offload_dir, offload_index,
+                         offload_buffers, skip_keys)  # fmt: skip
+
+
+def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_device: Device,
+                  offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index, offload_buffers: bool,
+                  skip_keys) -> nn.Module:  # fmt: skip
+    weights = _offloaded_weights(model, offloaded, state_dict, offload_dir, offload_index, offload_buffers)
+    # First, so that it sees the caller's input device before any other hook moves the input.
+    add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys), append=True)
+    for name, device in device_map.items():
+        entry = _module_of(model, name)
+        execution = _torch_device(main_device if name in offloaded else device)
+        # The entry aligns its inputs (a block's residual must meet its output on one device) and, unless
+        # offloaded, holds its tensors on its device.
+        add_hook_to_module(entry, AlignDevicesHook(execution_device=execution, place_submodules=True,
+                                                   skip_keys=skip_keys, move_tensors=name not in offloaded),
+                           append=True)  # fmt: skip
+        if name in offloaded:  # every submodule owning weights brings them in for its own forward only
+            for sub_name, sub in entry.named_modules():
+                if sub._parameters or (offload_buffers and sub._buffers):
+                    full = ".".join(part for part in (name, sub_name) if part)
+                    add_hook_to_module(sub, AlignDevicesHook(
+                        execution_device=execution, offload=True, offload_buffers=offload_buffers,
+                        weights_map=PrefixedDataset(weights, f"{full}." if full else ""), skip_keys=skip_keys),
+                        append=True)  # fmt: skip
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def _module_of(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"device_map entry '{name}' is not a module; place tensors through their module") from None
+
+
+def _offloaded_weights(model: nn.Module, offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index,
+                       offload_buffers: bool) -> OffloadedWeightsLoader:  # fmt: skip
+    """The weights map of every offloaded module: CPU tensors, plus the disk ones in the offload folder."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
+    if offload_buffers:
+        tensors.update(model.named_buffers())
+    under = {device: [n for n in tensors if device_for(offloaded, n) == device] for device in ("cpu", "disk")}
+    cpu_weights = {n: (state_dict[n] if state_dict is not None and n in state_dict else tensors[n].detach().cpu())
+                   for n in under["cpu"]}  # fmt: skip
+    folder = None if offload_dir is None else os.fspath(offload_dir)
+    if under["disk"]:
+        if folder is None:
+            raise ValueError("device_map puts modules on 'disk': pass offload_dir (a folder for their weights)")
+        if offload_index is None:
+            offload_index = offload_state_dict(folder, {n: tensors[n] for n in under["disk"]})
+    return OffloadedWeightsLoader(state_dict=cpu_weights, save_folder=folder, index=offload_index)
+
+
+def cpu_offload(model: nn.Module, execution_device: Device | None = None, offload_buffers: bool = False,
+                state_dict: Mapping[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
+    """Keeps all of `model`'s weights in CPU memory and brings each module's in for its forward only."""
+    execution_device = execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu")
+    device_map = {"": "cpu"}  # offloaded even when the CPU also runs it: the weights live only in the map
+    return _attach_hooks(model, device_map, execution_device, device_map, state_dict, None, None, offload_buffers, None)
+
+
+def disk_offload(model: nn.Module, offload_dir: str | os.PathLike, execution_device: Device | None = None,
+                 offload_buffers: bool = False) -> nn.Module:  # fmt: skip
+    """Writes all of `model`'s weights to `offload_dir` and brings each module's in (memory-mapped) for its forward."""
+    execution_device = execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu")
+    return dispatch_model(model, {"": "disk"}, main_device=execution_device, offload_dir=offload_dir,
+                          offload_buffers=offload_buffers, force_hooks=True)  # fmt: skip
+
+
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    device_map: str | Mapping[str, Device] | None = "auto",
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    offload_buffers: bool = False,
+    dtype: str | torch.dtype | None = None,
+    offload_state_dict: bool | None = None,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+    strict: bool = False,
+) -> nn.Module:
+    """Loads `checkpoint` (a file, a sharded index or a folder; safetensors or .bin) into `model` (usually built
+    under `init_empty_weights`) and dispatches it over the devices.
+
+    `device_map`: "auto" / "balanced" / "balanced_low_0" (spread evenly over the GPUs; low_0 keeps GPU 0 light),
+    "sequential" (fill each device in turn), or an explicit {name: device}. Each tensor is read once, shard by
+    shard, straight to its device, or (for "disk") into the offload folder, so peak host memory stays near what
+    lives on the CPU plus one tensor.
+    """
+    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
+    check_device_map(model, device_map)
+    folder = None if offload_folder is None else os.fspath(offload_folder)
+    if "disk" in device_map.values():
+        if folder is None:
+            raise ValueError("the device map puts modules on 'disk': pass offload_folder")
+        os.makedirs(folder, exist_ok=True)
+    index = _load_routed(model, checkpoint, device_map, folder, dtype, strict)
+    if folder is not None and index:
+        save_offload_index(index, folder)
+    return dispatch_model(model, device_map, offload_dir=folder, offload_index=index or None,
+                          offload_buffers=offload_buffers, skip_keys=skip_keys, force_hooks=force_hooks)  # fmt: skip
+
+
+def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[str, Device]:
+    if device_map is None:
+        return {"": "cpu"}
+    if not isinstance(device_map, str):
+        return dict(device_map)
+    if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r}: use 'auto', 'balanced', 'balanced_low_0', 'sequential' or a dict")
+    if device_map != "sequential":
+        max_memory = get_balanced_memory(model, max_memory, no_split, dtype, low_zero=device_map == "balanced_low_0")
+    return dict(infer_auto_device_map(model, max_memory, no_split_module_classes=no_split, dtype=dtype))
+
+
+def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device], folder: str | None,
+                 dtype: torch.dtype | None, strict: bool) -> dict:  # fmt: skip
+    """Reads every tensor once to where the device map sends it; returns the offload index of the disk ones."""
+    own = dict(model.named_parameters()) | dict(model.named_buffers())
+    persistent = set(model.state_dict(keep_vars=True))  # buffers a checkpoint holds (not e.g. rotary tables)
+    tied = _tied_groups(model)  # before loading replaces the parameters that make them one
+    index: dict = {}
+    seen: set[str] = set()
+    files = checkpoint_files(checkpoint)
+    headers = {path: read_header(path) for path in files if path.endswith(".safetensors")}  # all validated first
+    _check_shapes(own, headers)
+    for path in files:
+        if path in headers:
+            header = headers[path]
+            for name, info in header.tensors.items():
+                if name in own:
+                    seen.add(name)
+                    value = torch.empty(info.shape, dtype=info.dtype)
+                    read_into(header, {name: value})
+                    _route(model, name, value, own[name], device_map, folder, dtype, index, path)
+        else:
+            state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for name, value in state_dict.items():
+                if name in own:
+                    seen.add(name)
+                    _route(model, name, value, own[name], device_map, folder, dtype, index, path)
+            del state_dict
+    _report({n: t for n, t in own.items() if n in persistent}, seen, tied, strict, checkpoint)
+    _retie(model, tied, index, folder)
+    return index
+
+
+def _check_shapes(own: dict[str, torch.Tensor], headers: dict) -> None:
+    """Before anything is loaded: the model's first tensor (in its own order) whose shape the checkpoint
+    contradicts, named."""
+    saved = {name: (header.path, info.shape) for header in headers.values() for name, info in header.tensors.items()}
+    for name, tensor in own.items():
+        if name in saved and saved[name][1] != tuple(tensor.shape):
+            raise CheckpointError(f"'{saved[name][0]}', tensor '{name}': the checkpoint has shape {list(saved[name][1])}, "
+                                  f"the model {list(tensor.shape)}: a checkpoint of another architecture?")  # fmt: skip
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | None) -> None:
+    """Makes every name of a tied group one parameter again (loading replaced the first); a tied weight on disk
+    gets an entry under each name, as the offloaded modules look their weights up by name."""
+    for names in tied:
+        first = names[0]
+        owner_name, _, attr = first.rpartition(".")
+        param = (model.get_submodule(owner_name) if owner_name else model)._parameters[attr]
+        for other in names[1:]:
+            if first in index:
+                offload_weight(load_offloaded_weight(os.path.join(folder, f"{first}.dat"), index[first]), other, folder,
+                               index)  # fmt: skip
+            owner_name, _, attr = other.rpartition(".")
+            (model.get_submodule(owner_name) if owner_name else model)._parameters[attr] = param
+
+
+def _route(model, name, value, current, device_map, folder, dtype, index, path) -> None:
+    if tuple(value.shape) != tuple(current.shape):
+        raise CheckpointError(f"'{path}', tensor '{name}': the checkpoint has shape {list(value.shape)}, the model "
+                              f"{list(current.shape)}: a checkpoint of another architecture?")  # fmt: skip
+    target_dtype = dtype if (dtype is not None and value.is_floating_point()) else (
+        current.dtype if value.is_floating_point() else value.dtype)  # fmt: skip
+    device = device_for(device_map, name)
+    if device == "disk":
+        offload_weight(value.to(target_dtype), name, folder, index)
+        set_module_tensor_to_device(model, name, "meta", dtype=target_dtype)
+    else:
+        set_module_tensor_to_device(model, name, "cpu" if device == "cpu" else _torch_device(device), value=value,
+                                    dtype=target_dtype)  # fmt: skip
+
+
+def _report(own: dict, seen: set[str], tied: list[list[str]], strict: bool, checkpoint) -> None:
+    aliases = {name: group for group in tied for name in group}
+    missing = [n for n in own if n not in seen and not any(t in seen for t in aliases.get(n, []))]
+    if not missing:
+        return
+    message = f"loading '{os.fspath(checkpoint)}': missing from the checkpoint: {', '.join(missing)}"
+    if strict:
+        raise CheckpointError(message)
+    logger.warning(message)

@@ -1,0 +1,152 @@
+"""load_checkpoint_and_dispatch / dispatch_model with tiny GPT2, BERT and Llama models built from configs: split
+between the CPU and the disk (offload folder), outputs equal to the original model's."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from accel.big_modeling import (
+    add_hook_to_module,
+    compute_module_sizes,
+    cpu_offload,
+    disk_offload,
+    dispatch_model,
+    infer_auto_device_map,
+    init_empty_weights,
+    load_checkpoint_and_dispatch,
+    remove_hook_from_module,
+)
+from accel.big_modeling.hooks import ModelHook
+from accel.checkpoint import CheckpointError
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2():
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=500, n_positions=64)
+    return config, transformers.GPT2LMHeadModel, ["GPT2Block"]
+
+
+def bert():
+    config = transformers.BertConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                     vocab_size=500, max_position_embeddings=64)  # fmt: skip
+    return config, transformers.BertModel, ["BertLayer"]
+
+
+def llama():
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=500, max_position_embeddings=64)  # fmt: skip
+    return config, transformers.LlamaForCausalLM, ["LlamaDecoderLayer"]
+
+
+def outputs(model):
+    with torch.no_grad():
+        result = model(torch.arange(24).reshape(2, 12) % 500)
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
+
+
+@pytest.mark.parametrize("family", [gpt2, bert, llama], ids=["gpt2", "bert", "llama"])
+def test_a_model_split_between_cpu_and_disk_computes_what_the_original_does(tmp_path, family):
+    config, cls, no_split = family()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    with init_empty_weights():
+        model = cls(config)
+    total = compute_module_sizes(model)[""]
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
+                                         max_memory={"cpu": total // 2, "disk": 10**10},
+                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload")  # fmt: skip
+    model.eval()
+    assert set(model.hf_device_map.values()) == {"cpu", "disk"}
+    layer = no_split[0]
+    for name, module in model.named_modules():  # a no-split block is never split between devices
+        if type(module).__name__ == layer:
+            assert name in model.hf_device_map or any(name.startswith(k + ".") for k in model.hf_device_map)
+    assert os.path.exists(tmp_path / "offload" / "index.json")
+    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+
+
+def test_gpt2_generates_the_same_tokens_when_offloaded(tmp_path):
+    config, cls, no_split = gpt2()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    device_map = infer_auto_device_map(model, max_memory={"cpu": compute_module_sizes(model)[""] // 3,
+                                                          "disk": 10**10}, no_split_module_classes=no_split)  # fmt: skip
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=device_map,
+                                         offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), original.generate(prompt, **kwargs))
+
+
+def test_errors_name_the_problem(tmp_path):
+    config, cls, no_split = gpt2()
+    cls(config).save_pretrained(tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    with pytest.raises(ValueError, match="does not have: transformer.nope"):
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"transformer.nope": "cpu", "": "cpu"})
+    with pytest.raises(ValueError, match="max_memory is too small"):
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential", max_memory={"cpu": 1000},
+                                     no_split_module_classes=no_split)  # fmt: skip
+    with pytest.raises(ValueError, match="pass offload_folder"):
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "disk"})
+    other = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=500, n_positions=64)
+    with init_empty_weights():
+        wrong = cls(other)
+    with pytest.raises(CheckpointError, match="tensor 'transformer.wte.weight'.*another architecture"):
+        load_checkpoint_and_dispatch(wrong, tmp_path / "ckpt", device_map={"": "cpu"})
+
+
+def test_missing_weights_warn_or_raise_when_strict(tmp_path):
+    config, cls, _ = gpt2()
+    state = cls(config).state_dict()
+    state.pop("transformer.ln_f.bias")
+    from accel.checkpoint import save_state_dict
+
+    save_state_dict(state, tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: transformer.ln_f.bias"):
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"}, strict=True)
+
+
+def test_cpu_offload_and_disk_offload_keep_the_outputs(tmp_path):
+    config, cls, _ = gpt2()
+    torch.manual_seed(1)
+    original = cls(config).eval()
+    expected = outputs(original)
+    for offload in ("cpu", "disk"):
+        torch.manual_seed(1)
+        model = cls(config).eval()
+        model = cpu_offload(model, "cpu") if offload == "cpu" else disk_offload(model, tmp_path / "off", "cpu")
+        assert model.transformer.h[0].attn.c_attn.weight.device.type == "meta"  # weights come in per forward
+        torch.testing.assert_close(outputs(model), expected, rtol=0, atol=0)
+
+
+def test_hooks_wrap_and_unwrap_forward():
+    class Double(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    layer = nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    plain = layer(x)
+    add_hook_to_module(layer, Double())
+    assert torch.equal(layer(x), plain * 2)
+    add_hook_to_module(layer, Double(), append=True)
+    assert torch.equal(layer(x), plain * 4)
+    remove_hook_from_module(layer)
+    assert torch.equal(layer(x), plain) and "forward" not in layer.__dict__
+
+
+def test_dispatch_model_on_one_device_just_moves_the_model():
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert dispatch_model(model, {"": "cpu"}).hf_device_map == {"": "cpu"}
+    assert "_hf_hook" not in model.__dict__
