@@ -11,7 +11,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40" "hypothesis>=6"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint cuda-check shm-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model cuda-check shm-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,15 @@ bench-checkpoint: setup
 	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -q \
 	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-checkpoint.json
 	$(VENV)/bin/python tools/bench_checkpoint_report.py $(BENCH_OUT) build/bench-checkpoint.json
+
+# load_checkpoint_and_dispatch of 1 GiB against HF Accelerate (installed into the venv): time and peak memory;
+# writes docs/benchmarks/big_model.md.
+bench-big-model: setup
+	$(VENV)/bin/pip install -q accelerate
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider -q \
+	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-big-model.json
+	$(VENV)/bin/python benchmarks/bench_big_model.py $(BENCH_OUT) build/bench-big-model.json
 
 cuda-check:
 	tools/cuda_compile_check.sh

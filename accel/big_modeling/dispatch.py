@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Mapping
 
 import torch
@@ -179,7 +180,10 @@ def load_checkpoint_and_dispatch(
     `device_map`: "auto" / "balanced" / "balanced_low_0" (spread evenly over the GPUs; low_0 keeps GPU 0 light),
     "sequential" (fill each device in turn), or an explicit {name: device}. Each tensor is read once, shard by
     shard, straight to its device, or (for "disk") into the offload folder, so peak host memory stays near what
-    lives on the CPU plus one tensor.
+    lives on the CPU plus one tensor. Weights served from the CPU in the file's dtype are not copied at all:
+    they are views of a private (copy-on-write) mapping of the safetensors file, pre-faulted while loading, so
+    they share the page cache; writing to them never reaches the file. Files that others may write are copied
+    instead (a file truncated under a mapping kills the reader).
     """
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
@@ -222,11 +226,14 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     for path in files:
         if path in headers:
             header = headers[path]
+            mapped = _mapped(path) if _maps_here(header, own, device_map, dtype) else None
             for name, info in header.tensors.items():
                 if name in own:
                     seen.add(name)
-                    value = torch.empty(info.shape, dtype=info.dtype)
-                    read_into(header, {name: value})
+                    value = _view(mapped, info) if mapped is not None else None
+                    if value is None:
+                        value = torch.empty(info.shape, dtype=info.dtype)
+                        read_into(header, {name: value})
                     _route(model, name, value, own[name], device_map, folder, dtype, index, path)
         else:
             state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -238,6 +245,35 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     _report({n: t for n, t in own.items() if n in persistent}, seen, tied, strict, checkpoint)
     _retie(model, tied, index, folder)
     return index
+
+
+def _maps_here(header, own: dict, device_map: Mapping[str, Device], dtype: torch.dtype | None) -> bool:
+    """Whether any tensor of this file is served from the CPU in its own dtype (then the file is mapped)."""
+    for name, info in header.tensors.items():
+        if name in own and device_for(device_map, name) == "cpu":
+            wanted = dtype if (dtype is not None and info.dtype.is_floating_point) else own[name].dtype
+            if not info.dtype.is_floating_point or wanted == info.dtype:
+                return True
+    return False
+
+
+def _mapped(path: str) -> torch.Tensor | None:
+    """The file as a private (copy-on-write) mapping, pre-faulted from the page cache; None when others may write
+    the file: truncated under the mapping, reading a weight would kill the process (SIGBUS)."""
+    info = os.stat(path)
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid != os.getuid() or info.st_size == 0:
+        return None
+    data = torch.from_file(path, shared=False, size=info.st_size, dtype=torch.uint8)
+    int(data[::4096].sum())  # touch every page now, so the first forward does not pay for it
+    return data
+
+
+def _view(mapped: torch.Tensor, info) -> torch.Tensor | None:
+    """The tensor as a view of the mapped file: no copy (None when its offset is not aligned to its dtype)."""
+    element = torch.empty((), dtype=info.dtype).element_size()
+    if info.begin % element or info.nbytes == 0:
+        return None
+    return mapped[info.begin:info.end].view(info.dtype).view(info.shape)
 
 
 def _check_shapes(own: dict[str, torch.Tensor], headers: dict) -> None:

@@ -150,3 +150,32 @@ def test_dispatch_model_on_one_device_just_moves_the_model():
     model = nn.Sequential(nn.Linear(2, 2))
     assert dispatch_model(model, {"": "cpu"}).hf_device_map == {"": "cpu"}
     assert "_hf_hook" not in model.__dict__
+
+
+def test_cpu_weights_map_the_file_privately_and_never_write_it(tmp_path):
+    from safetensors import safe_open
+
+    config, cls, _ = gpt2()
+    torch.manual_seed(2)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"}).eval()
+    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.add_(1.0)  # copy-on-write: this process only
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("transformer.h.0.attn.c_attn.weight"), original.transformer.h[0].attn.c_attn.weight)
+
+
+def test_a_file_others_may_write_is_copied_not_mapped(tmp_path):
+    from accel.big_modeling import dispatch
+
+    config, cls, _ = gpt2()
+    cls(config).save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "model.safetensors"
+    os.chmod(path, 0o666)
+    assert dispatch._mapped(str(path)) is None
+    os.chmod(path, 0o644)
+    assert dispatch._mapped(str(path)) is not None
