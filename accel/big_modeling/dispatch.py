@@ -220,6 +220,7 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     tied = _tied_groups(model)  # before loading replaces the parameters that make them one
     index: dict = {}
     seen: set[str] = set()
+    unexpected: list[str] = []
     files = checkpoint_files(checkpoint)
     headers = {path: read_header(path) for path in files if path.endswith(".safetensors")}  # all validated first
     _check_shapes(own, headers)
@@ -227,6 +228,7 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
         if path in headers:
             header = headers[path]
             mapped = _mapped(path) if _maps_here(header, own, device_map, dtype) else None
+            unexpected += [name for name in header.tensors if name not in own]
             for name, info in header.tensors.items():
                 if name in own:
                     seen.add(name)
@@ -237,12 +239,15 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
                     _route(model, name, value, own[name], device_map, folder, dtype, index, path)
         else:
             state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            unexpected += [name for name in state_dict if name not in own]
             for name, value in state_dict.items():
                 if name in own:
                     seen.add(name)
                     _route(model, name, value, own[name], device_map, folder, dtype, index, path)
             del state_dict
-    _report({n: t for n, t in own.items() if n in persistent}, seen, tied, strict, checkpoint)
+    aliases = {name for group in tied for name in group}
+    _report({n: t for n, t in own.items() if n in persistent}, seen, tied, [n for n in unexpected if n not in aliases],
+            strict, checkpoint)  # fmt: skip
     _retie(model, tied, index, folder)
     return index
 
@@ -323,12 +328,14 @@ def _route(model, name, value, current, device_map, folder, dtype, index, path) 
                                     dtype=target_dtype)  # fmt: skip
 
 
-def _report(own: dict, seen: set[str], tied: list[list[str]], strict: bool, checkpoint) -> None:
+def _report(own: dict, seen: set[str], tied: list[list[str]], unexpected: list[str], strict: bool, checkpoint) -> None:
     aliases = {name: group for group in tied for name in group}
     missing = [n for n in own if n not in seen and not any(t in seen for t in aliases.get(n, []))]
-    if not missing:
+    if not missing and not unexpected:
         return
-    message = f"loading '{os.fspath(checkpoint)}': missing from the checkpoint: {', '.join(missing)}"
+    parts = [f"missing from the checkpoint: {', '.join(missing)}"] if missing else []
+    parts += [f"in the checkpoint but not in the model: {', '.join(unexpected)}"] if unexpected else []
+    message = f"loading '{os.fspath(checkpoint)}': " + "; ".join(parts)
     if strict:
         raise CheckpointError(message)
     logger.warning(message)

@@ -108,12 +108,14 @@ def test_missing_weights_warn_or_raise_when_strict(tmp_path):
     config, cls, _ = gpt2()
     state = cls(config).state_dict()
     state.pop("transformer.ln_f.bias")
+    state["transformer.extra"] = torch.zeros(2)
     from accel.checkpoint import save_state_dict
 
     save_state_dict(state, tmp_path / "ckpt")
     with init_empty_weights():
         model = cls(config)
-    with pytest.raises(CheckpointError, match="missing from the checkpoint: transformer.ln_f.bias"):
+    with pytest.raises(CheckpointError, match="missing from the checkpoint: transformer.ln_f.bias; in the checkpoint "
+                                              "but not in the model: transformer.extra"):  # fmt: skip
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"}, strict=True)
 
 
@@ -179,3 +181,34 @@ def test_a_file_others_may_write_is_copied_not_mapped(tmp_path):
     assert dispatch._mapped(str(path)) is None
     os.chmod(path, 0o644)
     assert dispatch._mapped(str(path)) is not None
+
+
+@pytest.mark.gpu
+def test_a_split_over_the_gpu_the_cpu_and_the_disk(tmp_path):
+    config, cls, no_split = gpt2()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    with init_empty_weights():
+        model = cls(config)
+    third = compute_module_sizes(model)[""] // 3
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
+                                         max_memory={0: third * 2, "cpu": third, "disk": 10**10},
+                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    assert set(model.hf_device_map.values()) == {0, "cpu", "disk"}
+    result = outputs(model)
+    assert result.device.type == "cpu"  # back where the input came from
+    torch.testing.assert_close(result, outputs(original), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bin_checkpoint_loads_with_weights_only(tmp_path):
+    config, cls, no_split = gpt2()
+    torch.manual_seed(3)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt", safe_serialization=False, max_shard_size="200KB")
+    with init_empty_weights():
+        model = cls(config)
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
+                                         max_memory={"cpu": compute_module_sizes(model)[""] // 2, "disk": 10**10},
+                                         no_split_module_classes=no_split, offload_folder=tmp_path / "off").eval()  # fmt: skip
+    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
