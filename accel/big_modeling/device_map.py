@@ -46,14 +46,14 @@ def _device_order(device: Device) -> tuple[int, int]:
 def get_max_memory(max_memory: dict[Device, int | str] | None = None) -> dict[Device, int]:
     """Bytes available per device, GPUs (by index) first, then "mps", "cpu", "disk".
 
-    Without `max_memory`: the free memory of every visible GPU and the available RAM.
+    Without `max_memory`: 90% of the free memory of every visible GPU, and the available RAM.
     """
     if max_memory is None:
         import psutil
 
         found: dict[Device, int] = {}
-        for index in range(torch.cuda.device_count()):
-            found[index] = torch.cuda.mem_get_info(index)[0]
+        for index in range(torch.cuda.device_count()):  # 90%: room for activations and caches
+            found[index] = int(torch.cuda.mem_get_info(index)[0] * 0.9)
         found["cpu"] = psutil.virtual_memory().available
         return found
     unknown = [d for d in max_memory if not (isinstance(d, int) and d >= 0) and d not in ("mps", "cpu", "disk")]
@@ -100,7 +100,7 @@ def get_balanced_memory(
     shared = gpus[1:] if low_zero else gpus
     per_gpu = -(-sizes[""] // len(shared)) + largest
     balanced = dict(max_memory)
-    for gpu in shared:
+    for gpu in shared[:-1]:  # the last GPU keeps all its room: rounding leftovers go there, not to the CPU
         balanced[gpu] = min(max_memory[gpu], per_gpu)
     if low_zero:
         balanced[gpus[0]] = min(max_memory[gpus[0]], largest)
@@ -143,15 +143,32 @@ def infer_auto_device_map(
     placed: OrderedDict[str, Device] = OrderedDict()
     pending = [(name, module) for name, module in model.named_children()]
     pending += [(name, None) for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
-    device_index, used = 0, 0
+    device_index = 0
+    used = dict.fromkeys(devices, 0)
+
+    def room(index: int) -> float:
+        device = devices[index]
+        if device == "disk":
+            return float("inf")
+        # Offloaded modules run on the main device (the first one): it keeps room for the largest of them.
+        reserve = largest_unit[0] if offloading and index == 0 and device not in ("cpu", "disk") else 0
+        return max_memory[device] - reserve - used[device]
+
     while pending:
         name, module = pending[0]
         size = sizes.get(name, 0)
         forced = _tied_device(name, tied, placed)
-        if forced is not None:  # its tied weights are already there: it costs nothing more there
-            placed[name] = forced
-            pending.pop(0)
-            continue
+        splittable = module is not None and any(True for _ in module.children()) and not _no_split(module, no_split)
+        if forced is not None:
+            # Its tied weight is already there (counted once, under its first name). The rest of it goes there
+            # too if it fits; else it is split so that only the part holding the weight must follow it.
+            if size <= room(devices.index(forced)) or not splittable:
+                if size > room(devices.index(forced)):
+                    logger.warning("'%s' follows its tied weight to %s, beyond that device's max_memory", name, forced)
+                placed[name] = forced
+                used[forced] += size
+                pending.pop(0)
+                continue
         if device_index >= len(devices):
             needed = sum(sizes.get(n, 0) for n, _ in pending)
             raise ValueError(
@@ -160,17 +177,15 @@ def infer_auto_device_map(
                 f"be split, '{largest_unit[1]}', takes {largest_unit[0]})"
             )
         device = devices[device_index]
-        reserve = largest_unit[0] if offloading and device not in ("cpu", "disk") else 0
-        capacity = max_memory[device] if device != "disk" else float("inf")
-        if used + size <= capacity - reserve:
+        if forced is None and size <= room(device_index):
             placed[name] = device
-            used += size
+            used[device] += size
             pending.pop(0)
             if verbose:
                 logger.info("'%s' (%d bytes) -> %s", name, size, device)
             continue
         children = list(module.named_children()) if module is not None else []
-        if children and not _no_split(module, no_split):
+        if splittable:
             pending.pop(0)
             own = [(f"{name}.{n}", None) for n, _ in [*module.named_parameters(recurse=False),
                                                         *module.named_buffers(recurse=False)]]  # fmt: skip
@@ -179,9 +194,9 @@ def infer_auto_device_map(
                 logger.info("'%s' (%d bytes) does not fit on %s: splitting it", name, size, device)
             continue
         if verbose:
-            logger.info("'%s' (%d bytes) does not fit on %s (%d of %d bytes used): next device", name, size, device,
-                        used, capacity)  # fmt: skip
-        device_index, used = device_index + 1, 0
+            logger.info("'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device,
+                        used[device])  # fmt: skip
+        device_index += 1
     return _merged(placed, model) if clean_result else placed
 
 

@@ -78,6 +78,9 @@ def dispatch_model(
     `state_dict`, when given, holds the CPU-offloaded weights (else they are taken from the model).
     """
     check_device_map(model, device_map)
+    if preload_module_classes:
+        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
+                                  "loads its own weights for its own forward")  # fmt: skip
     if main_device is None:
         placed = [d for d in device_map.values() if d not in OFFLOADED]
         main_device = placed[0] if placed else "cpu"
@@ -86,8 +89,9 @@ def dispatch_model(
         model.to(_torch_device(next(iter(devices))))
         model.hf_device_map = dict(device_map)
         return model
+    modules = {name for name, _ in model.named_modules()}
     offloaded = {name: device for name, device in device_map.items()
-                 if device == "disk" or (device == "cpu" and main_device != "cpu")}  # fmt: skip
+                 if name in modules and (device == "disk" or (device == "cpu" and main_device != "cpu"))}  # fmt: skip
     return _attach_hooks(model, device_map, main_device, offloaded, state_dict, offload_dir, offload_index,
                          offload_buffers, skip_keys)  # fmt: skip
 
@@ -98,7 +102,11 @@ def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_devic
     weights = _offloaded_weights(model, offloaded, state_dict, offload_dir, offload_index, offload_buffers)
     # First, so that it sees the caller's input device before any other hook moves the input.
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys), append=True)
+    modules = {name for name, _ in model.named_modules()}
     for name, device in device_map.items():
+        if name not in modules:  # a tensor of a split module: it lives where its module runs
+            set_module_tensor_to_device(model, name, _torch_device(main_device if name in offloaded else device))
+            continue
         entry = _module_of(model, name)
         execution = _torch_device(main_device if name in offloaded else device)
         # The entry aligns its inputs (a block's residual must meet its output on one device) and, unless
@@ -108,7 +116,7 @@ def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_devic
                            append=True)  # fmt: skip
         if name in offloaded:  # every submodule owning weights brings them in for its own forward only
             for sub_name, sub in entry.named_modules():
-                if sub._parameters or (offload_buffers and sub._buffers):
+                if sub._parameters or sub._buffers:  # buffers too: they must reach the execution device
                     full = ".".join(part for part in (name, sub_name) if part)
                     add_hook_to_module(sub, AlignDevicesHook(
                         execution_device=execution, offload=True, offload_buffers=offload_buffers,
@@ -138,8 +146,13 @@ def _offloaded_weights(model: nn.Module, offloaded: Mapping[str, Device], state_
     if under["disk"]:
         if folder is None:
             raise ValueError("device_map puts modules on 'disk': pass offload_dir (a folder for their weights)")
-        if offload_index is None:
-            offload_index = offload_state_dict(folder, {n: tensors[n] for n in under["disk"]})
+        offload_index = dict(offload_index or {})
+        missing = {n: tensors[n] for n in under["disk"] if n not in offload_index}
+        unloaded = [n for n, t in missing.items() if t.device.type == "meta"]
+        if unloaded:
+            raise ValueError(f"cannot offload {', '.join(unloaded[:5])}: on the meta device and not in the offload index")
+        if missing:
+            offload_index.update(offload_state_dict(folder, missing))
     return OffloadedWeightsLoader(state_dict=cpu_weights, save_folder=folder, index=offload_index)
 
 
@@ -183,7 +196,9 @@ def load_checkpoint_and_dispatch(
     lives on the CPU plus one tensor. Weights served from the CPU in the file's dtype are not copied at all:
     they are views of a private (copy-on-write) mapping of the safetensors file, pre-faulted while loading, so
     they share the page cache; writing to them never reaches the file. Files that others may write are copied
-    instead (a file truncated under a mapping kills the reader).
+    instead (a file truncated under a mapping kills the reader; do not rewrite a checkpoint in place while a
+    model mapped from it is in use). `offload_state_dict` is accepted for compatibility: tensors are loaded one at
+    a time anyway. `preload_module_classes` is not supported yet (NotImplementedError).
     """
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
@@ -193,7 +208,10 @@ def load_checkpoint_and_dispatch(
         if folder is None:
             raise ValueError("the device map puts modules on 'disk': pass offload_folder")
         os.makedirs(folder, exist_ok=True)
-    index = _load_routed(model, checkpoint, device_map, folder, dtype, strict)
+    if preload_module_classes:
+        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
+                                  "loads its own weights for its own forward")  # fmt: skip
+    index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
         save_offload_index(index, folder)
     return dispatch_model(model, device_map, offload_dir=folder, offload_index=index or None,
@@ -213,11 +231,13 @@ def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[
 
 
 def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device], folder: str | None,
-                 dtype: torch.dtype | None, strict: bool) -> dict:  # fmt: skip
+                 dtype: torch.dtype | None, strict: bool, offload_buffers: bool) -> dict:  # fmt: skip
     """Reads every tensor once to where the device map sends it; returns the offload index of the disk ones."""
     own = dict(model.named_parameters()) | dict(model.named_buffers())
+    buffers = {name for name, _ in model.named_buffers()} if not offload_buffers else set()
     persistent = set(model.state_dict(keep_vars=True))  # buffers a checkpoint holds (not e.g. rotary tables)
     tied = _tied_groups(model)  # before loading replaces the parameters that make them one
+    first_name = {alias: group[0] for group in tied for alias in group}  # a file may hold any one alias
     index: dict = {}
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -228,22 +248,24 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
         if path in headers:
             header = headers[path]
             mapped = _mapped(path) if _maps_here(header, own, device_map, dtype) else None
-            unexpected += [name for name in header.tensors if name not in own]
-            for name, info in header.tensors.items():
-                if name in own:
+            unexpected += [name for name in header.tensors if first_name.get(name, name) not in own]
+            for saved_name, info in header.tensors.items():
+                name = first_name.get(saved_name, saved_name)
+                if name in own and name not in seen:
                     seen.add(name)
                     value = _view(mapped, info) if mapped is not None else None
                     if value is None:
                         value = torch.empty(info.shape, dtype=info.dtype)
-                        read_into(header, {name: value})
-                    _route(model, name, value, own[name], device_map, folder, dtype, index, path)
+                        read_into(header, {saved_name: value})
+                    _route(model, name, value, own[name], device_map, folder, dtype, index, path, name in buffers)
         else:
-            state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            unexpected += [name for name in state_dict if name not in own]
-            for name, value in state_dict.items():
-                if name in own:
+            state_dict = _load_bin(path)
+            unexpected += [name for name in state_dict if first_name.get(name, name) not in own]
+            for saved_name, value in state_dict.items():
+                name = first_name.get(saved_name, saved_name)
+                if name in own and name not in seen:
                     seen.add(name)
-                    _route(model, name, value, own[name], device_map, folder, dtype, index, path)
+                    _route(model, name, value, own[name], device_map, folder, dtype, index, path, name in buffers)
             del state_dict
     aliases = {name for group in tied for name in group}
     _report({n: t for n, t in own.items() if n in persistent}, seen, tied, [n for n in unexpected if n not in aliases],
@@ -313,13 +335,26 @@ def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | N
             (model.get_submodule(owner_name) if owner_name else model)._parameters[attr] = param
 
 
-def _route(model, name, value, current, device_map, folder, dtype, index, path) -> None:
+def _load_bin(path: str) -> dict:
+    """A .bin state dict (weights_only): memory-mapped when the file is safe to map (see _mapped), else read."""
+    info = os.stat(path)
+    if not (info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid != os.getuid()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a legacy (non-zip) file cannot be mapped
+            pass
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _route(model, name, value, current, device_map, folder, dtype, index, path, keep_on_cpu: bool = False) -> None:
     if tuple(value.shape) != tuple(current.shape):
         raise CheckpointError(f"'{path}', tensor '{name}': the checkpoint has shape {list(value.shape)}, the model "
                               f"{list(current.shape)}: a checkpoint of another architecture?")  # fmt: skip
     target_dtype = dtype if (dtype is not None and value.is_floating_point()) else (
         current.dtype if value.is_floating_point() else value.dtype)  # fmt: skip
     device = device_for(device_map, name)
+    if device == "disk" and keep_on_cpu:  # a buffer without offload_buffers: its hook moves it where it runs
+        device = "cpu"
     if device == "disk":
         offload_weight(value.to(target_dtype), name, folder, index)
         set_module_tensor_to_device(model, name, "meta", dtype=target_dtype)

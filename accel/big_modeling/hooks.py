@@ -77,15 +77,16 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     module = hook.init_hook(module)
     module._hf_hook = hook
     module._old_forward = original
-
-    def hooked_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
-        with torch.no_grad() if module._hf_hook.no_grad else contextlib.nullcontext():
-            output = module._old_forward(*args, **kwargs)
-        return module._hf_hook.post_forward(module, output)
-
-    module.forward = functools.update_wrapper(hooked_forward, original)
+    # A partial of a module-level function, not a closure: copy.deepcopy of the module then binds the copy.
+    module.forward = functools.update_wrapper(functools.partial(_hooked_forward, module), original)
     return module
+
+
+def _hooked_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+    with torch.no_grad() if module._hf_hook.no_grad else contextlib.nullcontext():
+        output = module._old_forward(*args, **kwargs)
+    return module._hf_hook.post_forward(module, output)
 
 
 def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
@@ -115,6 +116,8 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: tor
     if not is_buffer and name not in owner._parameters:
         raise ValueError(f"'{tensor_name}' is neither a parameter nor a buffer of {type(module).__name__}")
     old = owner._buffers[name] if is_buffer else owner._parameters[name]
+    if value is None and old is not None and old.device.type == "meta" and torch.device(device).type != "meta":
+        raise ValueError(f"'{tensor_name}' is on the meta device (never loaded): pass its value to place it")
     new = old if value is None else value
     target_dtype = dtype if dtype is not None else (old.dtype if new.is_floating_point() and old is not None else None)
     with torch.no_grad():
@@ -125,6 +128,23 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: tor
     requires_grad = old.requires_grad if old is not None else False
     cls = type(old) if isinstance(old, nn.Parameter) else nn.Parameter
     owner._parameters[name] = cls(new, requires_grad=requires_grad and new.is_floating_point())
+
+
+def place_tied(module: nn.Module, device: torch.device | int | str, recurse: bool = True) -> None:
+    """Moves the module's parameters and buffers to `device`; a parameter known under several names (tied) is
+    moved once and stays one parameter under all of them."""
+    by_identity: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        by_identity.setdefault(id(param), []).append(name)
+    for names in by_identity.values():
+        set_module_tensor_to_device(module, names[0], device)
+        owner_name, _, attr = names[0].rpartition(".")
+        moved = (module.get_submodule(owner_name) if owner_name else module)._parameters[attr]
+        for alias in names[1:]:
+            owner_name, _, attr = alias.rpartition(".")
+            (module.get_submodule(owner_name) if owner_name else module)._parameters[attr] = moved
+    for name, _ in module.named_buffers(recurse=recurse):
+        set_module_tensor_to_device(module, name, device)
 
 
 def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False):
@@ -184,8 +204,7 @@ class AlignDevicesHook(ModelHook):
         if self.execution_device is None or not (self.offload or self.move_tensors):
             return module
         if not self.offload:
-            for name in self._tensors(module, include_buffers=True):
-                set_module_tensor_to_device(module, name, self.execution_device)
+            place_tied(module, self.execution_device, recurse=self.place_submodules)
             return module
         if self.weights_map is None:  # offload what the module holds now, into CPU memory
             self.weights_map = {name: tensor.detach().to("cpu") for name, tensor in

@@ -26,9 +26,14 @@ def offload_weight(weight: torch.Tensor, name: str, folder: str, index: dict | N
     """Writes `weight` to `folder/<name>.dat`; records it in `index` (returned)."""
     index = {} if index is None else index
     weight = weight.detach().to("cpu").contiguous()
-    with open(os.path.join(folder, f"{name}.dat"), "wb") as f:
+    path = os.path.join(folder, f"{name}.dat")
+    # A new file renamed over the old one: a tensor may still map the old file, and truncating a mapped file
+    # kills its reader (SIGBUS).
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as f:
         if weight.numel():
             f.write(memoryview(weight.reshape(-1).view(torch.uint8).numpy()))
+    os.replace(temporary, path)
     index[name] = {"dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
     return index
 

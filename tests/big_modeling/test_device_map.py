@@ -35,9 +35,10 @@ def test_get_max_memory_reads_sizes_and_orders_devices():
 
 def test_layers_fill_gpus_in_order_then_the_cpu_with_room_kept_for_offloaded_layers():
     model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)])
-    # GPUs of 2 layers each, but with offloading each keeps room for the largest layer: one layer per GPU.
+    # GPUs of 2 layers each, but with offloading the main GPU (where offloaded layers run) keeps room for the
+    # largest layer: one layer there, two on GPU 1, the rest on the CPU.
     device_map = infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 2 * LAYER + 10, "cpu": 10 * LAYER})
-    assert device_map == {"0": 0, "1": 1, "2": "cpu", "3": "cpu"}
+    assert device_map == {"0": 0, "1": 1, "2": 1, "3": "cpu"}
     # Without offloading the whole room is used; adjacent layers on one device stay separate entries of the
     # Sequential (the model itself is the root).
     assert infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 2 * LAYER + 10}) == {
@@ -73,8 +74,8 @@ def test_tied_weights_stay_on_one_device_in_gpt2():
         model = transformers.GPT2LMHeadModel(config)
     block = sum(p.numel() * 4 for p in model.transformer.h[0].parameters())
     embeddings = (1000 + 64) * 64 * 4
-    room = 1000 * 64 * 4  # each GPU keeps room for the largest unsplittable part (wte) while offloading
-    device_map = infer_auto_device_map(model, max_memory={0: room + embeddings + block + 100, 1: room + 2 * block + 100,
+    room = 1000 * 64 * 4  # the main GPU keeps room for the largest unsplittable part (wte) while offloading
+    device_map = infer_auto_device_map(model, max_memory={0: room + embeddings + block + 100, 1: 2 * block + 100,
                                                           "cpu": 10**8}, no_split_module_classes=["GPT2Block"])  # fmt: skip
     assert device_of(device_map, "transformer.h.0.attn.c_attn.weight") == 0
     assert device_of(device_map, "transformer.h.2.attn.c_attn.weight") == 1
@@ -88,9 +89,30 @@ def test_tied_weights_stay_on_one_device_in_gpt2():
 def test_balanced_memory_spreads_the_model_over_the_gpus():
     model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(8)])
     balanced = get_balanced_memory(model, max_memory={0: 10**8, 1: 10**8, "cpu": 10**9})
-    assert balanced[0] == balanced[1] == 4 * LAYER + LAYER and balanced["cpu"] == 10**9
+    assert balanced[0] == 4 * LAYER + LAYER and balanced[1] == 10**8 and balanced["cpu"] == 10**9  # last GPU: all
     low_zero = get_balanced_memory(model, max_memory={0: 10**8, 1: 10**8, 2: 10**8}, low_zero=True)
-    assert low_zero[0] == LAYER and low_zero[1] == low_zero[2] == 4 * LAYER + LAYER
+    assert low_zero[0] == LAYER and low_zero[1] == 4 * LAYER + LAYER and low_zero[2] == 10**8
     device_map = infer_auto_device_map(model, max_memory={0: 5 * LAYER, 1: 5 * LAYER})
     assert sorted(set(device_map.values())) == [0, 1]
     assert get_balanced_memory(model, max_memory={"cpu": 10**9}) == {"cpu": 10**9}  # one device: unchanged
+
+
+class SharedEmbedding(nn.Module):
+    """T5/BART-style: one embedding shared by an encoder and a decoder that are much larger than it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(100, 100)
+        self.encoder = nn.Sequential(nn.Embedding(100, 100), nn.Linear(100, 100), nn.Linear(100, 100))
+        self.decoder = nn.Sequential(nn.Embedding(100, 100), nn.Linear(100, 100), nn.Linear(100, 100))
+        self.encoder[0].weight = self.shared.weight
+        self.decoder[0].weight = self.shared.weight
+
+
+def test_modules_tied_to_a_placed_weight_are_split_rather_than_overfilling_its_device():
+    model = SharedEmbedding()
+    embedding = 100 * 100 * 4
+    device_map = infer_auto_device_map(model, max_memory={0: embedding + LAYER + 10, 1: 10 * LAYER})
+    assert device_of(device_map, "encoder.0.weight") == device_of(device_map, "decoder.0.weight") == 0  # with shared
+    on_zero = sum(p.numel() * 4 for n, p in model.named_parameters() if device_of(device_map, n) == 0)
+    assert on_zero <= embedding + LAYER + 10  # the encoder and decoder did not follow whole

@@ -212,3 +212,24 @@ def test_a_bin_checkpoint_loads_with_weights_only(tmp_path):
                                          max_memory={"cpu": compute_module_sizes(model)[""] // 2, "disk": 10**10},
                                          no_split_module_classes=no_split, offload_folder=tmp_path / "off").eval()  # fmt: skip
     torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+
+
+def test_persistent_buffers_of_disk_modules_stay_in_memory_and_hooked_models_deepcopy(tmp_path):
+    import copy
+
+    from accel.checkpoint import save_state_dict
+
+    torch.manual_seed(4)
+    original = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).eval()
+    original[1].running_mean.uniform_()
+    save_state_dict(original.state_dict(), tmp_path / "ckpt")
+    with init_empty_weights():
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"0": "cpu", "1": "disk", "2": "disk"},
+                                         offload_folder=tmp_path / "off").eval()  # fmt: skip
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), original(x), rtol=0, atol=0)
+    assert model[1].running_mean.device.type == "cpu"  # a buffer: not offloaded without offload_buffers
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(x), original(x), rtol=0, atol=0)
+    assert twin[0].forward.func.__name__ == "_hooked_forward" and twin[0].forward.args[0] is twin[0]
