@@ -12,29 +12,22 @@ parameter is tied to one placed already goes where that parameter is (tied weigh
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 
 import torch
 from torch import nn
 
 from accel.big_modeling.sizes import compute_module_sizes
+from accel.checkpoint.model_io import parse_size
 
 logger = logging.getLogger(__name__)
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 Device = int | str
 
 
 def convert_file_size_to_int(size: int | str) -> int:
-    """`"10GiB"` -> 10737418240, `"2GB"` -> 2000000000, an int as it is."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)\s*", size, flags=re.IGNORECASE)
-    if match is None:
-        raise ValueError(f"cannot read {size!r} as a memory size (e.g. '10GiB', '500MB' or a number of bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    """`"10GiB"` -> 10737418240, `"2GB"` -> 2000000000, an int as it is (accel.checkpoint.parse_size)."""
+    return parse_size(size, what="max_memory")
 
 
 def _device_order(device: Device) -> tuple[int, int]:
@@ -107,7 +100,7 @@ def get_balanced_memory(
     return balanced
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """Names of parameters that are one tensor (weight tying), in groups of two or more."""
     by_identity: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -138,7 +131,7 @@ def infer_auto_device_map(
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     offloading = any(d in ("cpu", "disk") for d in devices) and any(not isinstance(d, str) or d == "mps" for d in devices)
     largest_unit = max(((sizes.get(n, 0), n) for n, _ in _units(model, no_split)), default=(0, ""))
-    tied = _tied_groups(model)
+    tied = tied_groups(model)
 
     placed: OrderedDict[str, Device] = OrderedDict()
     pending = [(name, module) for name, module in model.named_children()]

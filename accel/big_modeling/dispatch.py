@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from accel.big_modeling.device_map import Device, get_balanced_memory, infer_auto_device_map
+from accel.big_modeling.device_map import Device, get_balanced_memory, infer_auto_device_map, tied_groups
 from accel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module, set_module_tensor_to_device
 from accel.big_modeling.offload import (
     OffloadedWeightsLoader,
@@ -78,9 +78,7 @@ def dispatch_model(
     `state_dict`, when given, holds the CPU-offloaded weights (else they are taken from the model).
     """
     check_device_map(model, device_map)
-    if preload_module_classes:
-        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
-                                  "loads its own weights for its own forward")  # fmt: skip
+    _refuse_preload(preload_module_classes)
     if main_device is None:
         placed = [d for d in device_map.values() if d not in OFFLOADED]
         main_device = placed[0] if placed else "cpu"
@@ -124,6 +122,12 @@ def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_devic
                         append=True)  # fmt: skip
     model.hf_device_map = dict(device_map)
     return model
+
+
+def _refuse_preload(preload_module_classes: list[str] | None) -> None:
+    if preload_module_classes:
+        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
+                                  "loads its own weights for its own forward")  # fmt: skip
 
 
 def _module_of(model: nn.Module, name: str) -> nn.Module:
@@ -208,9 +212,7 @@ def load_checkpoint_and_dispatch(
         if folder is None:
             raise ValueError("the device map puts modules on 'disk': pass offload_folder")
         os.makedirs(folder, exist_ok=True)
-    if preload_module_classes:
-        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
-                                  "loads its own weights for its own forward")  # fmt: skip
+    _refuse_preload(preload_module_classes)
     index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
         save_offload_index(index, folder)
@@ -236,7 +238,7 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     own = dict(model.named_parameters()) | dict(model.named_buffers())
     buffers = {name for name, _ in model.named_buffers()} if not offload_buffers else set()
     persistent = set(model.state_dict(keep_vars=True))  # buffers a checkpoint holds (not e.g. rotary tables)
-    tied = _tied_groups(model)  # before loading replaces the parameters that make them one
+    tied = tied_groups(model)  # before loading replaces the parameters that make them one
     first_name = {alias: group[0] for group in tied for alias in group}  # a file may hold any one alias
     index: dict = {}
     seen: set[str] = set()
@@ -288,11 +290,16 @@ def _mapped(path: str) -> torch.Tensor | None:
     """The file as a private (copy-on-write) mapping, pre-faulted from the page cache; None when others may write
     the file: truncated under the mapping, reading a weight would kill the process (SIGBUS)."""
     info = os.stat(path)
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid != os.getuid() or info.st_size == 0:
+    if not _safe_to_map(info) or info.st_size == 0:
         return None
     data = torch.from_file(path, shared=False, size=info.st_size, dtype=torch.uint8)
     int(data[::4096].sum())  # touch every page now, so the first forward does not pay for it
     return data
+
+
+def _safe_to_map(info: os.stat_result) -> bool:
+    """Only files no one else may write: one truncated under a mapping kills the reader (SIGBUS)."""
+    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and info.st_uid == os.getuid()
 
 
 def _view(mapped: torch.Tensor, info) -> torch.Tensor | None:
@@ -313,13 +320,6 @@ def _check_shapes(own: dict[str, torch.Tensor], headers: dict) -> None:
                                   f"the model {list(tensor.shape)}: a checkpoint of another architecture?")  # fmt: skip
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
 def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | None) -> None:
     """Makes every name of a tied group one parameter again (loading replaced the first); a tied weight on disk
     gets an entry under each name, as the offloaded modules look their weights up by name."""
@@ -336,9 +336,8 @@ def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | N
 
 
 def _load_bin(path: str) -> dict:
-    """A .bin state dict (weights_only): memory-mapped when the file is safe to map (see _mapped), else read."""
-    info = os.stat(path)
-    if not (info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_uid != os.getuid()):
+    """A .bin state dict (weights_only): memory-mapped when the file is safe to map, else read."""
+    if _safe_to_map(os.stat(path)):
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # a legacy (non-zip) file cannot be mapped

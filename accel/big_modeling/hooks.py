@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel.big_modeling.sizes import named_module_tensors
 from accel.collectives.pytree import send_to_device
 
 
@@ -145,12 +146,6 @@ def place_tied(module: nn.Module, device: torch.device | int | str, recurse: boo
             (module.get_submodule(owner_name) if owner_name else module)._parameters[attr] = moved
     for name, _ in module.named_buffers(recurse=recurse):
         set_module_tensor_to_device(module, name, device)
-
-
-def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False):
-    yield from module.named_parameters(recurse=recurse)
-    if include_buffers:
-        yield from module.named_buffers(recurse=recurse)
 
 
 def find_device(data: Any) -> torch.device | None:

@@ -9,10 +9,13 @@ import torch
 from torch import nn
 
 
-def named_module_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of `model`, once each (a tied parameter under its first name)."""
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False
+                         ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The parameters (and buffers) of `module`, its own or (`recurse`) its whole subtree's, once each (a tied
+    parameter under its first name)."""
+    yield from module.named_parameters(recurse=recurse)
+    if include_buffers:
+        yield from module.named_buffers(recurse=recurse)
 
 
 def _dtype(value: str | torch.dtype) -> torch.dtype:
@@ -41,7 +44,7 @@ def compute_module_sizes(
     dtype = None if dtype is None else _dtype(dtype)
     special = {name: _dtype(value) for name, value in (special_dtypes or {}).items()}
     sizes: dict[str, int] = defaultdict(int)
-    for name, tensor in named_module_tensors(model):
+    for name, tensor in named_module_tensors(model, recurse=True):
         if name in special:
             size = tensor.numel() * torch.empty((), dtype=special[name]).element_size()
         else:

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import IO
 
 import torch
 
@@ -37,13 +38,15 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
-def parse_size(size: int | str) -> int:
-    """`"10GB"` -> 10_000_000_000, `"5MiB"` -> 5_242_880 (decimal and binary units, as huggingface_hub)."""
+def parse_size(size: int | str, what: str = "max_shard_size") -> int:
+    """`"10GB"` -> 10_000_000_000, `"5MiB"` -> 5_242_880 (decimal and binary units, as huggingface_hub).
+
+    `what` names the argument in the error."""
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, flags=re.IGNORECASE)
     if match is None:
-        raise ValueError(f"max_shard_size: cannot read {size!r} as a size (e.g. '10GB', '500MiB', 1000000)")
+        raise ValueError(f"{what}: cannot read {size!r} as a size (e.g. '10GB', '500MiB', 1000000)")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
@@ -117,14 +120,16 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
             if safe_serialization:
                 save_file(shard, path, metadata={"format": "pt"})
             else:
-                _torch_save_atomically({name: t.contiguous().cpu() for name, t in shard.items()}, path)
+                tensors = {name: t.contiguous().cpu() for name, t in shard.items()}
+                _write_atomically(path, lambda f, tensors=tensors: torch.save(tensors, f))
             bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
     written = [os.path.join(folder, filename) for filename in shards]
     if len(shards) > 1:
         index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME)
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
-        _write_text_atomically(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        _write_atomically(index_path, lambda f: f.write(text), mode="w")
         written.append(index_path)
     _remove_stale_weights(folder, keep={os.path.basename(path) for path in written})
     return written
@@ -135,32 +140,35 @@ _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensor
 
 def _remove_stale_weights(folder: str, keep: set[str]) -> None:
     """Removes weight files and indexes of earlier saves (both formats): indexes first, so that no index ever
-    names a removed shard."""
+    names a removed shard. Also the temporary files of saves killed midway (their process is gone)."""
     stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in keep]
     for name in sorted(stale, key=lambda name: not name.endswith(".index.json")):
         os.remove(os.path.join(folder, name))
+    for name in os.listdir(folder):
+        match = _ORPHAN_TEMPORARY.fullmatch(name)
+        if match and not _process_alive(int(match.group(1))):
+            os.remove(os.path.join(folder, name))
 
 
-def _torch_save_atomically(obj: object, path: str) -> None:
+_ORPHAN_TEMPORARY = re.compile(r"\.(?:model|pytorch_model)[^/]*\.tmp-(\d+)-[0-9a-f]+")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """`write(file)` into a temporary name next to `path`, fsync'd, renamed over `path`; removed on failure."""
     temporary = temporary_name(path)
     try:
-        with open(temporary, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    fsync_directory(os.path.dirname(path) or ".")
-
-
-def _write_text_atomically(path: str, text: str) -> None:
-    temporary = temporary_name(path)
-    try:
-        with open(temporary, "w") as f:
-            f.write(text)
+        with open(temporary, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)

@@ -167,3 +167,16 @@ def test_switching_formats_removes_the_other_formats_files(tmp_path):
     save_state_dict(model.state_dict(), tmp_path, max_shard_size=40)
     save_state_dict(model.state_dict(), tmp_path, safe_serialization=False)
     assert sorted(os.listdir(tmp_path)) == ["pytorch_model.bin"]
+
+
+def test_temporary_files_of_a_killed_save_are_removed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".model.safetensors.tmp-{dead.stdout.strip()}-abcd1234"
+    live = tmp_path / f".model.safetensors.tmp-{os.getpid()}-abcd1234"  # a save in progress: kept
+    orphan.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    save_state_dict(torch.nn.Linear(2, 2).state_dict(), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "model.safetensors"])
