@@ -65,6 +65,16 @@ _PUBLIC = {
     "SAFE_WEIGHTS_INDEX_NAME": "accel.checkpoint",
     "WEIGHTS_NAME": "accel.checkpoint",
     "WEIGHTS_INDEX_NAME": "accel.checkpoint",
+    # --- utils core (availability, environment, other, operations, constants, versions, tqdm): helper 1 ---
+    # --- end utils core ---
+    # --- backends, precision, settings dataclasses and enums: helper 2 ---
+    # --- end backends ---
+    # --- launch helpers (PrepareForLaunch, prepare_*_env, merge_fsdp_weights): helper 3 ---
+    # --- end launch helpers ---
+    # --- modeling, offload, hooks: helper 4 ---
+    # --- end modeling ---
+    # --- tracking (LoggerType, is_*_available of trackers live in helper 1's section): helper 5 ---
+    # --- end tracking ---
 }
 __all__ = list(_PUBLIC)
 
