@@ -38,7 +38,7 @@ from accel.settings import (
     gradient_accumulation_steps_from_env,
 )
 from accel.state import AcceleratorState, GradientState
-from accel.strategies import strategy_for
+from accel.strategies import SingleDeviceStrategy, compiled_wrapper, strategy_for
 
 HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs)
 PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so code that checks it keeps working
@@ -215,19 +215,17 @@ class Accelerator:
         return obj
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> torch.nn.Module:
-        """Places, autocasts (bf16), wraps (DDP) and compiles (dynamo) a model."""
+        """Places, autocasts (bf16/fp16), wraps (DDP) and compiles (dynamo) a model."""
         placement = self.device_placement if device_placement is None else device_placement
         self._models.append(model)
         model = self.precision.wrap_forward(model)
-        if evaluation_mode:
-            model = model.to(self.device) if placement else model
-        else:
-            model = self.strategy.setup_model(model, placement)
         plugin = self.state.dynamo_plugin
-        if plugin is not None and plugin.enabled and not hasattr(model, "_orig_mod"):
-            if plugin.use_regional_compilation:
-                warnings.warn("accel does not support regional compilation yet; compiling the whole model")
-            model = torch.compile(model, **plugin.compile_kwargs())
+        if plugin is not None and plugin.enabled and plugin.use_regional_compilation:
+            warnings.warn("accel does not support regional compilation yet; compiling the whole model")
+        if evaluation_mode:
+            model = SingleDeviceStrategy(self.state).setup_model(model, placement, plugin)
+        else:
+            model = self.strategy.setup_model(model, placement, plugin)
         self._models[-1] = model
         return model
 
@@ -276,7 +274,7 @@ class Accelerator:
     ) -> torch.nn.Module:
         """The user's module inside DDP (and torch.compile, unless `keep_torch_compile`, as in HF Accelerate:
         then the compiled wrapper is returned around the unwrapped module); the bf16 forward kept or removed."""
-        compiled = model if hasattr(model, "_orig_mod") else None
+        compiled = compiled_wrapper(model)
         inner = self.strategy.unwrap(model)
         if not keep_fp32_wrapper:
             restore_forward(inner)

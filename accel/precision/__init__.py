@@ -68,7 +68,7 @@ class BF16Precision(FullPrecision):
             return model
         original = model.forward
         model._accel_original_forward = original
-        model.forward = types.MethodType(AutocastForward(original.__func__, self), model)
+        model.forward = types.MethodType(autocast_forward(original.__func__, self), model)
         return model
 
 
@@ -105,18 +105,19 @@ class FP16Precision(BF16Precision):
         return measured
 
 
-class AutocastForward:
-    """`forward(module, ...)` under the precision's autocast, outputs in fp32; bound with MethodType."""
+def autocast_forward(forward: Any, precision: FullPrecision) -> Any:
+    """`forward(module, ...)` under the precision's autocast, outputs in fp32; to be bound with MethodType.
 
-    def __init__(self, forward: Any, precision: FullPrecision):
-        self.forward = forward
-        self.precision = precision
-        functools.update_wrapper(self, forward)
+    A plain function (not a callable object): torch.compile must find its source to trace the forward.
+    """
 
-    def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with self.precision.autocast():
-            outputs = self.forward(module, *args, **kwargs)
+    @functools.wraps(forward)
+    def forward_in_autocast(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with precision.autocast():
+            outputs = forward(module, *args, **kwargs)
         return outputs_to_fp32(outputs)
+
+    return forward_in_autocast
 
 
 def outputs_to_fp32(outputs: Any) -> Any:

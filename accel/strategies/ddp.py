@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
 from accel.collectives import uneven
 from accel.settings import DistributedDataParallelKwargs
-from accel.strategies.single import SingleDeviceStrategy
+from accel.strategies.single import SingleDeviceStrategy, compile_model
 
 
 class DDPStrategy(SingleDeviceStrategy):
@@ -16,10 +17,20 @@ class DDPStrategy(SingleDeviceStrategy):
         super().__init__(state)
         self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
 
-    def setup_model(self, model: torch.nn.Module, device_placement: bool) -> torch.nn.Module:
-        model = super().setup_model(model, device_placement)
+    def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
+        """DDP around the model, compiled as torch advises for DDP.
+
+        Without fullgraph, torch.compile goes around DDP (HF Accelerate's order): dynamo's DDPOptimizer then splits
+        the graph at the gradient buckets so communication overlaps the backward. DDP's Python `_pre_forward`
+        cannot be traced into one graph, so with fullgraph the model is compiled first and DDP goes around it.
+        """
         if not any(p.requires_grad for p in model.parameters()):
-            return model  # DDP refuses a model with nothing to train (e.g. a frozen teacher), as HF skips it
+            return compile_model(model, dynamo_plugin)  # DDP refuses a model with nothing to train, as HF skips it
+        if dynamo_plugin is not None and dynamo_plugin.enabled and dynamo_plugin.fullgraph:
+            return self._ddp(compile_model(model, dynamo_plugin))
+        return compile_model(self._ddp(model), dynamo_plugin)
+
+    def _ddp(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,

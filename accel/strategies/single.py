@@ -3,10 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
 from accel.state import PartialState
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether `model` is torch.compile's wrapper (an OptimizedModule)."""
+    return hasattr(model, "_orig_mod")
+
+
+def compiled_wrapper(model: torch.nn.Module) -> torch.nn.Module | None:
+    """torch.compile's wrapper in the chain of wrappers around the user's module (outside or inside DDP), or None."""
+    while not is_compiled(model):
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        model = model.module
+    return model
+
+
+def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
+    """`torch.compile(model)` with the plugin's settings; a model without a plugin, or compiled already, as is."""
+    if dynamo_plugin is None or not dynamo_plugin.enabled or is_compiled(model):
+        return model
+    return torch.compile(model, **dynamo_plugin.compile_kwargs())
 
 
 class SingleDeviceStrategy:
@@ -17,8 +39,13 @@ class SingleDeviceStrategy:
     def device(self) -> torch.device:
         return self.state.device
 
-    def setup_model(self, model: torch.nn.Module, device_placement: bool) -> torch.nn.Module:
-        return model.to(self.device) if device_placement else model
+    def setup_model(self, model: torch.nn.Module, device_placement: bool, dynamo_plugin: Any = None) -> torch.nn.Module:
+        """Places the model, wraps it for this setup and compiles it (`dynamo_plugin`, a TorchDynamoPlugin)."""
+        model = model.to(self.device) if device_placement else model
+        return self.wrap(model, dynamo_plugin)
+
+    def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
+        return compile_model(model, dynamo_plugin)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -26,7 +53,7 @@ class SingleDeviceStrategy:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside torch.compile's and DDP's wrappers."""
         while True:
-            if hasattr(model, "_orig_mod"):  # torch.compile
+            if is_compiled(model):
                 model = model._orig_mod
             elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
                 model = model.module

@@ -1,0 +1,55 @@
+"""The seed's whole configuration, as a new user walks through it: config -> env -> test -> launch -> train.
+
+The questionnaire answered as in the seed (multi-CPU, one machine, distributed checks on, IPEX asked for, dynamo
+with inductor, mode default, fullgraph, dynamic shapes, 2 CPUs, fp16) must give a config under which
+`accel env` and `accel test` succeed and examples/train.py trains: torch.compile with fullgraph=True under DDP
+(the model is compiled inside DDP, see accel/strategies/ddp.py) and fp16 autocast on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED_ANSWERS = [
+    "This machine", "multi-CPU", "1", "yes",  # machine type, machines, distributed checks on
+    "yes",  # IPEX (not installed here: the launcher warns and runs without it)
+    "yes", "inductor", "yes", "default", "yes", "yes", "no",  # dynamo: backend, custom: mode, fullgraph, dynamic, regional
+    "2", "fp16",
+]  # fmt: skip
+
+
+def run(tmp_path: Path, *args: str, stdin: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run([sys.executable, "-m", "accel", *args], input=stdin, env=env, cwd=ROOT, text=True,
+                            capture_output=True, timeout=timeout)  # fmt: skip
+    assert result.returncode == 0, f"accel {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.mark.slow
+def test_the_seed_configuration_trains_the_example(tmp_path):
+    config = tmp_path / "seed.yaml"
+    run(tmp_path, "config", "--config_file", str(config), stdin="".join(a + "\n" for a in SEED_ANSWERS))
+    saved = yaml.safe_load(config.read_text())
+    assert saved["dynamo_config"] == {"dynamo_backend": "INDUCTOR", "dynamo_mode": "default", "dynamo_use_dynamic": True,
+                                      "dynamo_use_fullgraph": True, "dynamo_use_regional_compilation": False}  # fmt: skip
+    assert (saved["distributed_type"], saved["num_processes"], saved["mixed_precision"], saved["debug"]) == (
+        "MULTI_CPU", 2, "fp16", True)
+
+    assert "'dynamo_use_fullgraph': True" in run(tmp_path, "env", "--config_file", str(config)).stdout
+    assert "Test is a success" in run(tmp_path, "test", "--config_file", str(config)).stdout
+
+    trained = run(tmp_path, "launch", "--config_file", str(config), "examples/train.py",
+                  "--epochs", "2", "--samples", "1024", "--batch_size", "64").stdout  # fmt: skip
+    assert "2 process(es) (DistributedType.MULTI_CPU), mixed precision fp16" in trained
+    assert "first layer computes in ['torch.float16']" in trained
+    losses = [float(loss) for loss in re.findall(r"epoch \d+: loss ([0-9.]+)", trained)]
+    assert len(losses) == 2 and losses[1] < losses[0]
