@@ -28,6 +28,11 @@ _FALSE = ("n", "no", "f", "false", "off", "0")
 # Both spellings of accel's settings: ours (ACCEL_*) and those HF Accelerate's launcher exports (ACCELERATE_*).
 SETTING_PREFIXES = ("ACCEL_", "ACCELERATE_")
 _FORBIDDEN_IN_ENV_LINES = (";", "\n", "<", ">", " ")
+# The options of torch's launcher (torch.distributed.run), without dashes, as HF Accelerate lists them.
+TORCH_LAUNCH_PARAMS = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+                       "standalone", "max_restarts", "monitor_interval", "start_method", "role", "module", "m",
+                       "no_python", "run_path", "log_dir", "r", "redirects", "t", "tee", "node_rank", "master_addr",
+                       "master_port"]  # fmt: skip
 
 
 # --- reading settings --------------------------------------------------------------------------------------------
@@ -333,6 +338,13 @@ def is_port_in_use(port: int | None = None) -> bool:
     """Whether something listens on TCP `port` (default 29500, torch's rendezvous port) on localhost."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         return sock.connect_ex(("localhost", 29500 if port is None else port)) == 0
+
+
+def get_free_port() -> int:
+    """A TCP port nothing listens on right now on this machine (the OS's choice), e.g. for a rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 _MIN_KERNEL = (5, 5, 0)
