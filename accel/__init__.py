@@ -1,9 +1,11 @@
 """accel: HF Accelerate's API with a native core. The public names, nothing else.
 
-Names resolve on first use, so `accel config` and `accel env` start without importing torch.
+Names resolve on first use, so `accel config` and `accel env` start without importing torch. Submodules resolve
+as attributes too (`import accel; accel.utils.gather`), imported when first touched.
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -13,21 +15,42 @@ _PUBLIC = {
     "DistributedType": "accel.state",
     "GradientState": "accel.state",
     "PartialState": "accel.state",
-    "debug_launcher": "accel.launchers",
-    "find_executable_batch_size": "accel.memory",
+    "AutocastKwargs": "accel.settings",
+    "DDPCommunicationHookType": "accel.settings",
+    "DataLoaderConfiguration": "accel.settings",
+    "DistributedDataParallelKwargs": "accel.settings",
+    "GradScalerKwargs": "accel.settings",
+    "InitProcessGroupKwargs": "accel.settings",
+    "ProfileKwargs": "accel.settings",
+    "DeepSpeedPlugin": "accel.backends.deepspeed",
+    "FullyShardedDataParallelPlugin": "accel.backends.fsdp",
+    "ParallelismConfig": "accel.backends.parallelism",
+    "cpu_offload": "accel.big_modeling",
+    "cpu_offload_with_hook": "accel.big_modeling",
+    "disk_offload": "accel.big_modeling",
+    "dispatch_model": "accel.big_modeling",
     "init_empty_weights": "accel.big_modeling",
     "init_on_device": "accel.big_modeling",
     "infer_auto_device_map": "accel.big_modeling",
+    "load_checkpoint_and_dispatch": "accel.big_modeling",
+    "load_checkpoint_in_model": "accel.checkpoint",
+    "debug_launcher": "accel.launchers",
     "notebook_launcher": "accel.launchers",
+    "find_executable_batch_size": "accel.memory",
+    "prepare_pippy": "accel.inference",
+    "is_rich_available": "accel.utils",
     "skip_first_batches": "accel.data",
+    "synchronize_rng_states": "accel.data",
 }
 __all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'accel' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"accel.{name}") is not None:
+        return importlib.import_module(f"accel.{name}")  # binds the submodule as an attribute of the package too
+    raise AttributeError(f"module 'accel' has no attribute {name!r}")
 
 
 def __dir__():

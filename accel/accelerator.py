@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
+import logging
+import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,40 +24,92 @@ from torch.utils.hooks import RemovableHandle
 from accel import collectives
 from accel.checkpoint import save_file, save_state_dict
 from accel.checkpoint import state as checkpoint_state
-from accel.optimizer import AcceleratedOptimizer
+from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
 from accel.precision import precision_for, restore_forward
 from accel.precision.grads import Measured
 from accel.precision.grads import clip_grad_norm_ as fused_clip_grad_norm_
 from accel.scheduler import AcceleratedScheduler
+from accel._env import get_setting
+from accel.backends.checks import (
+    parallelism_config_from_environment,
+    refuse_unsupported_arguments,
+    refuse_unsupported_environment,
+)
+from accel.backends.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from accel.backends.parallelism import ParallelismConfig
 from accel.settings import (
+    PROFILE_PATTERN_NAME,
     AutocastKwargs,
-    GradScalerKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    FP8BackendType,
     GradientAccumulationPlugin,
+    GradScalerKwargs,
     InitProcessGroupKwargs,
+    PrecisionType,
+    ProfileKwargs,
     ProjectConfiguration,
     TorchDynamoPlugin,
     gradient_accumulation_steps_from_env,
 )
-from accel.state import AcceleratorState, GradientState
+from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
+from accel.strategies import ddp_sync
 from accel.strategies import SingleDeviceStrategy, compiled_wrapper, strategy_for
 
-HANDLER_TYPES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs)
+# Each kwargs handler class and the Accelerator attribute HF Accelerate stores it in (FP8 ones are refused).
+HANDLER_ATTRIBUTES = {
+    DistributedDataParallelKwargs: "ddp_handler",
+    GradScalerKwargs: "scaler_handler",
+    InitProcessGroupKwargs: "init_handler",
+    FP8RecipeKwargs: "fp8_recipe_handler",
+    AutocastKwargs: "autocast_handler",
+    ProfileKwargs: "profile_handler",
+    AORecipeKwargs: "ao_recipe_handler",
+    TERecipeKwargs: "te_recipe_handler",
+    MSAMPRecipeKwargs: "msamp_recipe_handler",
+}
 PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so code that checks it keeps working
+# The distributed types HF Accelerate calls multi-device (accelerators, not CPUs).
+MULTI_DEVICE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA,
+                      DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
+                      DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON)  # fmt: skip
+logger = logging.getLogger(__name__)
 
 
-def sort_kwargs_handlers(handlers: Iterable[Any] | None) -> dict[type, Any]:
-    """One handler per type, keyed by type; two of one type is an error, as in HF."""
-    found: dict[type, Any] = {}
+def sort_kwargs_handlers(handlers: Iterable[Any] | None) -> dict[str, Any]:
+    """Handler attribute name -> handler (a subclass counts as its known base); two of one kind is an error."""
+    found: dict[str, Any] = {}
     for handler in handlers or ():
-        kind = next((t for t in HANDLER_TYPES if isinstance(handler, t)), None)
-        if kind is None:
-            raise ValueError(f"Unsupported kwargs handler {type(handler).__name__}; accel knows {[t.__name__ for t in HANDLER_TYPES]}")
-        if kind in found:
-            raise ValueError(f"You can only pass one {kind.__name__} in `kwargs_handlers`.")
-        found[kind] = handler
+        attribute = next((HANDLER_ATTRIBUTES[c] for c in type(handler).__mro__ if c in HANDLER_ATTRIBUTES), None)
+        if attribute is None:
+            known = ", ".join(c.__name__ for c in HANDLER_ATTRIBUTES)
+            raise ValueError(f"Unsupported kwargs handler {type(handler).__name__}; accel knows {known}.")
+        if attribute in found:
+            raise ValueError(f"You can only pass one {type(handler).__name__} in `kwargs_handlers`.")
+        found[attribute] = handler
     return found
+
+
+def checked_mixed_precision(mixed_precision: Any) -> str | None:
+    """`mixed_precision` as a string, validated against PrecisionType (None stays None: the state reads the env)."""
+    if mixed_precision is None:
+        return None
+    value = str(mixed_precision.value if isinstance(mixed_precision, PrecisionType) else mixed_precision)
+    if value not in PrecisionType:
+        raise ValueError(f"Unknown mixed_precision mode: {value}. Choose between {PrecisionType.list()}")
+    return value
+
+
+def resolve_parallelism_config(config: ParallelismConfig | None, torch_tp_plugin: Any) -> ParallelismConfig | None:
+    """The argument, else the deprecated `TorchTensorParallelPlugin`'s, else the environment's (as HF)."""
+    if torch_tp_plugin is not None:
+        warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of "
+                      "Accelerate. Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning)  # fmt: skip
+    if config is not None:
+        return config
+    if torch_tp_plugin is not None:
+        return ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
+    return parallelism_config_from_environment()
 
 
 def accumulation_plugin(steps: int, plugin: GradientAccumulationPlugin | None) -> GradientAccumulationPlugin:
@@ -70,29 +125,39 @@ class Accelerator:
 
     Args (as HF Accelerate's):
         device_placement: move prepared models and batches to `self.device`.
+        split_batches: overrides `dataloader_config.split_batches` (on a copy of the configuration).
         mixed_precision: "no", "bf16" or "fp16" (default: ACCEL_MIXED_PRECISION, else "no"). fp16 scales the
-            loss with torch's GradScaler, on the CPU too.
+            loss with torch's GradScaler, on the CPU too (HF Accelerate refuses fp16 on the CPU).
         gradient_accumulation_steps: steps to accumulate gradients over (or ACCEL_GRADIENT_ACCUMULATION_STEPS).
         cpu: run on the CPU even when CUDA is available.
         dataloader_config: a DataLoaderConfiguration.
         rng_types: RNGs synchronized at each epoch start ("generator" by default).
+        log_with: experiment trackers (see `init_trackers`).
         project_dir / project_config: where checkpoints and logs go.
         gradient_accumulation_plugin: a GradientAccumulationPlugin (instead of gradient_accumulation_steps).
         step_scheduler_with_optimizer: a prepared scheduler steps only when the optimizer did.
-        kwargs_handlers: DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs.
+        kwargs_handlers: DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs,
+            ProfileKwargs (each stored as `ddp_handler`, `init_handler`, ... as in HF).
         dynamo_backend / dynamo_plugin: torch.compile prepared models (default: ACCEL_DYNAMO_*).
+        parallelism_config: a ParallelismConfig asking for data parallelism only (anything more is refused).
+        deepspeed_plugin(s), fsdp_plugin, megatron_lm_plugin, torch_tp_plugin (tp_size > 1), mixed_precision
+            "fp8" and the FP8 recipe handlers ask for backends accel does not run: each raises
+            `accel.unsupported.UnsupportedFeatureError` before anything is set up, as do ACCEL_USE_DEEPSPEED /
+            ACCEL_USE_FSDP / ACCEL_USE_MEGATRON_LM (or ACCELERATE_*) and ACCEL_MIXED_PRECISION=fp8.
     """
 
     def __init__(
         self,
         device_placement: bool = True,
         split_batches: bool | None = None,
-        mixed_precision: str | None = None,
+        mixed_precision: PrecisionType | str | None = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
         dataloader_config: DataLoaderConfiguration | None = None,
         deepspeed_plugin: Any = None,
         fsdp_plugin: Any = None,
+        torch_tp_plugin: Any = None,
+        megatron_lm_plugin: Any = None,
         rng_types: list[str] | None = None,
         log_with: Any = None,
         project_dir: str | None = None,
@@ -102,30 +167,42 @@ class Accelerator:
         kwargs_handlers: list[Any] | None = None,
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        deepspeed_plugins: Any = None,
+        parallelism_config: ParallelismConfig | None = None,
     ):
-        if deepspeed_plugin is not None or fsdp_plugin is not None:
-            raise NotImplementedError("DeepSpeed and FSDP are not supported by accel yet")
-        if log_with is not None:
-            raise NotImplementedError("experiment trackers (log_with) are not supported by accel yet")
+        # Everything accel refuses is refused here, before any state exists: nothing is ever half set up.
+        refuse_unsupported_arguments(deepspeed_plugin, deepspeed_plugins, fsdp_plugin, megatron_lm_plugin,
+                                     torch_tp_plugin, parallelism_config, mixed_precision, kwargs_handlers)  # fmt: skip
+        refuse_unsupported_environment(mixed_precision_given=mixed_precision is not None)
+        mixed_precision = checked_mixed_precision(mixed_precision)
+        parallelism_config = resolve_parallelism_config(parallelism_config, torch_tp_plugin)
+        if dynamo_plugin is not None and dynamo_backend is not None:
+            raise ValueError("You cannot pass in both `dynamo_plugin` and `dynamo_backend`, please only pass in one.")
         handlers = sort_kwargs_handlers(kwargs_handlers)
-        init_kwargs = handlers[InitProcessGroupKwargs].to_kwargs() if InitProcessGroupKwargs in handlers else {}
+        self._set_handlers(handlers)
         self.dataloader_config = dataclasses.replace(dataloader_config or DataLoaderConfiguration())
         if split_batches is not None:  # on a copy: the user's configuration object is left as it was
             self.dataloader_config.split_batches = split_batches
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
+        if log_with is not None:
+            raise NotImplementedError("experiment trackers (log_with) are not supported by accel yet")
         if dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
-        self.state = AcceleratorState(
-            mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin, _from_accelerator=True, **init_kwargs
-        )
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
+                                      torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config,
+                                      _from_accelerator=True, **init_kwargs)  # fmt: skip
+        if self.parallelism_config is not None:
+            self.parallelism_config._validate_accelerator(self)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
-        self.strategy = strategy_for(self.state, handlers.get(DistributedDataParallelKwargs))
-        autocast, scaler = handlers.get(AutocastKwargs), handlers.get(GradScalerKwargs)
+        self.strategy = strategy_for(self.state, self.ddp_handler)
+        autocast, scaler = self.autocast_handler, self.scaler_handler
         self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None,
                                        scaler.to_kwargs() if scaler else None)  # fmt: skip
+        self.native_amp = self.state.mixed_precision in ("fp16", "bf16")  # autocast runs (CPU included)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types if rng_types is not None else ["generator"]
@@ -140,6 +217,16 @@ class Accelerator:
         self._save_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Any] = OrderedDict()
 
+    def _set_handlers(self, handlers: dict[str, Any]) -> None:
+        """The handler attributes HF Accelerate sets (None when not given), and its FP8 flags (always off: FP8
+        handlers were refused)."""
+        for attribute in HANDLER_ATTRIBUTES.values():
+            setattr(self, attribute, handlers.get(attribute))
+        self.has_fp8_handler = False
+        self.fp8_enabled = False
+        self.delayed_fp8_autocast = False
+        self.has_lomo_optimizer = False
+
     # --- what this process is ----------------------------------------------------------------------------
 
     device = property(lambda self: self.state.device)
@@ -147,13 +234,29 @@ class Accelerator:
     num_processes = property(lambda self: self.state.num_processes)
     process_index = property(lambda self: self.state.process_index)
     local_process_index = property(lambda self: self.state.local_process_index)
-    is_main_process = property(lambda self: self.state.is_main_process)
-    is_local_main_process = property(lambda self: self.state.is_local_main_process)
+    is_main_process = property(lambda self: self.state.is_main_process, doc="True for one process only.")
+    is_local_main_process = property(lambda self: self.state.is_local_main_process,
+                                     doc="True for one process per machine.")  # fmt: skip
     is_last_process = property(lambda self: self.state.is_last_process)
-    use_distributed = property(lambda self: self.state.use_distributed)
+    use_distributed = property(lambda self: self.state.use_distributed,
+                               doc="Whether more than one process takes part.")  # fmt: skip
     mixed_precision = property(lambda self: self.state.mixed_precision)
     scaler = property(lambda self: self.precision.scaler, doc="The fp16 gradient scaler (None otherwise).")
-    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
+
+    @property
+    def multi_device(self) -> bool:
+        """Whether several processes train on accelerators (GPUs; HF's definition: not several CPU processes)."""
+        return self.use_distributed and self.distributed_type in MULTI_DEVICE_TYPES
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this step synchronizes gradients (and the prepared optimizer steps)."""
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, sync_gradients: bool) -> None:
+        self.gradient_state.sync_gradients = sync_gradients
+
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
@@ -163,7 +266,19 @@ class Accelerator:
         self.gradient_state.plugin_kwargs.update({"num_steps": steps})
 
     split_batches = property(lambda self: self.dataloader_config.split_batches)
-    even_batches = property(lambda self: self.dataloader_config.even_batches)
+    dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
+    use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
+    non_blocking = property(lambda self: self.dataloader_config.non_blocking)
+    use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
     project_dir = property(lambda self: self.project_configuration.project_dir)
     logging_dir = property(lambda self: self.project_configuration.logging_dir)
 
@@ -172,12 +287,112 @@ class Accelerator:
         """Whether the last optimizer step was skipped (fp16 overflow)."""
         return any(optimizer.step_was_skipped for optimizer in self._optimizers)
 
-    def __getattr__(self, name: str) -> Any:
-        # wait_for_everyone, print, main_process_first, on_main_process, split_between_processes, ... live on
-        # the state, exactly as in HF Accelerate; forwarding keeps this class a facade.
-        if name in FORWARDED_TO_STATE:
-            return getattr(self.__dict__["state"], name)
-        raise AttributeError(f"'Accelerator' object has no attribute {name!r}")
+    # --- backends and parallelism accel does not run: HF's members, with accel's (constant) answers -------------
+
+    deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin, doc="Always None: DeepSpeed is refused.")
+    is_fsdp2 = property(lambda self: self.state.is_fsdp2, doc="Always False: FSDP is refused.")
+    is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2, doc="Always False (needs FSDP2).")
+    parallelism_config = property(lambda self: self.state.parallelism_config,
+                                  doc="The ParallelismConfig given (data parallelism only), or None.")  # fmt: skip
+    torch_device_mesh = property(lambda self: self.state.device_mesh,
+                                 doc="None: DDP, the only parallelism accel runs, needs no device mesh.")  # fmt: skip
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes model weights: the local main process without a ParallelismConfig, every
+        process with one (HF Accelerate's rule; each process then writes only what it holds)."""
+        return self.state.is_local_main_process if self.parallelism_config is None else True
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's rank among the data-parallel replicas: its process index (accel runs DDP only).
+
+        HF Accelerate raises without a ParallelismConfig; every accel setup is data parallel, so the answer is known.
+        """
+        return self.process_index
+
+    data_parallel_shard_rank = property(lambda self: 0, doc="0: accel does not shard data-parallel replicas.")
+    tensor_parallel_rank = property(lambda self: 0, doc="0: accel runs no tensor parallelism (one group of one).")
+    pipeline_parallel_rank = property(lambda self: 0, doc="0: accel runs no pipeline parallelism (one stage).")
+    context_parallel_rank = property(lambda self: 0, doc="0: accel runs no context parallelism (one group of one).")
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        """The FP8 engine configured by ACCEL_FP8_BACKEND / ACCELERATE_FP8_BACKEND (default NO). accel trains in
+        no FP8 engine: FP8 is refused when asked for (mixed_precision="fp8" or an FP8 recipe handler)."""
+        return FP8BackendType(str(get_setting("FP8_BACKEND", "NO")).upper())
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None):  # fmt: skip
+        """HF's context-parallel block: without context parallelism (refused in accel, so always) it changes
+        nothing, as in HF Accelerate, and says so once."""
+        if not getattr(Accelerator, "_told_no_context_parallel", False):
+            Accelerator._told_no_context_parallel = True
+            logger.warning("Context parallel training is not enabled. This context manager will have no effect.")
+        yield
+
+    def deepspeed_ulysses_dl_adapter(self, dl: Any, model: torch.nn.Module) -> Any:
+        """HF's sequence-parallel dataloader adapter: without sequence parallelism (refused), `dl` as it is."""
+        return dl
+
+    # --- running on some processes only (decided at call time, as in HF Accelerate) ---------------------------
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        """This process's share of `inputs` (list, tuple, tensor, dict of them, datasets.Dataset): see
+        `PartialState.split_between_processes`."""
+        with PartialState().split_between_processes(inputs, apply_padding=apply_padding) as shard:
+            yield shard
+
+    def on_main_process(self, function: Callable[..., Any] | None = None):
+        """Decorator: `function` runs on the main process only (everywhere without distribution).
+
+        Works on an instance (`@accelerator.on_main_process`) and, in a class body, unbound
+        (`@Accelerator.on_main_process` above a method).
+        """
+        return _run_only_where(self, function, "on_main_process", lambda state: state.is_main_process)
+
+    def on_local_main_process(self, function: Callable[..., Any] | None = None):
+        """Decorator: `function` runs on each machine's local main process only."""
+        return _run_only_where(self, function, "on_local_main_process", lambda state: state.is_local_main_process)
+
+    def on_last_process(self, function: Callable[..., Any] | None = None):
+        """Decorator: `function` runs on the last process only."""
+        return _run_only_where(self, function, "on_last_process", lambda state: state.is_last_process)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None):
+        """Decorator: `function` runs on process `process_index` only (`@accelerator.on_process(process_index=1)`)."""
+        if isinstance(self, Accelerator) and process_index is not None and function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return _run_only_where(self, function, "on_process", lambda state: state.process_index == process_index)
+
+    def on_local_process(self, function: Callable[..., Any] | None = None, local_process_index: int | None = None):
+        """Decorator: `function` runs on the process of local index `local_process_index` of each machine."""
+        if isinstance(self, Accelerator) and local_process_index is not None and function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return _run_only_where(self, function, "on_local_process",
+                               lambda state: state.local_process_index == local_process_index)  # fmt: skip
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """The main process runs the block first; the others enter it after the main process left it."""
+        with self.state.main_process_first():
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        """Each machine's local main process runs the block first, then the other processes of that machine."""
+        with self.state.local_main_process_first():
+            yield
+
+    def wait_for_everyone(self) -> None:
+        """Blocks until every process reaches this point (bounded by the process group timeout)."""
+        self.state.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` once per machine (on the local main process)."""
+        self.state.print(*args, **kwargs)
 
     # --- prepare -----------------------------------------------------------------------------------------
 
@@ -203,6 +418,7 @@ class Accelerator:
         return prepared
 
     def _prepare_new(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
+        _refuse_backend_placeholder(obj)
         if schedulers:
             is_scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(obj, AcceleratedScheduler)
             return self.prepare_scheduler(obj) if is_scheduler else obj
@@ -231,6 +447,7 @@ class Accelerator:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
         placement = self.device_placement if device_placement is None else device_placement
+        self.has_lomo_optimizer |= is_lomo_optimizer(optimizer)
         prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self.precision.scaler)
         self._optimizers.append(prepared)
         return prepared
@@ -260,6 +477,7 @@ class Accelerator:
             use_seedable_sampler=config.use_seedable_sampler,
             non_blocking=config.non_blocking,
             data_seed=config.data_seed,
+            use_stateful_dataloader=config.use_stateful_dataloader,
         )
         self._dataloaders.append(prepared)
         return prepared
@@ -286,8 +504,36 @@ class Accelerator:
     # --- the training step -------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()`, the loss divided by the accumulation steps (as HF Accelerate)."""
-        self.precision.backward(loss / self.gradient_accumulation_steps, **kwargs)
+        """`loss.backward()`, the loss divided by the accumulation steps (as HF Accelerate).
+
+        With a LOMO optimizer prepared (without fp16's scaler) and `learning_rate=` given, runs `lomo_backward`.
+        """
+        learning_rate = kwargs.get("learning_rate")
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is None and learning_rate is not None and self.has_lomo_optimizer:
+            self.lomo_backward(loss, learning_rate)
+        else:
+            self.precision.backward(loss, **kwargs)
+
+    def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
+        """The fused backward-and-update of the prepared LOMO optimizers (`lomo_optim`'s Lomo / AdaLomo).
+
+        Raises:
+            ImportError: `lomo_optim` is not installed.
+            ValueError: no learning rate, or no LOMO optimizer was prepared.
+        """
+        lomo_classes = lomo_optimizer_classes()
+        if lomo_classes is None:
+            raise ImportError("lomo_backward needs the `lomo_optim` package (pip install lomo-optim) and an "
+                              "optimizer from it (Lomo or AdaLomo) passed to accelerator.prepare().")  # fmt: skip
+        if learning_rate is None:
+            raise ValueError("A learning rate must be passed in order to call backward pass with LOMO optimizers.")
+        lomo = [opt.optimizer for opt in self._optimizers if isinstance(opt.optimizer, lomo_classes)]
+        if not lomo:
+            raise ValueError("Backward pass not properly called on LOMO optimizers. Are you sure you passed a LOMO "
+                             "optimizer in accelerator.prepare()?")  # fmt: skip
+        for optimizer in lomo:
+            optimizer.fused_backward(loss, learning_rate)
 
     def _do_sync(self) -> None:
         if self.gradient_state.sync_with_dataloader and self.gradient_state.end_of_dataloader:
@@ -312,6 +558,59 @@ class Accelerator:
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Gradients computed inside are not synchronized across processes."""
         return self.strategy.no_sync(model)
+
+    @staticmethod
+    def trigger_sync_in_backward(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """The backward inside synchronizes `model`'s gradients, even after forwards run under `no_sync`.
+
+        Example:
+            ```python
+            with accelerator.no_sync(model):
+                loss_a = loss_fn(model(input_a))
+                loss_b = loss_fn(model(input_b))
+            accelerator.backward(loss_a)  # accumulates locally
+            with accelerator.trigger_sync_in_backward(model):
+                accelerator.backward(loss_b)  # all-reduces the accumulated gradients
+            ```
+        Without DDP (one process) it does nothing.
+        """
+        return ddp_sync.trigger_sync_in_backward(model)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None):
+        """Trains (or evaluates) DDP models on processes with different numbers of batches: torch's `Join`.
+
+        Processes whose data ran out shadow the gradient all-reduces of those still training until all are done.
+        `even_batches` overrides, for the block, the setting of every prepared dataloader; `False` is what makes
+        the numbers of batches differ. Unlike HF Accelerate, which does this only on GPUs (and warns on several
+        CPU processes), accel joins on CPU processes too. Outside distribution it does nothing.
+
+        Example:
+            ```python
+            with accelerator.join_uneven_inputs([model], even_batches=False):
+                for batch in loader:
+                    accelerator.backward(loss_fn(model(batch)))
+                    optimizer.step()
+                    optimizer.zero_grad()
+            ```
+        """
+        if not self.use_distributed:
+            yield joinables
+            return
+        from accel.data.loaders import override_even_batches
+
+        restore = override_even_batches(self._dataloaders, even_batches) if even_batches is not None else None
+        enable = not (self.even_batches if even_batches is None else even_batches)
+        for loader in self._dataloaders:
+            loader.joined_by_torch = enable
+        try:
+            with ddp_sync.join(joinables, enable=enable):
+                yield joinables
+        finally:
+            for loader in self._dataloaders:
+                loader.joined_by_torch = False
+            if restore is not None:
+                restore()
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
         """Runs the enclosed code in the mixed-precision context; a handler replaces the Accelerator's own."""
@@ -457,16 +756,75 @@ class Accelerator:
 
     clear = free_memory
 
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """Whether `model` (or a submodule) was dispatched with a device map over several devices (`hf_device_map`
+        with more than one entry): such a model is placed already and must not be prepared for DDP."""
+        return any(len(getattr(module, "hf_device_map", ())) > 1 for module in model.modules())
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None):
+        """Profiles the block with `torch.profiler` (settings: `profile_handler`, else the Accelerator's
+        ProfileKwargs, else torch's defaults); yields the profiler.
+
+        With `output_trace_dir`, each process writes its Chrome trace there as `profile_<process index>.json`
+        when the block ends, then waits for the others.
+
+        Example:
+            ```python
+            with accelerator.profile(ProfileKwargs(activities=["cpu"], output_trace_dir="trace")) as prof:
+                train_step()
+            accelerator.print(prof.key_averages().table(row_limit=10))
+            ```
+        """
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is None:
+            return
+        os.makedirs(handler.output_trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir,
+                                                  PROFILE_PATTERN_NAME.format(suffix=self.process_index)))  # fmt: skip
+        self.wait_for_everyone()
+
+    def __deepcopy__(self, memo: dict) -> Accelerator:
+        # One Accelerator per process (its state is shared): a deep copy of an object holding it (a Trainer's
+        # arguments, say) keeps pointing at the same one, as in HF Accelerate.
+        return self
+
     def end_training(self) -> None:
         self.state.destroy_process_group()
 
 
-FORWARDED_TO_STATE = frozenset(
-    {
-        "wait_for_everyone", "print", "main_process_first", "local_main_process_first", "split_between_processes",
-        "on_main_process", "on_local_main_process", "on_last_process", "on_process", "on_local_process",
-    }
-)  # fmt: skip
+def _run_only_where(owner: Any, function: Callable | None, name: str,
+                    selected: Callable[[PartialState], bool]) -> Callable:  # fmt: skip
+    """`function` wrapped to run only on the processes `selected` picks (everywhere without distribution; None
+    elsewhere), decided at each call. Used unbound in a class body, `owner` is the decorated method itself."""
+    if function is None:
+        if isinstance(owner, Accelerator) or not callable(owner):
+            raise ValueError(f"The `{name}` decorator must be called with a function on an instantiated "
+                             "`Accelerator` object.")  # fmt: skip
+        function = owner
+
+    @functools.wraps(function)
+    def run_if_selected(*args: Any, **kwargs: Any) -> Any:
+        state = PartialState()
+        if state.use_distributed and not selected(state):
+            return None
+        return function(*args, **kwargs)
+
+    return run_if_selected
+
+
+def _refuse_backend_placeholder(obj: Any) -> None:
+    """DeepSpeed's and Megatron-LM's stand-ins for optimizers and schedulers only mean something to those engines."""
+    from accel.backends import DDP_INSTEAD, deepspeed, megatron
+    from accel.unsupported import refuse
+
+    for feature, module, names in (("DeepSpeed", deepspeed, ("DummyOptim", "DummyScheduler")),
+                                   ("Megatron-LM", megatron, ("MegatronLMDummyScheduler",))):  # fmt: skip
+        if any(isinstance(obj, getattr(module, name)) for name in names):
+            raise refuse(feature, f"accelerator.prepare({type(obj).__name__}(...))",
+                         DDP_INSTEAD + " Build a torch optimizer / scheduler instead.")  # fmt: skip
 
 
 def _all_tensors(data: Any) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -10,6 +12,21 @@ from torch.amp.grad_scaler import OptState
 
 from accel.collectives.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
+
+
+def lomo_optimizer_classes() -> tuple[type, ...] | None:
+    """lomo_optim's (Lomo, AdaLomo), or None when it is not installed (it is not imported until needed)."""
+    if sys.modules.get("lomo_optim") is None and importlib.util.find_spec("lomo_optim") is None:
+        return None
+    from lomo_optim import AdaLomo, Lomo
+
+    return (Lomo, AdaLomo)
+
+
+def is_lomo_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is a LOMO optimizer (it updates the weights in its fused backward, not in `step`)."""
+    classes = lomo_optimizer_classes()
+    return classes is not None and isinstance(optimizer, classes)
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -32,6 +49,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = GradientState()
         self.device_placement = device_placement
         self._is_overflow = False
+        self._updates_in_backward = is_lomo_optimizer(optimizer)  # known once: step() is the hot path
         if device_placement:
             self.optimizer.load_state_dict(send_to_device(self.optimizer.state_dict(), self.accelerator_state.device))
 
@@ -79,8 +97,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad()
 
     def step(self, closure: Any = None) -> None:
-        if not self.gradient_state.sync_gradients:
-            return
+        if not self.gradient_state.sync_gradients or self._updates_in_backward:
+            return  # accumulating; or a LOMO optimizer, which updated the weights in its backward
         if self.scaler is None or not self.scaler.is_enabled():
             self.optimizer.step(closure)
             return

@@ -33,6 +33,70 @@ def default_of(field: dataclasses.Field) -> Any:
     return None
 
 
+class EnumWithContains(enum.EnumMeta):
+    """An enum metaclass for which `"value" in MyEnum` tests the values, as HF Accelerate's enums allow."""
+
+    def __contains__(cls, item: Any) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class BaseEnum(enum.Enum, metaclass=EnumWithContains):
+    """HF Accelerate's enum base: `str()` is the value, `list()` the values, `in` tests a value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> list:
+        """Every value, in definition order."""
+        return [member.value for member in cls]
+
+
+class PrecisionType(str, BaseEnum):
+    """The `mixed_precision` modes. accel trains in "no", "fp16" and "bf16"; "fp8" is refused when used."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class ComputeEnvironment(str, enum.Enum):
+    """Where a config file says training runs (the `compute_environment` key)."""
+
+    LOCAL_MACHINE = "LOCAL_MACHINE"
+    AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
+
+
+class SageMakerDistributedType(str, enum.Enum):
+    """SageMaker's distributed modes (a config file's `distributed_type` under SageMaker; accel does not run them)."""
+
+    NO = "NO"
+    DATA_PARALLEL = "DATA_PARALLEL"
+    MODEL_PARALLEL = "MODEL_PARALLEL"
+
+
+class FP8BackendType(str, enum.Enum):
+    """The FP8 engines of HF Accelerate (accel runs none of them: `Accelerator.fp8_backend` reports the setting)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+class CustomDtype(enum.Enum):
+    """Sizes `infer_auto_device_map` accepts besides torch dtypes (weights quantized by other libraries)."""
+
+    FP8 = "fp8"
+    INT4 = "int4"
+    INT2 = "int2"
+
+
 class DDPCommunicationHookType(str, enum.Enum):
     NO = "no"
     FP16 = "fp16"
@@ -110,6 +174,70 @@ class GradScalerKwargs(KwargsHandler):
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     enabled: bool = True
+
+
+PROFILE_PATTERN_NAME = "profile_{suffix}.json"  # HF Accelerate's trace file name; the suffix is the process index
+
+
+@dataclasses.dataclass
+class ProfileKwargs(KwargsHandler):
+    """Settings of `torch.profiler.profile` for `Accelerator.profile()` (HF Accelerate's fields and defaults).
+
+    Args:
+        activities: "cpu", "cuda", "xpu", "mtia", "hpu" (those this torch and machine have); None: torch's default.
+        schedule_option: `torch.profiler.schedule` arguments (wait, warmup, active, repeat, skip_first).
+        on_trace_ready: called by torch when a scheduled recording is ready.
+        record_shapes, profile_memory, with_stack, with_flops, with_modules: as `torch.profiler.profile`.
+        output_trace_dir: where each process writes its Chrome trace, `profile_<process index>.json`.
+
+    Example:
+        ```python
+        accelerator = Accelerator(kwargs_handlers=[ProfileKwargs(activities=["cpu"], output_trace_dir="trace")])
+        with accelerator.profile() as prof:
+            train_step()
+        print(prof.key_averages().table())
+        ```
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def _get_profiler_activity(self, activity: str) -> Any:
+        """The `torch.profiler.ProfilerActivity` named `activity`; a ValueError lists those available here."""
+        import torch
+
+        available = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
+        for name in ("xpu", "mtia", "hpu"):
+            backend = getattr(torch, name, None)
+            if backend is not None and backend.is_available() and hasattr(torch.profiler.ProfilerActivity, name.upper()):
+                available[name] = getattr(torch.profiler.ProfilerActivity, name.upper())
+        if activity not in available:
+            raise ValueError(f"Invalid profiler activity: {activity}. Must be one of {list(available)}.")
+        return available[activity]
+
+    def build(self) -> Any:
+        """A `torch.profiler.profile` with these settings (not started)."""
+        import torch
+
+        activities = None if self.activities is None else [self._get_profiler_activity(a) for a in self.activities]
+        schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
 
 
 @dataclasses.dataclass

@@ -340,6 +340,14 @@ class PartialState:
         """`cuda` when CUDA is available, else `cpu` (the device a single process would pick)."""
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    def set_device(self) -> None:
+        """Sets `device` for this process if it is not set yet (the first instance already sets it): the CPU, the
+        current CUDA device (one process) or `cuda:LOCAL_RANK`, or ACCEL_TORCH_DEVICE."""
+        if self.__dict__.get("device") is not None:
+            return
+        use_cuda = _wants_cuda(self._cpu)
+        self.device = _device(self.distributed_type != DistributedType.NO, use_cuda, self.local_process_index)
+
     def wait_for_everyone(self) -> None:
         """Blocks until every process reaches this point; does nothing in a single process.
 
@@ -496,10 +504,19 @@ def _resolve_mixed_precision(mixed_precision: str | None) -> str:
     return value
 
 
-def _reject_unsupported_plugins() -> None:
-    for name in ("USE_DEEPSPEED", "USE_FSDP", "USE_MEGATRON_LM"):
-        if get_flag(name):
-            raise NotImplementedError(f"ACCEL_{name} is set, but accel does not support it yet.")
+def _refuse_unsupported(plugins: dict, mixed_precision_given: bool) -> None:
+    """Refuses plugins and launcher variables asking for backends accel does not run (accel.backends.checks)."""
+    from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
+
+    refuse_unsupported_arguments(**plugins)
+    refuse_unsupported_environment(mixed_precision_given)
+
+
+def _refuse_deepspeed(asked_by: str):
+    from accel.backends import DDP_INSTEAD
+    from accel.unsupported import refuse
+
+    return refuse("DeepSpeed", asked_by, DDP_INSTEAD)
 
 
 def _forwarded_method(method: Callable) -> Callable:
@@ -524,13 +541,17 @@ class AcceleratorState:
     process attributes (`device`, `num_processes`, `process_index`, `distributed_type`, ...) are copies of
     `PartialState`'s, and its methods forward to `PartialState`.
 
-    DeepSpeed, FSDP and Megatron-LM plugins are not supported yet: ACCEL_USE_DEEPSPEED / ACCEL_USE_FSDP /
-    ACCEL_USE_MEGATRON_LM raise `NotImplementedError`, and `deepspeed_plugin` is always None.
+    DeepSpeed, FSDP, Megatron-LM, tensor/context parallelism and fp8 are refused with `UnsupportedFeatureError`
+    (as plugins or as ACCEL_USE_DEEPSPEED / ACCEL_USE_FSDP / ACCEL_USE_MEGATRON_LM / ACCEL_MIXED_PRECISION=fp8),
+    so `deepspeed_plugin` is always None and `is_fsdp2` False.
 
     Args:
-        mixed_precision: "no", "fp16", "bf16" or "fp8"; None reads ACCEL_MIXED_PRECISION (default "no").
+        mixed_precision: "no", "fp16" or "bf16"; None reads ACCEL_MIXED_PRECISION (default "no").
         cpu: Run on the CPU even when CUDA is available (ACCEL_USE_CPU=1 does the same).
         dynamo_plugin: The `TorchDynamoPlugin`, stored as given.
+        deepspeed_plugin, fsdp_plugin, torch_tp_plugin, megatron_lm_plugin: HF Accelerate's plugins, refused
+            (a `TorchTensorParallelPlugin` with tp_size 1 asks for nothing and is kept).
+        parallelism_config: A `ParallelismConfig`; accepted when it asks for data parallelism only.
         _from_accelerator: Set by `Accelerator`.
         **kwargs: Passed to `PartialState` (process group options).
     """
@@ -543,24 +564,38 @@ class AcceleratorState:
         mixed_precision: str | None = None,
         cpu: bool = False,
         dynamo_plugin=None,
+        deepspeed_plugin=None,
+        fsdp_plugin=None,
+        torch_tp_plugin=None,
+        megatron_lm_plugin=None,
+        parallelism_config=None,
         _from_accelerator: bool = False,
         **kwargs,
     ):
         self.__dict__ = self._shared_state
         cpu = cpu or get_flag("USE_CPU")
         if not self.initialized:
+            plugins = dict(deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
+                           megatron_lm_plugin=megatron_lm_plugin, parallelism_config=parallelism_config,
+                           mixed_precision=mixed_precision)  # fmt: skip
+            _refuse_unsupported(plugins, mixed_precision_given=mixed_precision is not None)
             mixed_precision = _resolve_mixed_precision(mixed_precision)
             if not _from_accelerator:
                 raise ValueError(
                     "Please make sure to properly initialize your accelerator via `accelerator = Accelerator()` "
                     "before using any functionality from the `accel` library."
                 )
-            _reject_unsupported_plugins()
         PartialState(cpu, **kwargs)
         self.__dict__.update(PartialState._shared_state)
         self._check_initialized(mixed_precision, cpu)
         if not self.initialized:
             self.dynamo_plugin = dynamo_plugin
+            self.deepspeed_plugins = None  # HF's attributes, for code that reads them: nothing accel refuses is kept
+            self.fsdp_plugin = None
+            self.megatron_lm_plugin = None
+            self.torch_tp_plugin = torch_tp_plugin
+            self.parallelism_config = parallelism_config
+            self.device_mesh = None  # DDP needs no device mesh
             self._mixed_precision = mixed_precision
 
     @property
@@ -587,8 +622,21 @@ class AcceleratorState:
 
     @property
     def deepspeed_plugin(self) -> None:
-        """Always None: DeepSpeed is not supported yet."""
+        """The active DeepSpeed plugin: always None (accel refuses DeepSpeed)."""
         return None
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """Whether FSDP2 runs: never in accel (FSDP is refused)."""
+        return self.distributed_type == DistributedType.FSDP and getattr(self.fsdp_plugin, "fsdp_version", 1) == 2
+
+    def get_deepspeed_plugin(self, name: str):
+        """HF Accelerate's named DeepSpeed plugin: refused (accel runs no DeepSpeed)."""
+        raise _refuse_deepspeed(f"AcceleratorState().get_deepspeed_plugin({name!r})")
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """HF Accelerate's switch between DeepSpeed plugins: refused (accel runs no DeepSpeed)."""
+        raise _refuse_deepspeed(f"AcceleratorState().select_deepspeed_plugin({name!r})")
 
     def __repr__(self) -> str:
         return repr(PartialState()) + f"\nMixed precision type: {self.mixed_precision}\n"
@@ -662,6 +710,7 @@ class GradientState:
             self.sync_gradients = True
             self._dataloader_references_ref = [None]
             self.plugin_kwargs = plugin_kwargs
+            self._is_xla_gradients_synced = False
         elif gradient_accumulation_plugin is not None:
             self.plugin_kwargs = plugin_kwargs
 
@@ -708,6 +757,16 @@ class GradientState:
     @dataloader_references.setter
     def dataloader_references(self, references: list) -> None:
         self._dataloader_references_ref = [weakref.ref(ref) if ref is not None else None for ref in references]
+
+    @property
+    def is_xla_gradients_synced(self) -> bool:
+        """HF Accelerate's XLA flag (whether XLA gradients were all-reduced before the step). accel runs no XLA:
+        it stays as last set (False at first), True under ACCELERATE_USE_FSDP as in HF."""
+        return get_flag("USE_FSDP") or self._is_xla_gradients_synced
+
+    @is_xla_gradients_synced.setter
+    def is_xla_gradients_synced(self, is_synced: bool) -> None:
+        self._is_xla_gradients_synced = is_synced
 
     @property
     def in_dataloader(self) -> bool:

@@ -9,6 +9,7 @@ from accel.accelerator import Accelerator
 from accel.optimizer import AcceleratedOptimizer
 from accel.scheduler import AcceleratedScheduler
 from accel.settings import DistributedDataParallelKwargs, GradientAccumulationPlugin
+from accel.unsupported import UnsupportedFeatureError
 
 
 def make_model():
@@ -132,9 +133,9 @@ def test_preparing_twice_returns_the_prepared_objects():
 
 
 def test_unsupported_precision_and_plugins_are_clear_errors():
-    with pytest.raises(NotImplementedError, match="fp8"):
+    with pytest.raises(UnsupportedFeatureError, match="FP8 training.*mixed_precision='fp8'"):
         Accelerator(mixed_precision="fp8")
-    with pytest.raises(NotImplementedError, match="DeepSpeed and FSDP"):
+    with pytest.raises(UnsupportedFeatureError, match=r"FSDP .*Accelerator\(fsdp_plugin=object"):
         Accelerator(fsdp_plugin=object())
     with pytest.raises(ValueError, match="only pass one DistributedDataParallelKwargs"):
         Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(), DistributedDataParallelKwargs()])

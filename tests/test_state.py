@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from accel import state as state_module
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState, is_initialized
+from accel.unsupported import UnsupportedFeatureError
 from spawn_pool import run_on_ranks
 
 WORLD_SIZES = [1, 2, 4]
@@ -301,7 +302,8 @@ def test_accelerator_state_reset():
 @pytest.mark.parametrize("variable", ["ACCEL_USE_FSDP", "ACCEL_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"])
 def test_unsupported_plugins_are_refused(monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(NotImplementedError, match="does not support"):
+    expected = f"not supported by accel \\(asked for by the environment variable {variable}\\)"
+    with pytest.raises(UnsupportedFeatureError, match=expected):
         AcceleratorState(_from_accelerator=True)
 
 

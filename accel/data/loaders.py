@@ -43,6 +43,7 @@ __all__ = [
     "DataLoaderStateMixin",
     "gather_for_metrics_truncation",
     "get_sampler",
+    "override_even_batches",
     "prepare_data_loader",
     "skip_first_batches",
 ]
@@ -99,6 +100,9 @@ class DataLoaderStateMixin:
     # _uneven_role says which side this process is on (None when every process has the same number of batches).
     _uneven_role: str | None = None
     in_uneven_step = False  # True while this process uses its batch of such a last step
+    # Set by Accelerator.join_uneven_inputs: torch's Join handles the processes whose data ran out (their loop
+    # simply ends and Join shadows the others' DDP collectives), so this loader must not stand by for them.
+    joined_by_torch = False
 
     def reset(self) -> None:
         self.end_of_dataloader = False
@@ -117,6 +121,9 @@ class DataLoaderStateMixin:
 
     def _through_uneven_end(self, batches: Iterator) -> Iterator:
         """Yields `batches`; at the end of an uneven epoch, runs this process's side of the last step."""
+        if self.joined_by_torch:
+            yield from batches
+            return
         for batch in batches:
             if self.end_of_dataloader and self._uneven_role == _HAS_LAST_STEP:
                 yield from self._uneven_step(batch)
@@ -242,12 +249,20 @@ class DataLoaderShard(_PreparedLoader):
         while current is not done:
             # Placed before reading the next batch, so a non_blocking copy overlaps with the read.
             current = pytree.to_device(current, self.device, self._non_blocking)
+            self._before_reading_ahead()
             following = next(batches, done)
             self.end_of_dataloader = following is done
+            self._after_reading_ahead()
             if index >= self.skip_batches:
                 yield current
             index += 1
             current = following
+
+    def _before_reading_ahead(self) -> None:
+        """Called when a batch was read, just before the next one is (the stateful loader snapshots its state)."""
+
+    def _after_reading_ahead(self) -> None:
+        """Called once `end_of_dataloader` is known for the batch about to be yielded."""
 
     def __len__(self) -> int:
         return max(0, self._base_len() - self.skip_batches)
@@ -550,6 +565,40 @@ class DataLoaderDispatcher(_PreparedLoader):
         target.sampler = sampler
 
 
+# --- join_uneven_inputs -------------------------------------------------------------------------------------------
+
+
+def _even_batches_owner(loader: DataLoader) -> Any:
+    """The object whose `even_batches` decides how `loader` ends an epoch: a dispatcher itself, or the
+    `BatchSamplerShard` of a sharded map-style loader; None for an iterable dataset (nothing to even out)."""
+    if isinstance(loader, DataLoaderDispatcher):
+        return loader
+    sampler = loader._index_batch_sampler() if isinstance(loader, _PreparedLoader) else loader.batch_sampler
+    while isinstance(sampler, SkipBatchSampler):
+        sampler = sampler.batch_sampler
+    return sampler if isinstance(sampler, BatchSamplerShard) else None
+
+
+def override_even_batches(loaders: list, even_batches: bool) -> Callable[[], None]:
+    """Sets `even_batches` of every prepared loader in `loaders` that has one; returns the function that restores
+    them. Warns about loaders that have none (iterable datasets), as HF Accelerate does."""
+    owners = [_even_batches_owner(loader) for loader in loaders]
+    if any(owner is None for owner in owners):
+        import warnings
+
+        warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some dataloaders given "
+                      "were iterable")  # fmt: skip
+    saved = [(owner, owner.even_batches) for owner in owners if owner is not None]
+    for owner, _ in saved:
+        owner.even_batches = even_batches
+
+    def restore() -> None:
+        for owner, value in saved:
+            owner.even_batches = value
+
+    return restore
+
+
 # --- prepare_data_loader ------------------------------------------------------------------------------------------
 
 
@@ -655,8 +704,10 @@ def prepare_data_loader(
             process and epoch-reproducible; pair with `set_epoch`).
         non_blocking: Copy batches to the device with `non_blocking=True` (useful with `pin_memory`).
         data_seed: The seed of the `SeedableRandomSampler` (default: process 0's `torch.initial_seed()`).
-        use_stateful_dataloader: torchdata's `StatefulDataLoader` is not supported yet (True raises).
-        torch_device_mesh: Device meshes (tensor parallelism) are not supported yet (a mesh raises).
+        use_stateful_dataloader: Build the loader on torchdata's `StatefulDataLoader` (needs `torchdata`):
+            `state_dict()` / `load_state_dict()` then save and resume the position within an epoch. Not with
+            `dispatch_batches`.
+        torch_device_mesh: Device meshes (tensor/context parallelism) are refused (UnsupportedFeatureError).
 
     Returns:
         A `DataLoaderShard` or a `DataLoaderDispatcher`.
@@ -668,12 +719,19 @@ def prepare_data_loader(
         list(prepared)  # rank 0: [tensor([0, 1]), tensor([4, 5])]   rank 1: [tensor([2, 3]), tensor([6, 7])]
         ```
     """
-    if use_stateful_dataloader or torch_device_mesh is not None:
-        raise NotImplementedError("accel does not support use_stateful_dataloader or torch_device_mesh yet.")
+    if torch_device_mesh is not None:
+        from accel.backends import DDP_INSTEAD
+        from accel.unsupported import refuse
+
+        raise refuse("tensor/context parallelism", "prepare_data_loader(torch_device_mesh=...)", DDP_INSTEAD)
     if dispatch_batches is None:
         dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches and not put_on_device:
         raise ValueError("Using `dispatch_batches=True` requires `put_on_device=True`.")
+    if use_stateful_dataloader and dispatch_batches:
+        raise ValueError("use_stateful_dataloader=True works with sharded loaders, not with dispatch_batches (the "
+                         "default for iterable datasets; pass dispatch_batches=False): a dispatched loader's state "
+                         "lives on process 0 only.")
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
@@ -699,14 +757,25 @@ def prepare_data_loader(
     common = dict(device=device if put_on_device else None, rng_types=rng_types,
                   synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
                   _non_blocking=non_blocking, **kwargs)
+    shard_class = _stateful_shard_class() if use_stateful_dataloader else DataLoaderShard
     if batch_sampler is None:
         batch_size = dataloader.batch_size
         if split_batches and num_processes > 1:
             batch_size //= num_processes
-        return DataLoaderShard(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
+        return shard_class(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
     if isinstance(dataloader.sampler, BatchSampler):
-        return DataLoaderShard(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common)
-    return DataLoaderShard(dataset, batch_sampler=batch_sampler, **common)
+        return shard_class(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common)
+    return shard_class(dataset, batch_sampler=batch_sampler, **common)
+
+
+def _stateful_shard_class() -> type:
+    """`StatefulDataLoaderShard` (its module imports torchdata, so only when asked for)."""
+    try:
+        from accel.data.stateful import StatefulDataLoaderShard
+    except ImportError as error:
+        raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader (torchdata >= 0.8: "
+                          f"pip install torchdata): {error}") from error
+    return StatefulDataLoaderShard
 
 
 def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_index, split_batches, even_batches):

@@ -1,8 +1,8 @@
 """Mixed-precision policies: how the forward runs and how the loss goes backward.
 
 One object per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with a gradient scaler
-(torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF Accelerate trains
-"fp16" on CPU in fp32, without autocast or scaler). fp8 is refused with a clear error.
+(torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF Accelerate refuses
+"fp16" on CPU). fp8 is refused (UnsupportedFeatureError). amp.py: HF's get_mixed_precision_context_manager / get_grad_scaler.
 """
 
 from __future__ import annotations
@@ -141,5 +141,7 @@ PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision, "fp16": FP16Precision}
 def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None,
                   scaler_kwargs: dict | None = None) -> FullPrecision:
     if mixed_precision == "fp8":
-        raise NotImplementedError("mixed_precision='fp8' is not supported by accel yet; use 'no', 'bf16' or 'fp16'")
+        from accel.unsupported import refuse
+
+        raise refuse("FP8 training", "mixed_precision='fp8'", "Use mixed_precision='bf16' or 'fp16' (or 'no').")
     return PRECISIONS[mixed_precision](device, autocast_kwargs, scaler_kwargs)
