@@ -1,4 +1,5 @@
-"""get_logger: a logger that, in multi-process runs, logs on the main process unless asked otherwise."""
+"""get_logger and tqdm: log lines and progress bars that, in multi-process runs, show on the main process unless
+asked otherwise."""
 
 from __future__ import annotations
 
@@ -50,3 +51,38 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
         logger.setLevel(log_level.upper())
         logger.root.setLevel(log_level.upper())
     return MultiProcessAdapter(logger, {})
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any):
+    """`tqdm.auto.tqdm(*args, **kwargs)`, shown only on each machine's main process unless `main_process_only`
+    is False (HF Accelerate's semantics: the local main process, so every machine shows one bar).
+
+    Args:
+        *args: Passed to tqdm (the iterable first).
+        main_process_only: Disable the bar on the other processes of the machine.
+        **kwargs: Passed to tqdm; `disable=True` disables it everywhere.
+
+    Raises:
+        ImportError: tqdm is not installed.
+        ValueError: a bool as first argument (a call written for an old signature).
+
+    Example::
+
+        for batch in tqdm(dataloader):   # one bar per machine
+            ...
+    """
+    from accel.availability import is_tqdm_available
+
+    if not is_tqdm_available():
+        raise ImportError("accel's `tqdm` requires `tqdm` to be installed. Please run `pip install tqdm`.")
+    if args and isinstance(args[0], bool):
+        raise ValueError(
+            "Passing `True` or `False` as the first argument to accel's `tqdm` wrapper is unsupported. "
+            "Please use the `main_process_only` keyword argument instead."
+        )
+    from tqdm.auto import tqdm as auto_tqdm
+
+    disable = kwargs.pop("disable", False)
+    if main_process_only and not disable:
+        disable = PartialState().local_process_index != 0
+    return auto_tqdm(*args, **kwargs, disable=disable)

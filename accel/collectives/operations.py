@@ -19,6 +19,8 @@ Where accel differs from HF Accelerate:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from functools import wraps
 from typing import Any, Callable
 
@@ -29,8 +31,16 @@ from accel.collectives import uneven
 from accel.collectives.errors import DistributedOperationException
 from accel.collectives.transport import select_transport
 from accel.state import PartialState
+from accel.unsupported import refuse
 
 REDUCTIONS = ("mean", "sum", "max", "min", "none")
+# HF's list of the distributed types whose collectives go through torch.distributed.
+TORCH_DISTRIBUTED_OPERATION_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP", "MULTI_NPU", "MULTI_MLU",
+                                     "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_CPU", "MULTI_HPU", "MULTI_NEURON"]
+# HF's codes for the dtypes `gather_tensor_shape` reports.
+TENSOR_TYPE_TO_INT = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5,
+                      torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10}
+TENSOR_INT_TO_DTYPE = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
 # --- debug-mode verification -------------------------------------------------------------------------------------
@@ -88,6 +98,23 @@ def verify_operation(function: Callable) -> Callable:
             if message is not None:
                 raise DistributedOperationException(message)
         return function(*args, **kwargs)
+
+    return wrapper
+
+
+def chained_operation(function: Callable) -> Callable:
+    """Decorates an operation built on verified collectives: a `DistributedOperationException` raised inside it is
+    raised again naming this operation, chained to the original (which names the mismatch)."""
+
+    @wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except DistributedOperationException as error:
+            operation = f"{function.__module__}.{function.__name__}"
+            raise DistributedOperationException(
+                f"Error found while calling `{operation}`. Please see the earlier error for more details."
+            ) from error
 
     return wrapper
 
@@ -293,3 +320,93 @@ def gather_ragged(tensor: Any) -> Any:
         return tensor
     leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather_ragged")]
     return replace_tensor_leaves(tensor, select_transport(leaves).all_gather_ragged(leaves))
+
+
+# --- one process's tensor to every process -----------------------------------------------------------------------
+
+
+def _announced_tensor(tensor: torch.Tensor | None, operation: str) -> tuple[int, tuple[int, ...], torch.dtype]:
+    """(source process, shape, dtype) of the tensor exactly one process passes (the others pass None)."""
+    state = PartialState()
+    mine = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+    everyone = [mine] if state.num_processes == 1 else select_transport([]).all_gather_object(mine)
+    sources = [rank for rank, item in enumerate(everyone) if item is not None]
+    if len(sources) != 1:  # every process sees the same list, so all raise
+        given = "no process passed one" if not sources else f"processes {sources} passed one"
+        raise ValueError(f"{operation}: exactly one process must pass a tensor, the others None; {given}")
+    shape, dtype = everyone[sources[0]]
+    return sources[0], shape, dtype
+
+
+@uneven.uneven_aware("gather_tensor_shape", None)
+def gather_tensor_shape(tensor: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The shape and dtype of a tensor only one process has (the others pass None), on every process.
+
+    Returns:
+        (the shape as a 1-d int64 tensor on this process's device, the dtype's code in `TENSOR_TYPE_TO_INT`).
+        HF returns the shape as an (ndim, 1) tensor and drops dims of size 0; accel keeps every dim.
+
+    Raises:
+        ValueError: no process or several passed a tensor, or its dtype has no code.
+    """
+    _, shape, dtype = _announced_tensor(tensor, "gather_tensor_shape")
+    if dtype not in TENSOR_TYPE_TO_INT:
+        raise ValueError(f"gather_tensor_shape: {dtype} has no code; codes exist for {list(TENSOR_TYPE_TO_INT)}")
+    return torch.tensor(shape, dtype=torch.int64, device=PartialState().device), TENSOR_TYPE_TO_INT[dtype]
+
+
+@uneven.uneven_aware("copy_tensor_to_devices", None)
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Sends a tensor that only one process has to every process, which need not know its shape or dtype.
+
+    HF sums the tensor with zeros on the other processes (an all-reduce of the data, after an all-reduce of a
+    4 MiB shape buffer, for 10 dtypes only); accel exchanges (shape, dtype) as one small object, then broadcasts
+    from the process that has the tensor: exact for every dtype (-0.0 stays -0.0) and cheaper.
+
+    Args:
+        tensor: The tensor on exactly one process; None on the others.
+
+    Returns:
+        A new tensor with the values on every process (the source process too), on each process's device.
+
+    Raises:
+        ValueError: no process or several passed a tensor.
+
+    Example (2 processes)::
+
+        t = torch.arange(3) if PartialState().process_index == 1 else None
+        copy_tensor_to_devices(t)   # every process: tensor([0, 1, 2])
+    """
+    state = PartialState()
+    source, shape, dtype = _announced_tensor(tensor, "copy_tensor_to_devices")
+    if state.process_index == source:
+        result = tensor.to(state.device, copy=True)
+    else:
+        result = torch.empty(shape, dtype=dtype, device=state.device)
+    if state.num_processes > 1:
+        broadcast(result, from_process=source)
+    return result
+
+
+def wait_for_everyone() -> None:
+    """Blocks until every process reaches this call (a barrier, bounded by the process-group timeout).
+
+    Every process must call it, or the others wait until the timeout and fail.
+    """
+    PartialState().wait_for_everyone()
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+                       ) -> Iterator[None]:  # fmt: skip
+    """DeepSpeed ZeRO-3's context that gathers partitioned parameters; outside ZeRO-3 a context that does nothing.
+
+    accel does not run DeepSpeed, so parameters are never partitioned and this is the no-op context HF Accelerate
+    gives without ZeRO-3: code written for both runs unchanged. Under a DeepSpeed state it refuses.
+    """
+    from accel.state import AcceleratorState, DistributedType
+
+    if AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
+        raise refuse("DeepSpeed ZeRO-3 parameter gathering", "GatheredParameters(...)",
+                     "accel runs DDP, where every process holds whole parameters: no gathering is needed.")  # fmt: skip
+    yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 from accel import _ext
 from accel.collectives import uneven
-from accel.collectives.pytree import replace_tensor_leaves, tensor_leaves
+from accel.collectives.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
 from accel.collectives.transport import select_transport
 
 
@@ -73,19 +74,37 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """`pad_across_processes` met a nested tensor (torch.nested), which it leaves as it is."""
+
+
 def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any, pad_first: bool) -> Any:
-    """`tensor` with each leaf padded to the largest of its shapes in `shapes` (every process's leaf shapes)."""
+    """`tensor` with each leaf padded to the largest of its shapes in `shapes` (every process's shapes of its
+    leaves that are not nested tensors; those stay as they are)."""
     leaves = tensor_leaves(tensor, "pad_across_processes")
+    regular = [i for i, leaf in enumerate(leaves) if not leaf.is_nested]
     counts = [len(rank_shapes) for rank_shapes in shapes]
-    if len(set(counts)) > 1:  # every rank sees the same shapes, so all raise (none goes on to hang)
+    if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
         raise ValueError(f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
-    padded = [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
-              for i, leaf in enumerate(leaves)]
+    padded = list(leaves)
+    for position, i in enumerate(regular):
+        leaf_shapes = [rank_shapes[position] for rank_shapes in shapes]
+        padded[i] = _pad_to_largest(leaves[i], leaf_shapes, dim, pad_index, pad_first)
     return replace_tensor_leaves(tensor, padded)
 
 
+def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaves that are not nested tensors (torch.nested: no shape to pad to), warning when there are any."""
+    regular = [leaf for leaf in leaves if not leaf.is_nested]
+    if len(regular) < len(leaves):
+        warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
+                      CannotPadNestedTensorWarning, stacklevel=4)  # fmt: skip
+    return regular
+
+
 def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in tensor_leaves(tensor, "pad_across_processes")])
+    regular = _paddable(tensor_leaves(tensor, "pad_across_processes"))
+    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in regular])
     return _pad_leaves(tensor, [part for part in parts if part is not None], dim, pad_index, pad_first)
 
 
@@ -93,7 +112,8 @@ def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
 
-    One exchange of shapes for the whole structure, then each tensor is padded where it is.
+    One exchange of shapes for the whole structure, then each tensor is padded where it is. Nested tensors
+    (torch.nested) are left as they are, with a `CannotPadNestedTensorWarning`, as in HF Accelerate.
 
     Args:
         tensor: a tensor or a nested list/tuple/dict of tensors.
@@ -113,10 +133,44 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
         t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
         pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
     """
-    leaves = tensor_leaves(tensor, "pad_across_processes")
+    regular = _paddable(tensor_leaves(tensor, "pad_across_processes"))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
     # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
     # returning early on its own would leave the others waiting in the collective).
-    shapes = select_transport(leaves).all_gather_shapes(leaves)
+    shapes = select_transport(regular).all_gather_shapes(regular)
     return _pad_leaves(tensor, shapes, dim, pad_index, pad_first)
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Every tensor of a nested list/tuple/dict grown with zeros along `dim` to the smallest multiple of
+    `num_processes` that is at least `batch_size`, so that the batch splits evenly across processes (HF uses it
+    to split inputs for pipeline-parallel inference).
+
+    HF Accelerate's arithmetic for the padded size is wrong for many sizes (6 rows on 4 processes give 9, a batch
+    that already splits evenly is padded too, and it always pads dim 0); accel pads to the next multiple along
+    `dim`, and returns a tensor that needs no padding as it is.
+
+    Args:
+        tensor: A tensor or a nested list/tuple/dict of tensors, each with `batch_size` rows along `dim`.
+        batch_size: The number of rows along `dim`.
+        num_processes: The number of processes the batch is split across.
+        dim: The dim to pad.
+
+    Returns:
+        The same structure with padded tensors.
+
+    Example::
+
+        pad_input_tensors(torch.ones(3, 4, 4), batch_size=3, num_processes=4).shape   # (4, 4, 4)
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be at least 1, got {num_processes}")
+    size = -(-batch_size // num_processes) * num_processes
+
+    def pad(leaf: torch.Tensor) -> torch.Tensor:
+        if leaf.dim() == 0 or leaf.shape[dim] >= size:
+            return leaf
+        return pad_tensor(leaf, dim, size, 0)
+
+    return recursively_apply(pad, tensor, error_on_other_type=True)

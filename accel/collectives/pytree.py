@@ -8,6 +8,8 @@ Leaves are visited depth first in container order (list order, mapping insertion
 
 from __future__ import annotations
 
+import functools
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -253,3 +255,72 @@ def concatenate(data: list | tuple, dim: int = 0) -> Any:
     if isinstance(data, (tuple, list)) and len(data) == 1:
         return first
     raise TypeError(f"Can only concatenate tensors but got {type(first)}")
+
+
+def is_torch_xpu_tensor(tensor: Any) -> bool:
+    """Whether `tensor` is a tensor on an Intel GPU (HF's check is broken: it always raises TypeError)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "xpu"
+
+
+def merge_dicts(source: Mapping, destination: dict) -> dict:
+    """Merges `source` into `destination` in place, nested dicts key by key (`source`'s values win elsewhere).
+
+    Example::
+
+        merge_dicts({"a": {"x": 1}}, {"a": {"y": 2}, "b": 3})   # {"a": {"y": 2, "x": 1}, "b": 3}
+    """
+    for key, value in source.items():
+        if isinstance(value, dict):
+            merge_dicts(value, destination.setdefault(key, {}))
+        else:
+            destination[key] = value
+    return destination
+
+
+def _is_half_precision(value: Any) -> bool:
+    return getattr(value, "dtype", None) in (torch.float16, torch.bfloat16)
+
+
+def convert_to_fp32(tensor: Any) -> Any:
+    """Every float16/bfloat16 tensor (or object with such a `dtype` and a `.float()`) of a nested
+    list/tuple/mapping made float32; other leaves unchanged.
+
+    Example::
+
+        convert_to_fp32({"logits": torch.ones(2, dtype=torch.bfloat16), "ids": torch.ones(2, dtype=torch.int64)})
+        # {"logits": float32 tensor, "ids": the same int64 tensor}
+    """
+    return recursively_apply(lambda value: value.float(), tensor, test_type=_is_half_precision)
+
+
+class ConvertOutputsToFp32:
+    """A callable (a model's forward) whose outputs come back with float16/bfloat16 tensors made float32.
+
+    A model whose forward is wrapped this way cannot be pickled (the wrapper refuses, as in HF): unwrap it first
+    (`Accelerator.unwrap_model(model)` or `extract_model_from_parallel(model, keep_fp32_wrapper=False)`).
+    """
+
+    def __init__(self, model_forward: Callable):
+        self.model_forward = model_forward
+        functools.update_wrapper(self, model_forward)
+
+    def __call__(self, *args, **kwargs):
+        return convert_to_fp32(self.model_forward(*args, **kwargs))
+
+    def __getstate__(self):
+        raise pickle.PicklingError(
+            "Cannot pickle a prepared model with automatic mixed precision, please unwrap the model with "
+            "`Accelerator.unwrap_model(model)` before pickling it."
+        )
+
+
+def convert_outputs_to_fp32(model_forward: Callable) -> Callable:
+    """`model_forward` wrapped by `ConvertOutputsToFp32`, as a function whose `__wrapped__` is that wrapper (so that
+    `extract_model_from_parallel(keep_fp32_wrapper=False)` can find the original forward again)."""
+    converting = ConvertOutputsToFp32(model_forward)
+
+    def forward(*args, **kwargs):
+        return converting(*args, **kwargs)
+
+    forward.__wrapped__ = converting
+    return forward

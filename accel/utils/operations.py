@@ -1,23 +1,47 @@
-"""`accelerate.utils.operations` import path: re-exports."""
+"""`accelerate.utils.operations` import path: re-exports of accel.collectives (every public name of HF's module)."""
 
-from accel.collectives import (
-    DistributedOperationException,
+from torch.distributed import ReduceOp
+
+from accel.availability import is_npu_available, is_torch_distributed_available, is_torch_version, is_torch_xla_available
+from accel.collectives.errors import DistributedOperationException
+from accel.collectives.operations import (
+    TENSOR_INT_TO_DTYPE,
+    TENSOR_TYPE_TO_INT,
+    TORCH_DISTRIBUTED_OPERATION_TYPES,
+    GatheredParameters,
     broadcast,
     broadcast_object_list,
-    concatenate,
-    find_batch_size,
+    chained_operation,
+    copy_tensor_to_devices,
     gather,
     gather_object,
-    pad_across_processes,
-    recursively_apply,
+    gather_tensor_shape,
     reduce,
-    send_to_device,
+    verify_operation,
 )
-from accel.collectives.operations import verify_operation
-from accel.collectives.pytree import get_shape
+from accel.collectives.padding import CannotPadNestedTensorWarning, pad_across_processes, pad_input_tensors
+from accel.collectives.pytree import (
+    ConvertOutputsToFp32,
+    TensorInformation,
+    concatenate,
+    convert_outputs_to_fp32,
+    convert_to_fp32,
+    find_batch_size,
+    find_device,
+    get_data_structure,
+    get_shape,
+    honor_type,
+    ignorant_find_batch_size,
+    initialize_tensors,
+    is_namedtuple,
+    is_tensor_information,
+    is_torch_tensor,
+    is_torch_xpu_tensor,
+    listify,
+    recursively_apply,
+    send_to_device,
+    slice_tensors,
+)
+from accel.state import AcceleratorState, DistributedType, PartialState
 
-__all__ = [
-    "DistributedOperationException", "broadcast", "broadcast_object_list", "concatenate", "find_batch_size",
-    "gather", "gather_object", "get_shape", "pad_across_processes", "recursively_apply", "reduce",
-    "send_to_device", "verify_operation",
-]  # fmt: skip
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,13 @@
+"""`accelerate.utils.versions` import path: re-exports of accel.availability's version checks."""
+
+from accel.availability import STR_OPERATION_TO_FUNC, compare_versions, is_torch_version
+
+__all__ = ["STR_OPERATION_TO_FUNC", "compare_versions", "is_torch_version", "torch_version"]
+
+
+def __getattr__(name):
+    if name == "torch_version":  # HF's module constant: the installed torch's version
+        from accel import availability
+
+        return availability.torch_version
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
