@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from typing import Any
 
 import torch
@@ -16,7 +14,9 @@ from accel.state import AcceleratorState, GradientState
 
 def lomo_optimizer_classes() -> tuple[type, ...] | None:
     """lomo_optim's (Lomo, AdaLomo), or None when it is not installed (it is not imported until needed)."""
-    if sys.modules.get("lomo_optim") is None and importlib.util.find_spec("lomo_optim") is None:
+    from accel import availability
+
+    if not availability.is_lomo_available():
         return None
     from lomo_optim import AdaLomo, Lomo
 

@@ -180,6 +180,7 @@ def test_lomo_backward(monkeypatch):
     with pytest.raises(ImportError, match="lomo_optim"):
         accelerator.lomo_backward(torch.tensor(1.0), 0.1)
     monkeypatch.setitem(sys.modules, "lomo_optim", types.SimpleNamespace(Lomo=_Lomo, AdaLomo=type("AdaLomo", (), {})))
+    monkeypatch.setattr("accel.availability.is_lomo_available", lambda: True)
     model = torch.nn.Linear(2, 1)
     before = model.weight.detach().clone()
     model, optimizer = accelerator.prepare(model, _Lomo(model.parameters()))

@@ -322,12 +322,12 @@ def test_hf_module_paths_resolve():
     from accel.utils import fsdp_utils, megatron_lm, transformer_engine
     from accel.utils.ao import has_ao_layers
     from accel.utils.bnb import has_4bit_bnb_layers as bnb_layers
-    from accel.utils.dataclasses import LoggerType, ProfileKwargs, TERecipeKwargs
+    from accel.utils.dataclasses import ProfileKwargs, TERecipeKwargs
     from accel.utils.torch_xla import install_xla
 
-    assert ds_utils.DummyOptim is deepspeed.DummyOptim and fsdp_utils.merge_fsdp_weights is accel.utils.merge_fsdp_weights
+    assert ds_utils.DummyOptim is deepspeed.DummyOptim and fsdp_utils.save_fsdp_model is fsdp.save_fsdp_model
     assert megatron_lm.MegatronLMDummyScheduler and transformer_engine.convert_model and has_ao_layers and bnb_layers
-    assert LoggerType and ProfileKwargs and TERecipeKwargs is fp8.TERecipeKwargs and install_xla
+    assert ProfileKwargs and TERecipeKwargs is fp8.TERecipeKwargs and install_xla
 
 
 def test_import_accel_binds_utils_lazily():

@@ -10,7 +10,7 @@ layers of an engine that was never imported); converting or wrapping a model for
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import os
 import sys
 import warnings
@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from accel.availability import is_msamp_available, is_torchao_available
 from accel.backends import env_flag
 from accel.settings import KwargsHandler
 from accel.unsupported import refuse
@@ -52,7 +53,7 @@ class AORecipeKwargs(KwargsHandler):
             self.pad_inner_dim = env_flag(_ENV + "PAD_INNER_DIM", True)
         if self.enable_fsdp_float8_all_gather is None:
             self.enable_fsdp_float8_all_gather = env_flag(_ENV + "ENABLE_FSDP_FLOAT8_ALL_GATHER", True)
-        if importlib.util.find_spec("torchao") is not None:
+        if is_torchao_available():
             from torchao.float8 import Float8LinearConfig
 
             self.config = Float8LinearConfig(pad_inner_dim=self.pad_inner_dim,
@@ -118,7 +119,7 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
                       "proper FP8 recipe kwargs classes such as TERecipeKwargs or MSAMPRecipeKwargs instead.",
                       FutureWarning)  # fmt: skip
         if self.backend is None:
-            default = "msamp" if importlib.util.find_spec("msamp") is not None else "te"
+            default = "msamp" if is_msamp_available() else "te"
             self.backend = os.environ.get(_ENV + "BACKEND", default)
         self.backend = self.backend.upper()
         if self.backend not in _BACKENDS:
