@@ -55,6 +55,7 @@ from accel.settings import (
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.strategies import ddp_sync
 from accel.strategies import SingleDeviceStrategy, compiled_wrapper, strategy_for
+from accel.tracking.session import TrackerSession
 
 # Each kwargs handler class and the Accelerator attribute HF Accelerate stores it in (FP8 ones are refused).
 HANDLER_ATTRIBUTES = {
@@ -186,8 +187,7 @@ class Accelerator:
         self.project_configuration = project_config or ProjectConfiguration(project_dir=project_dir)
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(project_dir)
-        if log_with is not None:
-            raise NotImplementedError("experiment trackers (log_with) are not supported by accel yet")
+        self._tracking = TrackerSession(log_with, self.logging_dir)
         if dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
@@ -791,8 +791,44 @@ class Accelerator:
         # arguments, say) keeps pointing at the same one, as in HF Accelerate.
         return self
 
+    # --- experiment tracking: accel.tracking ---------------------------------------------------------------
+
+    trackers = property(lambda self: self._tracking.trackers,
+                        doc="The trackers running on this process (those `init_trackers` started here).")  # fmt: skip
+    log_with = property(lambda self: self._tracking.log_with,
+                        doc="What `log_with` asked for: LoggerTypes, registered names and tracker instances.")  # fmt: skip
+
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+        """Starts a run in every tracker of `log_with`, on the main process (and on every process for trackers
+        with `main_process_only = False`), and stores `config` as its hyperparameters (nested dicts flattened).
+
+        Args:
+            project_name: the project / run name each tracker uses (TensorBoard and jsonl: a folder under
+                `logging_dir`).
+            config: the hyperparameters to store.
+            init_kwargs: per tracker, keyword arguments for its constructor: `{"wandb": {"tags": ["a"]}}`.
+        """
+        self._tracking.init(project_name, config, init_kwargs, self.logging_dir, self.is_main_process)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker named `name` (its backend object, e.g. the wandb run, with `unwrap`); on a process where it
+        does not run, an inert placeholder whose every method does nothing."""
+        return self._tracking.get(name, unwrap)
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Logs `values` (name -> number, text, ...) at `step` to every tracker running on this process.
+
+        Before `init_trackers` nothing is logged (one warning). Values a backend cannot take are skipped with one
+        warning naming the key. `log_kwargs`: per tracker, keyword arguments for its `log`.
+        """
+        self._tracking.log(values, step, log_kwargs, self.is_main_process)
+
     def end_training(self) -> None:
-        self.state.destroy_process_group()
+        """Finishes every tracker (all of them, even if one fails), then destroys the process group."""
+        try:
+            self._tracking.finish()
+        finally:
+            self.state.destroy_process_group()
 
 
 def _run_only_where(owner: Any, function: Callable | None, name: str,

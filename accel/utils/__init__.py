@@ -248,6 +248,7 @@ _PUBLIC = {
     # --- modeling, offload, hooks: helper 4 ---
     # --- end modeling ---
     # --- tracking (LoggerType, is_*_available of trackers live in helper 1's section): helper 5 ---
+    "LoggerType": "accel.tracking",
     # --- end tracking ---
 }
 __all__ = list(_PUBLIC)
