@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accel.big_modeling.sizes import compute_module_sizes
+from accel.big_modeling.tied import tied_groups
 from accel.checkpoint.model_io import parse_size
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,15 @@ def _device_order(device: Device) -> tuple[int, int]:
     if isinstance(device, int):
         return 0, device
     return {"mps": (1, 0), "cpu": (2, 0), "disk": (3, 0)}[device]
+
+
+def check_device_same(first_device: torch.device, second_device: torch.device) -> bool:
+    """Whether two devices are one: `cuda` and `cuda:0` are (torch says they differ)."""
+    if first_device.type != second_device.type:
+        return False
+    if first_device.type == "cpu":
+        return True
+    return (first_device.index or 0) == (second_device.index or 0)
 
 
 def get_max_memory(max_memory: dict[Device, int | str] | None = None) -> dict[Device, int]:
@@ -98,14 +108,6 @@ def get_balanced_memory(
     if low_zero:
         balanced[gpus[0]] = min(max_memory[gpus[0]], largest)
     return balanced
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor (weight tying), in groups of two or more."""
-    by_identity: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_identity.setdefault(id(param), []).append(name)
-    return [names for names in by_identity.values() if len(names) > 1]
 
 
 def _owns(module_name: str, tensor_name: str) -> bool:
@@ -203,6 +205,23 @@ def _tied_device(name: str, tied: list[list[str]], placed: dict[str, Device]) ->
                     if _owns(placed_name, tensor):
                         return device
     return None
+
+
+def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> dict[str, Device]:
+    """Replaces, in place, the entries under `module_name` (and recursively under each of its children) that all
+    name one device by one entry for the module; returns `device_map`. Unlike `infer_auto_device_map`'s own
+    cleaning it needs no model, so a module is merged only from the entries the map has."""
+    prefix = f"{module_name}." if module_name else ""
+    under = [name for name in device_map if name.startswith(prefix)]
+    if len(under) > 1 and len({device_map[name] for name in under}) == 1:
+        device = device_map[under[0]]
+        for name in under:
+            del device_map[name]
+        device_map[module_name] = device
+    children = {name[len(prefix):].split(".")[0] for name in device_map if name.startswith(prefix) and name != module_name}
+    for child in children:
+        clean_device_map(device_map, f"{prefix}{child}")
+    return device_map
 
 
 def _merged(device_map: OrderedDict[str, Device], model: nn.Module) -> OrderedDict[str, Device]:

@@ -9,6 +9,7 @@ comes back on the device of its input.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
@@ -17,16 +18,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from accel.big_modeling.device_map import Device, get_balanced_memory, infer_auto_device_map, tied_groups
+from accel.big_modeling.attach import attach_align_device_hook
+from accel.big_modeling.device_map import Device, get_balanced_memory, infer_auto_device_map
 from accel.big_modeling.hooks import AlignDevicesHook, add_hook_to_module, set_module_tensor_to_device
 from accel.big_modeling.offload import (
     OffloadedWeightsLoader,
-    PrefixedDataset,
     load_offloaded_weight,
     offload_state_dict,
     offload_weight,
     save_offload_index,
 )
+from accel.big_modeling.tied import tied_groups
 from accel.checkpoint.model_io import checkpoint_files
 from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into
 
@@ -48,7 +50,10 @@ def device_for(device_map: Mapping[str, Device], tensor_name: str) -> Device | N
 
 
 def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> None:
-    """Raises unless every entry names a module or tensor of `model` and every tensor gets a device."""
+    """Raises ValueError unless every entry names a module or tensor of `model` and every parameter gets a device.
+
+    HF only warns about entries that name nothing in the model; accel refuses them, since such an entry is usually
+    a misspelled module name whose weights would otherwise land on another device without a word."""
     known = {name for name, _ in model.named_modules()}
     known |= {name for name, _ in model.named_parameters(remove_duplicate=False)}
     known |= {name for name, _ in model.named_buffers()}
@@ -75,10 +80,11 @@ def dispatch_model(
     """Places `model` as `device_map` says and hooks it so that a forward runs across the devices.
 
     Weights of modules on "disk" are written to `offload_dir` (unless `offload_index` says they already are);
-    `state_dict`, when given, holds the CPU-offloaded weights (else they are taken from the model).
+    `state_dict`, when given, holds the CPU-offloaded weights (else they are taken from the model). An offloaded
+    module of a class in `preload_module_classes` brings in its whole subtree's weights for its forward (for
+    modules that use a child's weights without calling the child); other offloaded modules bring in their own.
     """
     check_device_map(model, device_map)
-    _refuse_preload(preload_module_classes)
     if main_device is None:
         placed = [d for d in device_map.values() if d not in OFFLOADED]
         main_device = placed[0] if placed else "cpu"
@@ -91,19 +97,20 @@ def dispatch_model(
     offloaded = {name: device for name, device in device_map.items()
                  if name in modules and (device == "disk" or (device == "cpu" and main_device != "cpu"))}  # fmt: skip
     return _attach_hooks(model, device_map, main_device, offloaded, state_dict, offload_dir, offload_index,
-                         offload_buffers, skip_keys)  # fmt: skip
+                         offload_buffers, skip_keys, preload_module_classes)  # fmt: skip
 
 
 def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_device: Device,
                   offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index, offload_buffers: bool,
-                  skip_keys) -> nn.Module:  # fmt: skip
+                  skip_keys, preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
     weights = _offloaded_weights(model, offloaded, state_dict, offload_dir, offload_index, offload_buffers)
     # First, so that it sees the caller's input device before any other hook moves the input.
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys), append=True)
     modules = {name for name, _ in model.named_modules()}
     for name, device in device_map.items():
         if name not in modules:  # a tensor of a split module: it lives where its module runs
-            set_module_tensor_to_device(model, name, _torch_device(main_device if name in offloaded else device))
+            set_module_tensor_to_device(model, name, _torch_device(main_device if name in offloaded else device),
+                                        clear_cache=False)  # fmt: skip
             continue
         entry = _module_of(model, name)
         execution = _torch_device(main_device if name in offloaded else device)
@@ -113,21 +120,11 @@ def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_devic
                                                    skip_keys=skip_keys, move_tensors=name not in offloaded),
                            append=True)  # fmt: skip
         if name in offloaded:  # every submodule owning weights brings them in for its own forward only
-            for sub_name, sub in entry.named_modules():
-                if sub._parameters or sub._buffers:  # buffers too: they must reach the execution device
-                    full = ".".join(part for part in (name, sub_name) if part)
-                    add_hook_to_module(sub, AlignDevicesHook(
-                        execution_device=execution, offload=True, offload_buffers=offload_buffers,
-                        weights_map=PrefixedDataset(weights, f"{full}." if full else ""), skip_keys=skip_keys),
-                        append=True)  # fmt: skip
+            attach_align_device_hook(entry, execution, offload=True, weights_map=weights, offload_buffers=offload_buffers,
+                                     module_name=name, skip_keys=skip_keys,
+                                     preload_module_classes=preload_module_classes)  # fmt: skip
     model.hf_device_map = dict(device_map)
     return model
-
-
-def _refuse_preload(preload_module_classes: list[str] | None) -> None:
-    if preload_module_classes:
-        raise NotImplementedError("preload_module_classes is not supported by accel yet: every offloaded submodule "
-                                  "loads its own weights for its own forward")  # fmt: skip
 
 
 def _module_of(model: nn.Module, name: str) -> nn.Module:
@@ -160,20 +157,39 @@ def _offloaded_weights(model: nn.Module, offloaded: Mapping[str, Device], state_
     return OffloadedWeightsLoader(state_dict=cpu_weights, save_folder=folder, index=offload_index)
 
 
+def _first_device(model: nn.Module) -> torch.device:
+    tensor = next(iter(model.parameters()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
 def cpu_offload(model: nn.Module, execution_device: Device | None = None, offload_buffers: bool = False,
-                state_dict: Mapping[str, torch.Tensor] | None = None) -> nn.Module:  # fmt: skip
-    """Keeps all of `model`'s weights in CPU memory and brings each module's in for its forward only."""
-    execution_device = execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu")
+                state_dict: Mapping[str, torch.Tensor] | None = None,
+                preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
+    """Keeps all of `model`'s weights in CPU memory (`state_dict`, else what the model holds) and brings each
+    module's in for its forward only, on `execution_device` (default: where the model's first parameter is, as
+    HF). `preload_module_classes`: as `dispatch_model`."""
+    execution_device = execution_device if execution_device is not None else _first_device(model)
     device_map = {"": "cpu"}  # offloaded even when the CPU also runs it: the weights live only in the map
-    return _attach_hooks(model, device_map, execution_device, device_map, state_dict, None, None, offload_buffers, None)
+    return _attach_hooks(model, device_map, execution_device, device_map, state_dict, None, None, offload_buffers, None,
+                         preload_module_classes)  # fmt: skip
 
 
 def disk_offload(model: nn.Module, offload_dir: str | os.PathLike, execution_device: Device | None = None,
-                 offload_buffers: bool = False) -> nn.Module:  # fmt: skip
-    """Writes all of `model`'s weights to `offload_dir` and brings each module's in (memory-mapped) for its forward."""
-    execution_device = execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu")
+                 offload_buffers: bool = False, preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
+    """Writes all of `model`'s weights to `offload_dir` and brings each module's in (memory-mapped) for its forward,
+    on `execution_device` (default: where the model's first parameter is, as HF).
+
+    A folder that already holds an offload index (`index.json`) is used as it is: the weights it names are not
+    written again (HF's behaviour; pass a new folder for a new model)."""
+    execution_device = execution_device if execution_device is not None else _first_device(model)
+    index_file = os.path.join(os.fspath(offload_dir), "index.json")
+    index = None
+    if os.path.isfile(index_file):
+        with open(index_file) as f:
+            index = json.load(f)
     return dispatch_model(model, {"": "disk"}, main_device=execution_device, offload_dir=offload_dir,
-                          offload_buffers=offload_buffers, force_hooks=True)  # fmt: skip
+                          offload_index=index, offload_buffers=offload_buffers,
+                          preload_module_classes=preload_module_classes, force_hooks=True)  # fmt: skip
 
 
 def load_checkpoint_and_dispatch(
@@ -202,7 +218,7 @@ def load_checkpoint_and_dispatch(
     they share the page cache; writing to them never reaches the file. Files that others may write are copied
     instead (a file truncated under a mapping kills the reader; do not rewrite a checkpoint in place while a
     model mapped from it is in use). `offload_state_dict` is accepted for compatibility: tensors are loaded one at
-    a time anyway. `preload_module_classes` is not supported yet (NotImplementedError).
+    a time anyway. `preload_module_classes`: as `dispatch_model`.
     """
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
@@ -212,12 +228,12 @@ def load_checkpoint_and_dispatch(
         if folder is None:
             raise ValueError("the device map puts modules on 'disk': pass offload_folder")
         os.makedirs(folder, exist_ok=True)
-    _refuse_preload(preload_module_classes)
     index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
         save_offload_index(index, folder)
     return dispatch_model(model, device_map, offload_dir=folder, offload_index=index or None,
-                          offload_buffers=offload_buffers, skip_keys=skip_keys, force_hooks=force_hooks)  # fmt: skip
+                          offload_buffers=offload_buffers, skip_keys=skip_keys,
+                          preload_module_classes=preload_module_classes, force_hooks=force_hooks)  # fmt: skip
 
 
 def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[str, Device]:
@@ -359,7 +375,7 @@ def _route(model, name, value, current, device_map, folder, dtype, index, path, 
         set_module_tensor_to_device(model, name, "meta", dtype=target_dtype)
     else:
         set_module_tensor_to_device(model, name, "cpu" if device == "cpu" else _torch_device(device), value=value,
-                                    dtype=target_dtype)  # fmt: skip
+                                    dtype=target_dtype, clear_cache=False)  # fmt: skip
 
 
 def _report(own: dict, seen: set[str], tied: list[list[str]], unexpected: list[str], strict: bool, checkpoint) -> None:

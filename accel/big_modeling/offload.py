@@ -1,8 +1,11 @@
 """The offload folder: weights kept on disk for modules dispatched to "disk", read back memory-mapped.
 
 Format (HF Accelerate's): `index.json` maps each tensor name to {"dtype": "float32", "shape": [...]}, and each
-tensor's raw bytes are in `<name>.dat`. Reading maps the file (copy-on-write) instead of reading it, so a
-forward touches only the pages it needs and the page cache does the rest.
+tensor's raw bytes are in `<name>.dat` (a 0-d tensor as one element, bfloat16 and float8 as their bytes, as HF's
+numpy memmaps write them). An entry may instead point into a safetensors file ({"safetensors_file": path,
+"weight_name": name, "dtype": ...}), as HF's `load_checkpoint_in_model` writes for weights it need not copy.
+Reading maps the `.dat` file (copy-on-write) instead of reading it, so a forward touches only the pages it needs and
+the page cache does the rest.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
+
+from accel.checkpoint.model_io import _write_atomically as write_atomically
+from accel.unsupported import refuse
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -22,11 +29,13 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def offload_weight(weight: torch.Tensor, name: str, folder: str, index: dict | None = None) -> dict:
-    """Writes `weight` to `folder/<name>.dat`; records it in `index` (returned)."""
+def offload_weight(weight: torch.Tensor, weight_name: str, offload_folder: str | os.PathLike,
+                   index: dict | None = None) -> dict:  # fmt: skip
+    """Writes `weight` to `offload_folder/<weight_name>.dat`; records it in `index` (returned; a new dict when None,
+    where HF returns None)."""
     index = {} if index is None else index
     weight = weight.detach().to("cpu").contiguous()
-    path = os.path.join(folder, f"{name}.dat")
+    path = os.path.join(os.fspath(offload_folder), f"{weight_name}.dat")
     # A new file renamed over the old one: a tensor may still map the old file, and truncating a mapped file
     # kills its reader (SIGBUS).
     temporary = f"{path}.tmp-{os.getpid()}"
@@ -34,33 +43,39 @@ def offload_weight(weight: torch.Tensor, name: str, folder: str, index: dict | N
         if weight.numel():
             f.write(memoryview(weight.reshape(-1).view(torch.uint8).numpy()))
     os.replace(temporary, path)
-    index[name] = {"dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
+    index[weight_name] = {"dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
     return index
 
 
-def save_offload_index(index: dict, folder: str) -> None:
-    path = os.path.join(folder, "index.json")
+def save_offload_index(index: dict | None, offload_folder: str | os.PathLike) -> None:
+    """Merges `index` into `offload_folder/index.json` (written atomically); nothing to do for an empty index."""
+    if not index:
+        return
+    path = os.path.join(os.fspath(offload_folder), "index.json")
     current = {}
     if os.path.exists(path):
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             current = json.load(f)
     current.update(index)
-    with open(path, "w") as f:
-        json.dump(current, f, indent=2)
+    text = json.dumps(current, indent=2)
+    write_atomically(path, lambda f: f.write(text), mode="w")
 
 
-def offload_state_dict(folder: str, state_dict: Mapping[str, torch.Tensor]) -> dict:
-    """Writes every tensor of `state_dict` into the offload folder `folder`; returns the index."""
-    os.makedirs(folder, exist_ok=True)
+def offload_state_dict(save_dir: str | os.PathLike, state_dict: Mapping[str, torch.Tensor]) -> dict:
+    """Writes every tensor of `state_dict` into the offload folder `save_dir` and its index; returns the index
+    (HF returns None)."""
+    os.makedirs(save_dir, exist_ok=True)
     index: dict = {}
     for name, tensor in state_dict.items():
-        offload_weight(tensor, name, folder, index)
-    save_offload_index(index, folder)
+        offload_weight(tensor, name, save_dir, index)
+    save_offload_index(index, save_dir)
     return index
 
 
-def load_offloaded_weight(path: str, info: dict) -> torch.Tensor:
-    """The tensor in `path`, memory-mapped (private: writes to it never reach the file)."""
+def load_offloaded_weight(weight_file: str | os.PathLike, weight_info: dict) -> torch.Tensor:
+    """The tensor in `weight_file` described by its index entry `weight_info`, memory-mapped (privately: writes to
+    it never reach the file). HF copies it into memory instead."""
+    path, info = os.fspath(weight_file), weight_info
     dtype, shape = _dtype(info["dtype"]), tuple(info["shape"])
     numel = math.prod(shape)
     if numel == 0:
@@ -73,24 +88,50 @@ def load_offloaded_weight(path: str, info: dict) -> torch.Tensor:
 
 
 class OffloadedWeightsLoader(Mapping):
-    """name -> tensor over CPU tensors (`state_dict`) and an offload folder (`save_folder` + its index)."""
+    """name -> tensor over CPU tensors (`state_dict`, first) and an offload folder (`save_folder` + its index,
+    read from `save_folder/index.json` unless given).
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor] | None = None, save_folder: str | None = None,
-                 index: dict | None = None):  # fmt: skip
-        self.state_dict = dict(state_dict or {})
-        self.save_folder = save_folder
-        if index is None and save_folder is not None and os.path.exists(os.path.join(save_folder, "index.json")):
-            with open(os.path.join(save_folder, "index.json")) as f:
+    Args:
+        state_dict: tensors kept in memory.
+        save_folder: the offload folder.
+        index: name -> entry (see the module docstring).
+        device: where tensors read from a safetensors file are put (default: the CPU).
+    """
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor] | None = None, save_folder: str | os.PathLike | None = None,
+                 index: Mapping | None = None, device: torch.device | int | str | None = None):  # fmt: skip
+        if state_dict is None and save_folder is None and index is None:
+            raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` containing offloaded weights.")
+        self.state_dict = {} if state_dict is None else state_dict
+        self.save_folder = None if save_folder is None else os.fspath(save_folder)
+        if index is None and self.save_folder is not None:
+            with open(os.path.join(self.save_folder, "index.json")) as f:
                 index = json.load(f)
-        self.index = index or {}
+        self.index = {} if index is None else index
         self.all_keys = list(self.state_dict) + [key for key in self.index if key not in self.state_dict]
+        self.device = device
+        self._headers: dict[str, Any] = {}  # safetensors file -> its validated header, read once
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.state_dict:
             return self.state_dict[key]
-        if key not in self.index:
-            raise KeyError(key)
-        return load_offloaded_weight(os.path.join(self.save_folder, f"{key}.dat"), self.index[key])
+        info = self.index[key]
+        if info.get("safetensors_file") is not None:
+            return self._from_safetensors(key, info)
+        return load_offloaded_weight(os.path.join(self.save_folder, f"{key}.dat"), info)
+
+    def _from_safetensors(self, key: str, info: Mapping) -> torch.Tensor:
+        from accel.checkpoint.safetensors_io import read_header, read_into
+
+        path = info["safetensors_file"]
+        if path not in self._headers:
+            self._headers[path] = read_header(path)
+        header = self._headers[path]
+        stored = header.tensors[info.get("weight_name", key)]
+        dtype = _dtype(info["dtype"]) if "dtype" in info else stored.dtype
+        tensor = torch.empty(stored.shape, dtype=dtype, device="cpu" if self.device is None else self.device)
+        read_into(header, {stored.name: tensor})
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.all_keys)
@@ -114,3 +155,24 @@ class PrefixedDataset(Mapping):
 
     def __len__(self) -> int:
         return len([key for key in self.dataset if key.startswith(self.prefix)])
+
+
+def extract_submodules_state_dict(state_dict: Mapping[str, torch.Tensor], submodule_names: list[str]) -> dict:
+    """The entries of `state_dict` that belong to the named submodules (`h.1` takes `h.1.*`, not `h.10.*`)."""
+    return {key: value for name in submodule_names for key, value in state_dict.items()
+            if key == name or key.startswith(name + ".")}  # fmt: skip
+
+
+def load_offloaded_weights(model: torch.nn.Module, index: Mapping[str, dict] | None,
+                           offload_folder: str | os.PathLike) -> None:  # fmt: skip
+    """Loads every weight `index` names from `offload_folder` into `model`, on the CPU (the model no longer needs the
+    folder afterwards: the weights are copies, not mappings of its files)."""
+    from accel.big_modeling.hooks import set_module_tensor_to_device
+
+    quantized = [name for name in (index or {}) if name.endswith(".SCB")]
+    if quantized:
+        raise refuse("bitsandbytes 8-bit weights", f"the offload index entry '{quantized[0]}'",
+                     "Offload the weights in a floating-point dtype.")  # fmt: skip
+    for name, info in (index or {}).items():
+        weight = load_offloaded_weight(os.path.join(os.fspath(offload_folder), f"{name}.dat"), info)
+        set_module_tensor_to_device(model, name, "cpu", value=weight.clone(), clear_cache=False)

@@ -246,6 +246,28 @@ _PUBLIC = {
     # --- launch helpers (PrepareForLaunch, prepare_*_env, merge_fsdp_weights): helper 3 ---
     # --- end launch helpers ---
     # --- modeling, offload, hooks: helper 4 ---
+    "align_module_device": "accel.utils.modeling",
+    "calculate_maximum_sizes": "accel.utils.modeling",
+    "check_device_map": "accel.utils.modeling",
+    "check_tied_parameters_in_config": "accel.utils.modeling",
+    "check_tied_parameters_on_same_device": "accel.utils.modeling",
+    "dtype_byte_size": "accel.utils.modeling",
+    "find_tied_parameters": "accel.utils.modeling",
+    "get_max_layer_size": "accel.utils.modeling",
+    "has_offloaded_params": "accel.utils.modeling",
+    "id_tensor_storage": "accel.utils.modeling",
+    "is_peft_model": "accel.utils.modeling",
+    "load_offloaded_weights": "accel.utils.modeling",
+    "load_state_dict": "accel.utils.modeling",
+    "retie_parameters": "accel.utils.modeling",
+    "set_module_tensor_to_device": "accel.utils.modeling",
+    "OffloadedWeightsLoader": "accel.utils.offload",
+    "PrefixedDataset": "accel.utils.offload",
+    "extract_submodules_state_dict": "accel.utils.offload",
+    "load_offloaded_weight": "accel.utils.offload",
+    "offload_state_dict": "accel.utils.offload",
+    "offload_weight": "accel.utils.offload",
+    "save_offload_index": "accel.utils.offload",
     # --- end modeling ---
     # --- tracking (LoggerType, is_*_available of trackers live in helper 1's section): helper 5 ---
     "LoggerType": "accel.tracking",
