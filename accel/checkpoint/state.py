@@ -194,7 +194,7 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
             hook(list(accelerator._models), weights, staging)
         if writes_shared_files:
             _save_shared_files(accelerator, staging, weights, safe_serialization)
-        _save_rng_state(staging, accelerator.process_index, accelerator.step)
+        save_rng_state(staging, accelerator.process_index, accelerator.step)
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(accelerator, failure, "writing", cleanup=staging if staged and writes_shared_files else None)
@@ -271,7 +271,7 @@ def _save_shared_files(accelerator: Any, folder: str, weights: list[dict], safe_
     for i, scheduler in enumerate(accelerator._schedulers):
         torch.save(scheduler.state_dict(), os.path.join(folder, numbered(SCHEDULER_NAME, i, ".bin")))
     for i, loader in enumerate(accelerator._dataloaders):
-        torch.save(_loader_state(loader), os.path.join(folder, numbered(SAMPLER_NAME, i, ".bin")))
+        torch.save(loader_state(loader), os.path.join(folder, numbered(SAMPLER_NAME, i, ".bin")))
     if accelerator.scaler is not None:
         torch.save(accelerator.scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     for i, obj in enumerate(accelerator._custom_objects):
@@ -288,7 +288,7 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _loader_state(loader: Any) -> dict:
+def loader_state(loader: Any) -> dict:
     """What a prepared dataloader needs to replay its next epoch: its epoch count and its sampler's seed."""
     from accel.data.loaders import get_sampler
 
@@ -296,7 +296,9 @@ def _loader_state(loader: Any) -> dict:
     return {"iteration": getattr(loader, "iteration", 0), "initial_seed": getattr(sampler, "initial_seed", None)}
 
 
-def _save_rng_state(folder: str, process_index: int, step: int) -> None:
+def save_rng_state(folder: str, process_index: int, step: int) -> None:
+    """Writes this process's python / numpy / torch (/ CUDA) RNG states and `step` to
+    `folder/random_states_{process_index}.pkl`."""
     states = {
         "step": step,
         "random_state": random.getstate(),
@@ -342,7 +344,7 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
         hook(models, input_dir)
     _check_complete(accelerator, models, input_dir)
     for i, model in enumerate(models):
-        _load_model(model, input_dir, i, strict)
+        load_model_weights(model, input_dir, i, strict)
     for i, optimizer in enumerate(accelerator._optimizers):
         optimizer.load_state_dict(_load(os.path.join(input_dir, numbered(OPTIMIZER_NAME, i, ".bin")), load_kwargs))
     for i, scheduler in enumerate(accelerator._schedulers):
@@ -350,11 +352,11 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
     for i, loader in enumerate(accelerator._dataloaders):
         path = os.path.join(input_dir, numbered(SAMPLER_NAME, i, ".bin"))
         if os.path.exists(path):
-            _restore_loader(loader, _load(path, load_kwargs))
+            restore_loader(loader, _load(path, load_kwargs))
     if accelerator.scaler is not None and os.path.exists(os.path.join(input_dir, SCALER_NAME)):
         accelerator.scaler.load_state_dict(_load(os.path.join(input_dir, SCALER_NAME), load_kwargs))
     _load_custom_objects(accelerator._custom_objects, input_dir, load_kwargs)
-    step = _load_rng_state(input_dir, accelerator.process_index)
+    step = load_rng_state(input_dir, accelerator.process_index)
     if step is not None:
         accelerator.step = step
     number = checkpoint_number(input_dir)
@@ -403,7 +405,9 @@ def _strip_wrappers(names: list[str]) -> dict[str, str]:
     return mapping
 
 
-def _load_model(model: torch.nn.Module, folder: str, index: int, strict: bool) -> None:
+def load_model_weights(model: torch.nn.Module, folder: str, index: int, strict: bool) -> None:
+    """Loads `model_{index}.safetensors` (else `pytorch_model_{index}.bin`) of `folder` into `model`, with or without
+    the DDP / torch.compile prefixes on either side; `strict`: every name must match."""
     own = model.state_dict(keep_vars=True)
     targets = {key: own[name] for key, name in _strip_wrappers(list(own)).items()}
     safe = os.path.join(folder, numbered(SAFE_MODEL_NAME, index, ".safetensors"))
@@ -437,7 +441,8 @@ def _check_names(path: str, saved: set[str], targets: dict[str, torch.Tensor], s
                               f"unexpected {unexpected or 'nothing'}")  # fmt: skip
 
 
-def _restore_loader(loader: Any, state: dict) -> None:
+def restore_loader(loader: Any, state: dict) -> None:
+    """Gives a prepared dataloader back the epoch and sampler seed `loader_state` recorded."""
     from accel.data.loaders import get_sampler
 
     if hasattr(loader, "set_epoch"):
@@ -460,7 +465,9 @@ def _numpy_rng_globals() -> list:
             (reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def _load_rng_state(folder: str, process_index: int) -> int | None:
+def load_rng_state(folder: str, process_index: int) -> int | None:
+    """Restores the RNG states `save_rng_state` wrote for `process_index`; returns the step saved with them (None
+    when the file is missing)."""
     path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
     if not os.path.exists(path):
         logger.info("no random states for process %d in '%s'", process_index, folder)
