@@ -47,7 +47,6 @@ DISTRIBUTED_TYPES = (
     "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
     "MULTI_HPU", "MULTI_NEURON", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM",
 )  # fmt: skip
-SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")
 DYNAMO_BACKENDS = tuple(backend.value for backend in DynamoBackend)
 # The modes torch.compile accepts; HF's questionnaire offers the first three.
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -210,7 +209,9 @@ def _checked_mapping(subparsers: dict[str, Callable[[Any], Any]]) -> Callable[[A
         result = {}
         for subkey, subvalue in _mapping(value).items():
             if subkey not in subparsers:
-                raise _Invalid("allowed keys: " + ", ".join(map(repr, subparsers)), str(subkey), subvalue, True)
+                close = difflib.get_close_matches(str(subkey), list(subparsers), n=1)
+                hint = f"unknown key (did you mean {close[0]!r}?); " if close else "unknown key; "
+                raise _Invalid(hint + "allowed keys: " + ", ".join(map(repr, subparsers)), str(subkey), subvalue, True)
             try:
                 result[subkey] = subparsers[subkey](subvalue)
             except _Invalid as invalid:
@@ -330,17 +331,23 @@ class ClusterConfig:
         return result
 
     def check_supported(self) -> None:
-        """Raise ConfigError when accel cannot run this setup (DeepSpeed, FSDP, XLA, Megatron-LM, other devices).
+        """Raise UnsupportedFeatureError when accel cannot run this setup; the error names the file and key.
 
-        Loading accepts every value HF Accelerate writes; call this before acting on the config.
+        Refused: a `distributed_type` accel does not run (DeepSpeed, FSDP, XLA, Megatron-LM, other devices), an
+        `mpirun_config` naming a hostfile (HF then launches through mpirun) and a non-empty
+        `parallelism_config` (HF then turns on N-d parallelism). Loading accepts every value HF Accelerate
+        writes; call this before acting on the config.
         """
-        if self.distributed_type not in SUPPORTED_DISTRIBUTED_TYPES:
-            raise ConfigError(
-                f"{self.source or '<config>'}: distributed_type {self.distributed_type!r} is not supported by "
-                f"accel yet; supported values: {', '.join(map(repr, SUPPORTED_DISTRIBUTED_TYPES))}.",
-                self.source,
-                "distributed_type",
-            )
+        from accel.cli.refusals import DISTRIBUTED_TYPE_BACKENDS, refuse_backend
+
+        source = self.source or "<config>"
+        if self.distributed_type in DISTRIBUTED_TYPE_BACKENDS:
+            backend = DISTRIBUTED_TYPE_BACKENDS[self.distributed_type]
+            raise refuse_backend(backend, f"{source}: distributed_type: {self.distributed_type}")
+        if self.mpirun_config.get("mpirun_hostfile"):
+            raise refuse_backend("mpirun", f"{source}: mpirun_config.mpirun_hostfile")
+        if self.parallelism_config:
+            raise refuse_backend("parallelism_config", f"{source}: parallelism_config")
 
 
 _PARSERS = {f.name: f.metadata["parse"] for f in fields(ClusterConfig) if "parse" in f.metadata}

@@ -1,21 +1,36 @@
 """`accel launch`: resolve the launch settings once, then hand off to torch.distributed.run.
 
-Settings come in layers, each overriding the one before: LaunchConfig's defaults < the config file
-(`--config_file`, else the default one, else HF Accelerate's) < ACCEL_<NAME> environment variables <
-command-line flags. Process supervision, rendezvous, restarts and error files are torch's elastic agent's.
+Settings come in layers, each overriding the one before: LaunchConfig's defaults (HF Accelerate's) < the config
+file (`--config_file`, else the default one, else HF Accelerate's) < ACCEL_<NAME> environment variables <
+command-line flags. Process supervision, rendezvous, restarts, log files and error files are torch's elastic
+agent's. The options themselves (all of `accelerate launch`'s) are listed in launch_options.py; those of
+backends accel does not run are refused before anything starts.
 
 Differences from `accelerate launch`, on purpose:
   * `--cpu --num_processes N` starts N processes (HF starts one).
   * Every launch goes through torch.distributed.run, even one process, so children always see the same env.
   * Without `--main_process_port` on one machine, a free port is picked (torchrun --standalone) instead of
     29500, so two jobs on one host do not collide.
+  * `--enable_cpu_affinity` pins CPU ranks too, each to its own NUMA-aware share of the cores
+    (accel/cpu_affinity.py); HF pins only GPU ranks, to their GPU's NUMA node (so does accel).
+  * `-q/--quiet` applies to every launch (HF: DeepSpeed and single-process ones): on failure only the ranks'
+    own output shows, without the launcher's summary and the elastic agent's log lines.
+  * `--main_training_function` (HF: TPU only) works on CPUs and GPUs: the script is imported and that
+    function called. The config file's `main_training_function` key (HF writes `main` into every file) is
+    read only on TPUs by HF and is ignored here as well.
+  * `--tee` without `--log_dir` tees into a temporary folder removed after the run; give `--log_dir` to keep
+    the files.
+  * `--mixed_precision fp8`, a config file asking for DeepSpeed, FSDP, Megatron-LM, TPUs, mpirun or the
+    parallelism config, and any of those backends' flags are refused with one error, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
+import re
 import sys
 import tempfile
 import typing
@@ -24,12 +39,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from accel._env import MIXED_PRECISIONS, parse_bool
+from accel.cli.errors import CommandError
+from accel.cli.launch_options import add_launch_options, first_refused, given_options
+from accel.cli.refusals import refuse_backend
 
 DYNAMO_KEYS = ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation")
 DEFAULT_PORT = 29500
+_TEE = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
+_RDZV_CONF = re.compile(r"[^=,]+=[^=,]*(,[^=,]+=[^=,]*)*")
 
 
-class LaunchError(ValueError):
+class LaunchError(CommandError):
     """A launch setting that cannot work; the message names the setting and what is allowed."""
 
 
@@ -46,8 +66,14 @@ class LaunchConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str = "static"
-    same_network: bool = True
+    rdzv_conf: str = ""
+    same_network: bool = False
+    role: str = "default"
+    tee: str = "0"
+    log_dir: str | None = None
+    quiet: bool = False
     mixed_precision: str = "no"
+    downcast_bf16: bool = False
     dynamo_backend: str = "NO"
     dynamo_mode: str = "default"
     dynamo_use_fullgraph: bool = False
@@ -56,18 +82,20 @@ class LaunchConfig:
     gradient_accumulation_steps: int | None = None
     debug: bool = False
     ipex: bool = False
+    enable_cpu_affinity: bool = False
     num_cpu_threads_per_process: int | None = None
     max_restarts: int = 0
     monitor_interval: float = 0.1
     module: bool = False
     no_python: bool = False
+    main_training_function: str | None = None
     training_script: str = ""
     training_script_args: tuple[str, ...] = ()
 
 
-# ACCEL_<NAME> mirrors each setting; these keep HF Accelerate's names for the children's env.
-ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX"}
-NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python"}
+# ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_).
+ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX", "enable_cpu_affinity": "ACCEL_CPU_AFFINITY"}
+NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python", "main_training_function"}
 
 
 def env_name(field: str) -> str:
@@ -91,15 +119,10 @@ def parse_value(field: str, raw: Any, source: str) -> Any:
         raise LaunchError(f"{source}: {raw!r} is not a{'n' if base is int else ''} {base.__name__}") from None
 
 
-def values_from_config_file(path: str | None) -> dict[str, Any]:
-    """The LaunchConfig fields a config file sets, keyed by field name."""
-    from accel.cli.config_file import find_config_file, load_config
+# --- the layers ------------------------------------------------------------------------------------------------
 
-    path = path or find_config_file()
-    if path is None:
-        return {}
-    cluster = load_config(path)
-    cluster.check_supported()
+
+def _config_file_values(cluster: Any) -> dict[str, Any]:
     config = cluster.to_dict()
     if config.get("num_processes", -1) < 1:
         config.pop("num_processes", None)  # HF's -1: let the launcher decide
@@ -108,40 +131,77 @@ def values_from_config_file(path: str | None) -> dict[str, Any]:
         "use_cpu": config.get("use_cpu", False) or distributed_type == "MULTI_CPU",
         "multi_gpu": distributed_type == "MULTI_GPU",
         "ipex": bool((config.get("ipex_config") or {}).get("ipex", False)),
+        "downcast_bf16": config.get("downcast_bf16") in (True, "yes"),  # HF's questionnaire writes 'yes'/'no'
     }
     for key in ("gpu_ids", "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                "rdzv_backend", "same_network", "mixed_precision", "debug"):  # fmt: skip
+                "rdzv_backend", "same_network", "mixed_precision", "debug", "enable_cpu_affinity"):  # fmt: skip
         if config.get(key) is not None:
             values[key] = config[key]
     for key, value in (config.get("dynamo_config") or {}).items():
         if key in DYNAMO_KEYS:
             values[key] = value
-    return {k: parse_value(k, v, f"{path}: {k}") for k, v in values.items()}
-
-
-def values_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    values = {}
-    for field in dataclasses.fields(LaunchConfig):
-        name = env_name(field.name)
-        if field.name not in NOT_FROM_ENV and environ.get(name, "") != "":
-            values[field.name] = parse_value(field.name, environ[name], name)
     return values
 
 
-def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def values_from_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The LaunchConfig fields a config file sets, keyed by field name, and where each came from."""
+    from accel.cli.config_file import find_config_file, load_config
+
+    path = path or find_config_file()
+    if path is None:
+        return {}, {}
+    cluster = load_config(path)
+    cluster.check_supported()
+    values = _config_file_values(cluster)
+    origins = {key: f"{path}: {key}" for key in values}
+    return {k: parse_value(k, v, origins[k]) for k, v in values.items()}, origins
+
+
+def values_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    values, origins = {}, {}
+    for field in dataclasses.fields(LaunchConfig):
+        name = env_name(field.name)
+        if field.name not in NOT_FROM_ENV and environ.get(name, "") != "":
+            values[field.name], origins[field.name] = parse_value(field.name, environ[name], name), name
+    return values, origins
+
+
+def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
+    """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice."""
+    if layer.get("use_cpu") and layer.get("multi_gpu"):
+        raise LaunchError("use_cpu (--cpu) and multi_gpu (--multi_gpu) cannot be used together")
+    if layer.get("use_cpu"):
+        values["multi_gpu"] = False
+    if layer.get("multi_gpu"):
+        values["use_cpu"] = False
+    values.update(layer)
+
+
+def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> LaunchConfig:
+    """Builds the one LaunchConfig: config file < ACCEL_* env < flags (flags that were not given are None).
+
+    Raises:
+        LaunchError: a setting is invalid (the message names it and where it came from).
+        accel.cli.config_file.ConfigError: the config file cannot be read or holds an invalid value.
+        accel.unsupported.UnsupportedFeatureError: a layer asks for a backend accel does not run.
+    """
+    flags = dict(flags)
+    values, origins = values_from_config_file(flags.pop("config_file", None))
+    env_values, env_origins = values_from_env(environ)
+    flag_values = {k: v for k, v in flags.items() if v is not None}
+    _merge(values, env_values)
+    _merge(values, flag_values)
+    origins.update(env_origins)
+    origins.update({k: f"--{'cpu' if k == 'use_cpu' else k}" for k in flag_values})
+    return validate(LaunchConfig(**values), origins)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise LaunchError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
 
 
-def validate(config: LaunchConfig) -> LaunchConfig:
-    from accel.cli.config_file import DYNAMO_BACKENDS, DYNAMO_MODES
-
-    config = dataclasses.replace(config, dynamo_backend=config.dynamo_backend.upper())
-    check_choice("mixed_precision", config.mixed_precision, MIXED_PRECISIONS)
-    check_choice("dynamo_backend", config.dynamo_backend, DYNAMO_BACKENDS)
-    check_choice("dynamo_mode", config.dynamo_mode, DYNAMO_MODES)
-    if config.module and config.no_python:
-        raise LaunchError("--module and --no_python cannot be used together")
+def _check_processes(config: LaunchConfig) -> None:
     if config.num_machines < 1 or (config.num_processes is not None and config.num_processes < 1):
         raise LaunchError("num_machines and num_processes must be at least 1")
     if config.num_machines > 1 and not config.main_process_ip:
@@ -153,15 +213,46 @@ def validate(config: LaunchConfig) -> LaunchConfig:
             f"num_processes={config.num_processes} is the total over all machines and must divide evenly "
             f"by num_machines={config.num_machines}"
         )
+    if config.multi_gpu and config.num_processes == 1 and config.num_machines == 1:
+        raise LaunchError("multi_gpu needs at least 2 processes (num_processes=1 was given)")
+
+
+def _check_torchrun_formats(config: LaunchConfig) -> None:
+    if not _TEE.fullmatch(config.tee):
+        raise LaunchError(f"tee={config.tee!r}: expected 0, 1, 2 or 3 (none, stdout, stderr, both), or per local "
+                          "rank as 0:1,1:2")  # fmt: skip
+    if config.rdzv_conf and not _RDZV_CONF.fullmatch(config.rdzv_conf):
+        raise LaunchError(f"rdzv_conf={config.rdzv_conf!r}: expected key1=value1,key2=value2")
+    if config.main_training_function is not None and config.no_python:
+        raise LaunchError("--main_training_function calls a Python function and cannot be used with --no_python")
+
+
+def _asked_by(origin: str, value: str) -> str:
+    """'--mixed_precision fp8', 'ACCEL_MIXED_PRECISION=fp8' or 'FILE: mixed_precision: fp8'."""
+    if origin.startswith("-"):
+        return f"{origin} {value}"
+    return f"{origin}: {value}" if ": " in origin else f"{origin}={value}"
+
+
+def validate(config: LaunchConfig, origins: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Normalises and checks `config`; `origins` ({field: flag, key or variable}) names who asked for a refusal."""
+    from accel.cli.config_file import DYNAMO_BACKENDS, DYNAMO_MODES
+
+    config = dataclasses.replace(config, dynamo_backend=config.dynamo_backend.upper())
+    _check_choice("mixed_precision", config.mixed_precision, MIXED_PRECISIONS)
+    if config.mixed_precision == "fp8":
+        raise refuse_backend("fp8", _asked_by((origins or {}).get("mixed_precision", "mixed_precision"), "fp8"))
+    _check_choice("dynamo_backend", config.dynamo_backend, DYNAMO_BACKENDS)
+    _check_choice("dynamo_mode", config.dynamo_mode, DYNAMO_MODES)
+    _check_choice("rdzv_backend", config.rdzv_backend, ("static", "c10d", "etcd", "etcd-v2"))
+    if config.module and config.no_python:
+        raise LaunchError("--module and --no_python cannot be used together")
+    _check_processes(config)
+    _check_torchrun_formats(config)
     return config
 
 
-def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> LaunchConfig:
-    """Builds the one LaunchConfig: config file < ACCEL_* env < flags (flags that were not given are None)."""
-    values = values_from_config_file(flags.pop("config_file", None))
-    values.update(values_from_env(environ))
-    values.update({k: v for k, v in flags.items() if v is not None})
-    return validate(LaunchConfig(**values))
+# --- the hand-off to torch.distributed.run --------------------------------------------------------------------
 
 
 def processes_per_machine(config: LaunchConfig) -> int:
@@ -174,18 +265,34 @@ def processes_per_machine(config: LaunchConfig) -> int:
 
 
 def rendezvous_args(config: LaunchConfig) -> list[str]:
+    """How the machines meet. `same_network` needs nothing of its own: torchrun's static rendezvous at
+    master_addr:master_port and HF's rdzv_endpoint of the same address are the same store."""
     if config.num_machines == 1:  # main_process_ip is ignored here, as HF does: all ranks are local
-        if config.main_process_port:
-            return ["--master_addr", "127.0.0.1", "--master_port", str(config.main_process_port)]
-        return ["--standalone"]
+        if not config.main_process_port:
+            return ["--standalone"]
+        host = "127.0.0.1"
+    else:
+        host = config.main_process_ip
     port = config.main_process_port or DEFAULT_PORT
-    if config.same_network:
-        return ["--master_addr", config.main_process_ip, "--master_port", str(port)]
-    return ["--rdzv_backend", config.rdzv_backend, "--rdzv_endpoint", f"{config.main_process_ip}:{port}"]
+    if config.rdzv_backend == "static":
+        return ["--master_addr", host, "--master_port", str(port)]
+    return ["--rdzv_backend", config.rdzv_backend, "--rdzv_endpoint", f"{host}:{port}"]
+
+
+def _worker_target(config: LaunchConfig) -> list[str]:
+    """What torchrun starts per rank: accel.cli.worker (tracebacks, affinity), or the executable itself."""
+    if config.no_python and not config.enable_cpu_affinity:
+        return ["--no_python", config.training_script, *config.training_script_args]
+    prefix = ["--exec"] if config.no_python else []
+    if config.main_training_function is not None:
+        prefix = ["--call", config.main_training_function]
+    target = ["-m", config.training_script] if config.module else [config.training_script]
+    return ["-m", "accel.cli.worker", *prefix, *target, *config.training_script_args]
 
 
 def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]:
-    """torch.distributed.run's arguments; the user's script runs under accel.cli.worker to record tracebacks."""
+    """torch.distributed.run's arguments; `log_dir` is used when the config names none."""
+    log_dir = config.log_dir or log_dir
     argv = [
         *(["--log_dir", log_dir] if log_dir else []),
         "--nnodes", str(config.num_machines),
@@ -193,12 +300,12 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
         "--nproc_per_node", str(processes_per_machine(config)),
         "--max_restarts", str(config.max_restarts),
         "--monitor_interval", str(config.monitor_interval),
+        "--role", config.role,
+        "--tee", config.tee,
+        *(["--rdzv_conf", config.rdzv_conf] if config.rdzv_conf else []),
         *rendezvous_args(config),
     ]  # fmt: skip
-    if config.no_python:
-        return [*argv, "--no_python", config.training_script, *config.training_script_args]
-    target = ["-m", config.training_script] if config.module else [config.training_script]
-    return [*argv, "-m", "accel.cli.worker", *target, *config.training_script_args]
+    return [*argv, *_worker_target(config)]
 
 
 def ipex_available() -> bool:
@@ -210,7 +317,7 @@ def ipex_available() -> bool:
 
 
 def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The variables every rank inherits: what the Accelerator reads, plus thread and device pinning."""
+    """The variables every rank inherits: what the Accelerator reads, plus thread, device and core pinning."""
     env = {
         "ACCEL_MIXED_PRECISION": config.mixed_precision,
         "ACCEL_DYNAMO_BACKEND": config.dynamo_backend,
@@ -223,6 +330,10 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     }
     if config.gradient_accumulation_steps is not None:
         env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
+    if config.enable_cpu_affinity:
+        env["ACCEL_CPU_AFFINITY"] = "1"
+    if config.downcast_bf16:
+        env["ACCEL_DOWNCAST_BF16"] = "1"  # read on TPUs only (HF's ACCELERATE_DOWNCAST_BF16)
     if config.ipex:
         if ipex_available():
             env["ACCEL_USE_IPEX"] = "true"
@@ -239,86 +350,78 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     return env
 
 
+def _silence_launcher_logs() -> None:
+    """--quiet: the elastic agent's own log lines (worker exits, SIGTERMs sent) stay out of the output."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch(config: LaunchConfig) -> int:
     """Runs the job through torch.distributed.run; returns the exit code (non-zero when any rank failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.update(child_env(config))
+    if config.quiet:
+        _silence_launcher_logs()
     # torchrun keeps error files and logs under a fresh /tmp/torchelastic_* per run; ours goes once we are done.
     with tempfile.TemporaryDirectory(prefix="accel-launch-") as log_dir:
         try:
             run(get_args_parser().parse_args(torchrun_argv(config, log_dir)))
         except ChildFailedError as exc:
-            print(exc.format_msg(), file=sys.stderr)
+            if not config.quiet:
+                print(exc.format_msg(), file=sys.stderr)
             return 1
     return 0
 
 
-def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
-    """Adds --name and its dash spelling (--num-processes for --num_processes), as accelerate accepts both."""
-    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-    parser.add_argument(*spellings, dest=name, default=None, **kwargs)
+# --- the command ---------------------------------------------------------------------------------------------
 
-
-def add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    for name, kind, text in [
-        ("config_file", str, "config file (default: accel's, else HF Accelerate's default_config.yaml)"),
-        ("num_processes", int, "total processes over all machines"),
-        ("num_machines", int, "number of machines"),
-        ("machine_rank", int, "rank of this machine, 0 .. num_machines-1"),
-        ("main_process_ip", str, "address of machine_rank 0"),
-        ("main_process_port", int, "port on machine_rank 0"),
-        ("rdzv_backend", str, "rendezvous backend when machines are not on the same network (static, c10d)"),
-        ("gpu_ids", str, "comma-separated GPU ids to use on this machine"),
-        ("mixed_precision", str, f"one of {', '.join(MIXED_PRECISIONS)}"),
-        ("dynamo_backend", str, "torch.compile backend (no, inductor, ...)"),
-        ("dynamo_mode", str, "torch.compile mode (default, reduce-overhead, max-autotune)"),
-        ("gradient_accumulation_steps", int, "steps to accumulate gradients over"),
-        ("num_cpu_threads_per_process", int, "OMP threads per process (default: cores / processes)"),
-        ("max_restarts", int, "restarts of the worker group before failing (default 0)"),
-        ("monitor_interval", float, "seconds between checks of the workers' state (default 0.1)"),
-    ]:
-        add_flag(parser, name, type=kind, help=text)
-    for name, text in [
-        ("cpu", "train on CPU, even when GPUs are present"),
-        ("multi_gpu", "one process per GPU"),
-        ("same_network", "all machines are on one local network"),
-        ("dynamo_use_fullgraph", "torch.compile with fullgraph=True"),
-        ("dynamo_use_dynamic", "torch.compile with dynamic=True"),
-        ("dynamo_use_regional_compilation", "compile repeated blocks once (regional compilation)"),
-        ("debug", "check distributed operations for errors (slower)"),
-        ("ipex", "use Intel PyTorch Extension on CPU"),
-        ("no_python", "run training_script as an executable, not with python"),
-    ]:
-        add_flag(parser, name, action="store_const", const=True, help=text)
-    parser.add_argument("-m", "--module", dest="module", action="store_const", const=True, default=None,
-                        help="run training_script as a module, like python -m")  # fmt: skip
+# LaunchConfig fields whose flag has another dest.
+_FIELD_OF_DEST = {"cpu": "use_cpu"}
+_CONFIG_FIELDS = {field.name for field in dataclasses.fields(LaunchConfig)}
 
 
 def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    flags = {k: v for k, v in vars(args).items() if k != "run"}
-    flags["use_cpu"] = flags.pop("cpu")
-    flags["training_script_args"] = tuple(flags["training_script_args"])
+    """The settings given on the command line, keyed by LaunchConfig field (None: not given), and the script.
+
+    Raises:
+        accel.unsupported.UnsupportedFeatureError: an option of a backend accel does not run was given.
+    """
+    refusal = first_refused(args)
+    if refusal is not None:
+        raise refusal
+    given = given_options(args)
+    flags: dict[str, Any] = {"config_file": args.config_file}
+    for dest, value in vars(args).items():
+        field = _FIELD_OF_DEST.get(dest, dest)
+        if field in _CONFIG_FIELDS and field not in ("training_script", "training_script_args"):
+            flags[field] = value if dest in given else None
+    flags["training_script"] = args.training_script
+    flags["training_script_args"] = tuple(args.training_script_args)
     return flags
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from accel.cli.config_file import ConfigError
-
-    try:
-        config = resolve(flags_from_args(args))
-    except (LaunchError, ConfigError) as exc:
-        print(f"accel launch: error: {exc}", file=sys.stderr)
-        return 2
-    return launch(config)
+    """`accel launch`: resolve, then run. Bad settings and refusals propagate to main(), which exits with 2."""
+    return launch(resolve(flags_from_args(args)))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "launch", help="run a training script on the configured processes", allow_abbrev=False
-    )
-    add_launch_flags(parser)
+USAGE = "accel launch [options] training_script [training_script_args ...]"
+DESCRIPTION = ("Launch a script on several processes. Options can be spelt with underscores (--num_processes) or "
+               "dashes (--num-processes).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of `accelerate launch`, then the script and its arguments."""
+    add_launch_options(parser)
     parser.add_argument("training_script", help="the script (or module with -m) to run on every process")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("launch", help="run a training script on the configured processes", usage=USAGE,
+                                   description=DESCRIPTION, allow_abbrev=False)  # fmt: skip
+    add_arguments(parser)
     parser.set_defaults(run=run_launch)
+    return parser

@@ -19,6 +19,7 @@ from accel.cli.config_file import (
     save_config,
 )
 import accel.utils.config as basic_config_module
+from accel.unsupported import UnsupportedFeatureError
 from accel.utils.config import write_basic_config
 
 # What `accelerate config` writes (HF Accelerate 0.2x) for two CPU machines with IPEX and mpirun.
@@ -208,7 +209,10 @@ def test_hf_multi_cpu_config_loads(tmp_path):
     assert config.ipex_config == {"ipex": True}
     assert config.mpirun_config == {"mpirun_ccl": "1", "mpirun_hostfile": "/home/user/hostfile"}
     assert config.use_cpu is True and config.downcast_bf16 == "no" and config.tpu_env == []
-    config.check_supported()
+    # HF launches such a file through mpirun; accel refuses rather than start it another way.
+    with pytest.raises(UnsupportedFeatureError, match=r"mpirun .*asked for by .*mpirun_config.mpirun_hostfile"):
+        config.check_supported()
+    dataclasses.replace(config, mpirun_config={"mpirun_ccl": "1"}).check_supported()
 
 
 def test_hf_multi_gpu_config_loads_and_round_trips(tmp_path):
@@ -231,12 +235,24 @@ def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path
     path = write(tmp_path / "default_config.yaml", HF_DEEPSPEED)
     config = load_config(path)
     assert config.deepspeed_config["zero_stage"] == 2
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(UnsupportedFeatureError) as error:
         config.check_supported()
-    message = str(error.value)
-    assert str(path) in message and "distributed_type" in message and "'DEEPSPEED'" in message
-    assert "not supported by accel yet" in message and "'MULTI_GPU'" in message
-    assert error.value.key == "distributed_type"
+    assert error.value.feature == "DeepSpeed" and error.value.asked_by == f"{path}: distributed_type: DEEPSPEED"
+    assert "--multi_gpu" in error.value.instead
+
+
+@pytest.mark.parametrize("kind,feature", [("FSDP", "FSDP"), ("XLA", "TPU"), ("MEGATRON_LM", "Megatron-LM"),
+                                          ("MULTI_NPU", "other than CUDA GPUs")])  # fmt: skip
+def test_every_unsupported_distributed_type_names_its_backend(kind, feature):
+    config = ClusterConfig.from_dict({"distributed_type": kind}, source="c.yaml")
+    with pytest.raises(UnsupportedFeatureError, match=f"{feature}.*asked for by c.yaml: distributed_type: {kind}"):
+        config.check_supported()
+
+
+def test_a_parallelism_config_is_refused():
+    config = ClusterConfig.from_dict({"distributed_type": "MULTI_GPU", "parallelism_config": {"tp_size": 2}}, "c.yaml")
+    with pytest.raises(UnsupportedFeatureError, match="parallelism config.*c.yaml: parallelism_config"):
+        config.check_supported()
 
 
 def test_legacy_hf_keys_are_converted():
