@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from accel._env import MIXED_PRECISIONS
-from accel.cli.config_file import ClusterConfig, ConfigError, default_config_path, save_config
+from accel.cli.config_file import (
+    ClusterConfig,
+    ConfigError,
+    default_config_path,
+    find_config_file,
+    load_config,
+    save_config,
+)
 from accel.utils.config import basic_config
 
 Option = tuple[str, Any]  # (what the user sees, what the config stores)
@@ -367,8 +374,20 @@ def run_default(args: argparse.Namespace) -> int:
     return _save(basic_config(args.mixed_precision), path)
 
 
+def run_update(args: argparse.Namespace) -> int:
+    """`accel config update`: load a config file (legacy keys upgraded, every key checked) and write it back with
+    every current key, in its own format (YAML, or JSON for a .json name). Without --config_file: the default
+    file (accel's, else HF Accelerate's)."""
+    path = Path(args.config_file).expanduser() if args.config_file else find_config_file()
+    if path is None:
+        raise ConfigError(f"no config file to update at {default_config_path()}; pass --config_file or run `accel config`")
+    save_config(load_config(path), path)
+    print(f"Successfully updated the configuration file at {path}.")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `config` (and its `default` subcommand) to the `accel` parser."""
+    """Add `config` (and its `default` and `update` subcommands) to the `accel` parser."""
     parser = subparsers.add_parser(
         "config",
         help="Answer a few questions and save the config `accel launch` uses.",
@@ -384,9 +403,23 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "A name ending in .json is written as JSON.",
     )
     parser.set_defaults(run=run_questionnaire)
-    commands = parser.add_subparsers(title="subcommands", metavar="{default}")
+    commands = parser.add_subparsers(title="subcommands", metavar="{default,update}")
     _register_default(commands)
+    _register_update(commands)
     return parser
+
+
+def _register_update(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "update",
+        help="Update a config file to the current keys, keeping its settings.",
+        description="Load a config file (HF Accelerate's or accel's), upgrade keys of older versions, and write it "
+        "back with every current key.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS,
+                        help="The config file to update (default: accel's default file, else HF Accelerate's).")  # fmt: skip
+    parser.set_defaults(run=run_update)
 
 
 def _register_default(commands: argparse._SubParsersAction) -> None:
