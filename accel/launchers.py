@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from accel._env import MIXED_PRECISIONS
-from accel.state import AcceleratorState, GradientState, PartialState
+from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
-__all__ = ["debug_launcher", "notebook_launcher"]
+__all__ = ["PrepareForLaunch", "debug_launcher", "notebook_launcher"]
 
 # The signals torch's elastic agent installs its own handlers for (LaunchConfig.signals_to_handle).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -371,3 +371,51 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
         worker_args = (function, tuple(args), os.path.join(store_dir, "store"), num_processes)
         with _environ_set(env):
             start_processes(_debug_worker, args=worker_args, nprocs=num_processes, start_method="fork")
+
+
+# --- PrepareForLaunch --------------------------------------------------------------------------------------------
+
+# The distributed types whose processes find their rank in RANK / LOCAL_RANK (set here from the process index).
+_RANKED_TYPES = {DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.MULTI_MLU,
+                 DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
+                 DistributedType.MULTI_NEURON}  # fmt: skip
+
+
+class PrepareForLaunch:
+    """Wraps `launcher` for `torch.multiprocessing.start_processes`: the process's index becomes its rank.
+
+    HF Accelerate's class, for scripts that start their own processes. In a ranked distributed type
+    (MULTI_GPU, MULTI_CPU, ...), process `index` gets LOCAL_RANK=index and RANK=NPROC * NODE_RANK + index (NPROC:
+    processes per machine, default 1; NODE_RANK default 0), so an `Accelerator()` in `launcher` joins the group
+    that WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by the caller) describe. With `debug`, the process joins a
+    gloo group through the file store at ACCEL_DEBUG_RDV_FILE (HF: ACCELERATE_DEBUG_RDV_FILE) instead. Either
+    way ACCEL_FORK_LAUNCHED=1 is set. The environment changed is the launched process's own.
+
+    Args:
+        launcher: the function to run as `launcher(*args)`; module-level, so that spawn can pickle it.
+        distributed_type: a DistributedType or its name.
+        debug: join a gloo group through a file store (for tests).
+
+    Example:
+        ```python
+        with patch_environment(world_size=2, master_addr="127.0.0.1", master_port="29500"):
+            torch.multiprocessing.start_processes(PrepareForLaunch(train, "MULTI_CPU"), args=(config,), nprocs=2)
+        ```
+    """
+
+    def __init__(self, launcher: Callable, distributed_type: DistributedType | str = "NO", debug: bool = False):
+        self.launcher = launcher
+        self.distributed_type = DistributedType(distributed_type)
+        self.debug = debug
+
+    def __call__(self, index: int, *args) -> None:
+        if self.debug:
+            world_size = int(os.environ["WORLD_SIZE"])
+            store_path = os.environ.get("ACCEL_DEBUG_RDV_FILE") or os.environ["ACCELERATE_DEBUG_RDV_FILE"]
+            dist.init_process_group("gloo", rank=index, world_size=world_size,
+                                    store=dist.FileStore(store_path, world_size))  # fmt: skip
+        elif self.distributed_type in _RANKED_TYPES:
+            node_rank, per_node = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("NPROC", 1))
+            os.environ.update(LOCAL_RANK=str(index), RANK=str(per_node * node_rank + index))
+        os.environ["ACCEL_FORK_LAUNCHED"] = "1"
+        self.launcher(*args)

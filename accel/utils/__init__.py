@@ -244,6 +244,13 @@ _PUBLIC = {
     "install_xla": "accel.backends.xla",
     # --- end backends ---
     # --- launch helpers (PrepareForLaunch, prepare_*_env, merge_fsdp_weights): helper 3 ---
+    "PrepareForLaunch": "accel.launchers",
+    "prepare_simple_launcher_cmd_env": "accel.cli.launch_env",
+    "prepare_multi_gpu_env": "accel.cli.launch_env",
+    "prepare_deepspeed_cmd_env": "accel.cli.launch_env",
+    "prepare_tpu": "accel.cli.launch_env",
+    "prepare_sagemager_args_inputs": "accel.cli.launch_env",
+    "merge_fsdp_weights": "accel.checkpoint.dcp_merge",
     # --- end launch helpers ---
     # --- modeling, offload, hooks: helper 4 ---
     "align_module_device": "accel.utils.modeling",

@@ -1,0 +1,117 @@
+"""HF Accelerate's `accelerate.utils.launch` helpers, on top of `accel launch`'s own resolution.
+
+`prepare_simple_launcher_cmd_env(args)` and `prepare_multi_gpu_env(args)` take the argparse Namespace of a launch
+command line (HF's parser's, or `accel.commands.launch.launch_command_parser()`'s) whose values are already
+resolved, and return what accel's launcher would run and export: the same LaunchConfig checks, the same child
+variables. Variables are given in accel's spelling (ACCEL_*) and HF's (ACCELERATE_*), so code reading either
+finds them; booleans are written "true"/"false" (HF writes "True"/"False"; both read the same).
+
+Differences from HF Accelerate: no `KMP_AFFINITY`/`KMP_BLOCKTIME` (accel's launcher does not set them either);
+on one machine without a port, the rendezvous goes to a free port (`args.standalone = True`) rather than 29500;
+a Namespace asking for DeepSpeed, FSDP, Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused
+with UnsupportedFeatureError, as `accel launch` refuses it. The DeepSpeed, TPU and SageMaker helpers always
+refuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from accel.cli.launch import LaunchConfig, child_env, parse_value, torchrun_argv, validate
+from accel.cli.refusals import refuse_backend
+
+# Namespace attributes that ask for a backend accel does not run, when true.
+_BACKEND_ATTRIBUTES = {
+    "use_deepspeed": "deepspeed", "use_fsdp": "fsdp", "use_megatron_lm": "megatron_lm", "tpu": "tpu",
+    "tpu_use_cluster": "tpu_pod", "use_parallelism_config": "parallelism_config", "mpirun_hostfile": "mpirun",
+}  # fmt: skip
+# torch.distributed.run's names that HF's prepare_multi_gpu_env sets on `args` for its hand-off to torchrun.
+_TORCHRUN_NAMES = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
+                   "rdzv_endpoint", "rdzv_conf", "standalone", "max_restarts", "monitor_interval", "role", "tee")  # fmt: skip
+
+
+def _refuse_backends(args: argparse.Namespace) -> None:
+    for attribute, backend in _BACKEND_ATTRIBUTES.items():
+        if getattr(args, attribute, None):
+            raise refuse_backend(backend, f"args.{attribute}={getattr(args, attribute)!r}")
+
+
+def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
+    """The checked LaunchConfig of a resolved launch Namespace (`cpu` or `use_cpu` for the CPU).
+
+    Raises:
+        accel.cli.launch.LaunchError: a setting is invalid.
+        accel.unsupported.UnsupportedFeatureError: the Namespace asks for a backend accel does not run.
+    """
+    _refuse_backends(args)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(LaunchConfig):
+        value = getattr(args, field.name, None)
+        if value is not None and field.name != "training_script_args":
+            values[field.name] = parse_value(field.name, value, f"args.{field.name}")
+    values["use_cpu"] = bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False))
+    values["training_script_args"] = tuple(getattr(args, "training_script_args", None) or ())
+    origins = {"mixed_precision": "args.mixed_precision"}
+    return validate(LaunchConfig(**values), origins)
+
+
+def _with_hf_spellings(variables: dict[str, str]) -> dict[str, str]:
+    mirrored = {f"ACCELERATE_{name[len('ACCEL_'):]}": value for name, value in variables.items()
+                if name.startswith("ACCEL_")}  # fmt: skip
+    return {**variables, **mirrored}
+
+
+def _environment(config: LaunchConfig) -> dict[str, str]:
+    env = os.environ.copy()
+    env.update(_with_hf_spellings(child_env(config, env)))
+    return env
+
+
+def prepare_simple_launcher_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The command and environment to run the script as one process (HF's simple launcher).
+
+    Returns:
+        `[python, (-m), script, *args]` (or the executable itself with `no_python`), and a copy of this process's
+        environment with the launch settings added; MASTER_ADDR/MASTER_PORT when there are several processes.
+    """
+    config = config_from_namespace(args)
+    cmd = [] if config.no_python else [sys.executable, *(["-m"] if config.module else [])]
+    cmd += [config.training_script, *config.training_script_args]
+    env = _environment(config)
+    if (config.num_processes or 1) > 1 or config.num_machines > 1:
+        env["MASTER_ADDR"] = config.main_process_ip or "127.0.0.1"
+        env["MASTER_PORT"] = str(config.main_process_port or 29500)
+    return cmd, env
+
+
+def prepare_multi_gpu_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment for a torch.distributed.run launch; also sets torchrun's names on `args` as HF does
+    (`nproc_per_node`, `nnodes`, `node_rank`, `master_addr`/`master_port` or `rdzv_endpoint`, `standalone`, ...).
+    """
+    from torch.distributed.run import get_args_parser
+
+    config = config_from_namespace(args)
+    torch_args = get_args_parser().parse_args(torchrun_argv(config))
+    for name in _TORCHRUN_NAMES:
+        setattr(args, name, getattr(torch_args, name))
+    return _environment(config)
+
+
+def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """HF's DeepSpeed launch preparation; refused: accel does not run DeepSpeed."""
+    raise refuse_backend("deepspeed", "prepare_deepspeed_cmd_env(args)")
+
+
+def prepare_tpu(args: argparse.Namespace, current_env: dict[str, str], pod: bool = False
+                ) -> tuple[argparse.Namespace, dict[str, str]]:  # fmt: skip
+    """HF's TPU launch preparation; refused: accel does not run TPUs."""
+    raise refuse_backend("tpu_pod" if pod else "tpu", f"prepare_tpu(args, current_env, pod={pod})")
+
+
+def prepare_sagemager_args_inputs(sagemaker_config: Any, args: argparse.Namespace) -> tuple[dict, dict]:
+    """HF's SageMaker job preparation (HF's spelling); refused: accel does not launch on SageMaker."""
+    raise refuse_backend("sagemaker", "prepare_sagemager_args_inputs(sagemaker_config, args)")
