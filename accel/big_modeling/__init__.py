@@ -76,6 +76,7 @@ from accel.big_modeling.tied import (
     find_tied_parameters,
     retie_parameters,
 )
+from accel.checkpoint import load_checkpoint_in_model  # HF's big_modeling exposes it too
 
 __all__ = [
     "init_empty_weights", "init_on_device",
@@ -95,4 +96,5 @@ __all__ = [
     "load_offloaded_weights", "offload_state_dict", "offload_weight", "save_offload_index",
     "check_device_map", "cpu_offload", "disk_offload", "dispatch_model", "load_checkpoint_and_dispatch",
     "get_state_dict_from_offload", "get_state_dict_offloaded_model", "load_state_dict", "is_peft_model",
+    "load_checkpoint_in_model",
 ]  # fmt: skip
