@@ -547,9 +547,9 @@ def deepspeed_required(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        from accel.state import AcceleratorState, DistributedType
+        from accel.state import AcceleratorState, DistributedType, is_initialized
 
-        if AcceleratorState._shared_state and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
+        if is_initialized() and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
             raise ValueError(
                 "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for `deepspeed` "
                 "before calling this function."

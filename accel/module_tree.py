@@ -73,10 +73,10 @@ def extract_model_from_parallel(
         model: A prepared model.
         keep_fp32_wrapper: Keep the mixed-precision forward (autocast, outputs upcast to fp32); False restores the
             model's own forward.
-        keep_torch_compile: When `model` is compiled (`torch.compile` or `compile_regions`), return the compiled
-            wrapper around the unwrapped model (as HF: the wrapper's `_orig_mod` is replaced by the unwrapped
-            model); False returns the plain model, also removing compile wrappers found inside the
-            distributed ones.
+        keep_torch_compile: When `model` is compiled (`torch.compile` or `compile_regions`, around or inside the
+            distributed wrapper), return the (outermost) compiled wrapper around the unwrapped model (as HF: the
+            wrapper's `_orig_mod` is replaced by the unwrapped model); False returns the plain model. HF leaves a
+            compile wrapper inside DDP in place even then, and cannot remove the mixed-precision forward under it.
         recursive: Also unwrap every `.module` found anywhere below (HF's FSDP-on-XLA case).
 
     Returns:
@@ -92,7 +92,8 @@ def extract_model_from_parallel(
     while True:
         if isinstance(model, wrappers):
             model = model.module
-        elif not keep_torch_compile and is_compiled_module(model):
+        elif is_compiled_module(model):  # compiled inside DDP (accel does that for fullgraph compilation)
+            compiled = compiled or model
             model = model._orig_mod
         else:
             break

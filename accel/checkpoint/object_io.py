@@ -8,7 +8,7 @@ states hold). Where accel differs from HF:
   file intact; safetensors go through accel's writer (`accel.checkpoint.save_file`).
 - `safe_serialization=True` accepts any mapping and file objects too (HF: an OrderedDict, by path); shared
   tensors are dropped only where they are exact aliases (HF drops every tensor sharing a storage with an earlier
-  one, losing distinct views of it).
+  one, losing distinct views of it), and from a copy: the caller's dict keeps them (HF's `save` deletes them).
 - `load` allows numpy's globals in a context around the one call (HF adds them to, then clears, torch's global
   allow-list, which races with other threads).
 """
@@ -54,7 +54,8 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
             "Removed shared tensor %s while saving. This should be OK, but check by verifying that you don't receive "
             "any warning while reloading", set(removed),
         )  # fmt: skip
-    return {name: value.contiguous() if isinstance(value, torch.Tensor) else value for name, value in state_dict.items()}
+    return {name: value.contiguous() if isinstance(value, torch.Tensor) else value
+            for name, value in state_dict.items()}  # fmt: skip
 
 
 def _save_safetensors(obj: Any, f: str | os.PathLike | IO[bytes]) -> None:

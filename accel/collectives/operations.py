@@ -404,9 +404,9 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
     accel does not run DeepSpeed, so parameters are never partitioned and this is the no-op context HF Accelerate
     gives without ZeRO-3: code written for both runs unchanged. Under a DeepSpeed state it refuses.
     """
-    from accel.state import AcceleratorState, DistributedType
+    from accel.state import AcceleratorState, DistributedType, is_initialized
 
-    if AcceleratorState._shared_state and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
+    if is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
         raise refuse("DeepSpeed ZeRO-3 parameter gathering", "GatheredParameters(...)",
                      "accel runs DDP, where every process holds whole parameters: no gathering is needed.")  # fmt: skip
     yield

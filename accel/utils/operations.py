@@ -2,7 +2,12 @@
 
 from torch.distributed import ReduceOp
 
-from accel.availability import is_npu_available, is_torch_distributed_available, is_torch_version, is_torch_xla_available
+from accel.availability import (
+    is_npu_available,
+    is_torch_distributed_available,
+    is_torch_version,
+    is_torch_xla_available,
+)
 from accel.collectives.errors import DistributedOperationException
 from accel.collectives.operations import (
     TENSOR_INT_TO_DTYPE,

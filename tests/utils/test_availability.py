@@ -162,6 +162,7 @@ def test_decorators():
 
 
 def test_every_check_answers_a_bool():
-    checks = [getattr(imports, name) for name in imports.__all__ if name.startswith("is_") and name != "is_torch_version"]
+    names = [name for name in imports.__all__ if name.startswith("is_") and name != "is_torch_version"]
+    checks = [getattr(imports, name) for name in names]
     answers = {check.__name__: check() for check in checks}
     assert {name: type(answer) for name, answer in answers.items() if type(answer) is not bool} == {}

@@ -55,7 +55,8 @@ def test_ranks_get_whole_cores_and_fill_nodes_in_order():
 
 def test_ranks_follow_node_sizes():
     plan = plan_affinity(FOUR_NODES_UNEVEN, 6)
-    per_node = [sum(1 for rank_cpus in plan if _node_of(min(rank_cpus), FOUR_NODES_UNEVEN) == node) for node in range(4)]
+    nodes = [_node_of(min(rank_cpus), FOUR_NODES_UNEVEN) for rank_cpus in plan]
+    per_node = [nodes.count(node) for node in range(4)]
     assert per_node == [2, 1, 2, 1]
 
 

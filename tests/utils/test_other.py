@@ -122,6 +122,17 @@ def test_unwrap_data_parallel_and_compile():
     assert kept is wrapped and kept._orig_mod is model  # HF's: the compiled wrapper now holds the bare model
 
 
+def test_unwrap_a_model_compiled_inside_its_wrapper():
+    from accel.precision import BF16Precision
+
+    model = BF16Precision(torch.device("cpu")).wrap_forward(torch.nn.Linear(4, 4))
+    compiled = torch.compile(model, backend="eager")
+    wrapped = torch.nn.DataParallel(compiled)  # as accel's DDP(torch.compile(model)) for fullgraph compilation
+    assert extract_model_from_parallel(wrapped) is compiled and compiled._orig_mod is model
+    assert extract_model_from_parallel(wrapped, keep_torch_compile=False, keep_fp32_wrapper=False) is model
+    assert model.forward.__func__ is torch.nn.Linear.forward  # the autocast forward removed under the compile
+
+
 def test_unwrap_recursively():
     model = Stack()
     model.head = torch.nn.DataParallel(model.head)
@@ -143,16 +154,19 @@ def _unwrap_prepared(mixed_precision):
     from accel import Accelerator
 
     model = torch.nn.Linear(3, 3)
-    prepared = Accelerator(mixed_precision=mixed_precision).prepare(model)
+    accelerator = Accelerator(mixed_precision=mixed_precision)
+    prepared = accelerator.prepare(model)
     kept = extract_model_from_parallel(prepared)
     kept_wrapper = kept.forward.__func__ is not torch.nn.Linear.forward
+    same_as_accelerator = kept is accelerator.unwrap_model(prepared)
     plain = extract_model_from_parallel(prepared, keep_fp32_wrapper=False)
-    return (type(prepared).__name__, kept is model, kept_wrapper, plain is model,
+    return (type(prepared).__name__, kept is model, kept_wrapper, same_as_accelerator, plain is model,
             plain.forward.__func__ is not torch.nn.Linear.forward)
 
 
 def test_unwrap_a_model_prepared_on_two_processes():
-    assert run_on_ranks(_unwrap_prepared, 2, "bf16") == [("DistributedDataParallel", True, True, True, False)] * 2
+    expected = ("DistributedDataParallel", True, True, True, True, False)
+    assert run_on_ranks(_unwrap_prepared, 2, "bf16") == [expected] * 2
 
 
 # --- save and load -----------------------------------------------------------------------------------------------
