@@ -1,4 +1,5 @@
-"""`accel config`: the questionnaire that writes the config file, and `accel config default`.
+"""`accel config`: the questionnaire that writes the config file, `accel config default` and `accel config update`
+(HF's: load a file, upgrade keys of older versions, write it back with every current key).
 
 The questions, their texts, defaults and order follow HF Accelerate's `accelerate config` for the paths accel
 runs: this machine, no distributed training / multi-CPU / multi-GPU. Answers are read line by line from stdin
@@ -11,7 +12,7 @@ Deliberate differences from HF Accelerate:
 
 - Not asked, because accel does not run them: DeepSpeed, FSDP, Megatron-LM, the parallelism config, TPU
   and the other device families, mpirun (accel launches through torch.distributed.run), NUMA affinity
-  (`enable_cpu_affinity` is written as false) and the FP8 backend questions (`fp8` may be chosen;
+  (`enable_cpu_affinity` is written as false; `accel launch --enable_cpu_affinity` or the key turn it on) and the FP8 backend questions (`fp8` may be chosen;
   `fp8_config` stays empty). Amazon SageMaker is listed, as in HF, but answered with a message and the
   question again.
 - Asked as HF Accelerate 0.2x did: "use IPEX?" on CPU runs, written as `ipex_config: {ipex: true}` only when
