@@ -11,9 +11,9 @@ exits with status 1 and saves nothing.
 Deliberate differences from HF Accelerate:
 
 - Not asked, because accel does not run them: DeepSpeed, FSDP, Megatron-LM, the parallelism config, TPU
-  and the other device families, mpirun (accel launches through torch.distributed.run), NUMA affinity
-  (`enable_cpu_affinity` is written as false; `accel launch --enable_cpu_affinity` or the key turn it on) and the FP8 backend questions (`fp8` may be chosen;
-  `fp8_config` stays empty). Amazon SageMaker is listed, as in HF, but answered with a message and the
+  and the other device families, mpirun (accel launches through torch.distributed.run) and the FP8 backend
+  questions (`fp8` may be chosen; `fp8_config` stays empty). Not asked either: NUMA affinity
+  (`enable_cpu_affinity` is written as false; set the key or pass `accel launch --enable_cpu_affinity`). Amazon SageMaker is listed, as in HF, but answered with a message and the
   question again.
 - Asked as HF Accelerate 0.2x did: "use IPEX?" on CPU runs, written as `ipex_config: {ipex: true}` only when
   the answer is yes (current HF Accelerate refuses the key, so a "no" is left out).

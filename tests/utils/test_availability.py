@@ -166,3 +166,12 @@ def test_every_check_answers_a_bool():
     checks = [getattr(imports, name) for name in names]
     answers = {check.__name__: check() for check in checks}
     assert {name: type(answer) for name, answer in answers.items() if type(answer) is not bool} == {}
+
+
+@pytest.mark.gpu
+def test_cuda_check_leaves_a_fresh_process_able_to_fork():
+    code = ("import torch; from accel.availability import is_cuda_available, is_bf16_available; "
+            "print(is_cuda_available(), torch.cuda.is_initialized())")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["True", "False"]
+    assert availability.is_bf16_available() is torch.cuda.is_bf16_supported()

@@ -137,3 +137,9 @@ def test_set_numa_affinity_pins_each_rank():
     assert all(set(cpus) <= set(allowed) for cpus in pinned)
     if len(allowed) >= 2:
         assert not set(pinned[0]) & set(pinned[1])
+
+
+@pytest.mark.gpu
+def test_gpu_local_cpus_on_this_machine():
+    cpus = cpu_affinity.gpu_local_cpus(0)
+    assert cpus is None or (cpus and cpus <= cpu_affinity.inherited_cpus())

@@ -209,3 +209,17 @@ def test_check_os_kernel(monkeypatch, caplog, release, warns):
     with caplog.at_level(logging.WARNING, logger="accel.environment"):
         environment.check_os_kernel()
     assert ("below the recommended minimum of 5.5.0" in caplog.text) is warns
+
+
+@pytest.mark.gpu
+def test_gpu_facts_from_nvidia_smi_agree_with_torch(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    names, count = get_gpu_info()
+    assert count >= torch.cuda.device_count() and names[0]
+    check_cuda_fp8_capability.cache_clear()
+    try:
+        assert check_cuda_fp8_capability() is (torch.cuda.get_device_capability(0) >= (8, 9))
+    finally:
+        check_cuda_fp8_capability.cache_clear()
