@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from accel.cli import config, env, estimate, launch, merge, test, to_fsdp2, tpu
+from accel.cli import config, env, estimate, launch, merge, plot, test, to_fsdp2, tpu
 from accel.cli.config_file import ConfigError
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import closest_option
 from accel.unsupported import UnsupportedFeatureError
 
-SUBCOMMANDS = (config, env, launch, test, estimate, merge, to_fsdp2, tpu)
+SUBCOMMANDS = (config, env, launch, test, estimate, merge, to_fsdp2, tpu, plot)
 _USAGE_ERRORS = (CommandError, ConfigError, UnsupportedFeatureError)
 
 

@@ -16,9 +16,6 @@ from accel.tracking.plot import smoothed
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# `accel plot` as its own process, through the subcommand's parser (what `accel` runs once main.py registers it).
-PLOT_COMMAND = ("import argparse, sys; from accel.cli import plot; parser = argparse.ArgumentParser(); "
-                "plot.register(parser.add_subparsers()); args = parser.parse_args(); sys.exit(args.run(args))")
 
 
 def write_run(folder, records, config=None):
@@ -169,7 +166,7 @@ def test_tracking_example_on_two_processes_logs_once_and_plots(tmp_path):
     assert len(list((tmp_path / "logs" / "tracking").glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
     assert json.loads((tmp_path / "logs" / "tracking" / "config.json").read_text())["batch_size"] == 32
 
-    plotted = subprocess.run([sys.executable, "-c", PLOT_COMMAND, "plot", "logs", "-o", "curves.png"], cwd=tmp_path,
+    plotted = subprocess.run([sys.executable, "-m", "accel", "plot", "logs", "-o", "curves.png"], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert plotted.returncode == 0, plotted.stderr
     assert "5 metric(s) of 1 run(s) -> curves.png" in plotted.stdout
