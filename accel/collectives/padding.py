@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from accel import _ext
 from accel.collectives import uneven
+from accel.collectives.errors import DistributedOperationException
 from accel.collectives.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
 from accel.collectives.transport import select_transport
 
@@ -64,7 +65,8 @@ def pad_tensor(
 def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any, pad_first: bool) -> torch.Tensor:
     """`tensor` padded along `dim` to the largest of `shapes` (every process's shape of it)."""
     if len({len(shape) for shape in shapes}) != 1:
-        raise ValueError(f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})")
+        raise DistributedOperationException(
+            f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})")
     if dim >= tensor.dim() or dim < -tensor.dim():
         return tensor  # HF leaves tensors without that dim untouched
     dim = dim % tensor.dim()
@@ -85,7 +87,8 @@ def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_
     regular = [i for i, leaf in enumerate(leaves) if not leaf.is_nested]
     counts = [len(rank_shapes) for rank_shapes in shapes]
     if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
-        raise ValueError(f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
+        raise DistributedOperationException(
+            f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
     padded = list(leaves)
     for position, i in enumerate(regular):
         leaf_shapes = [rank_shapes[position] for rank_shapes in shapes]
