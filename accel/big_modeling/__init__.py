@@ -25,8 +25,10 @@ from accel.big_modeling.device_map import (
     check_device_same,
     clean_device_map,
     convert_file_size_to_int,
+    fallback_allocate,
     get_balanced_memory,
     get_max_memory,
+    get_module_size_with_ties,
     infer_auto_device_map,
 )
 from accel.big_modeling.dispatch import (
@@ -85,7 +87,8 @@ __all__ = [
     "named_module_tensors",
     "check_tied_parameters_in_config", "check_tied_parameters_on_same_device", "find_tied_parameters",
     "retie_parameters",
-    "check_device_same", "clean_device_map", "convert_file_size_to_int", "get_balanced_memory", "get_max_memory", "infer_auto_device_map",
+    "check_device_same", "clean_device_map", "convert_file_size_to_int", "fallback_allocate", "get_balanced_memory",
+    "get_max_memory", "get_module_size_with_ties", "infer_auto_device_map",
     "AlignDevicesHook", "ModelHook", "SequentialHook", "add_hook_to_module", "remove_hook_from_module",
     "remove_hook_from_submodules", "set_module_tensor_to_device",
     "align_module_device", "attach_align_device_hook", "attach_align_device_hook_on_blocks",

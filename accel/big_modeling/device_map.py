@@ -12,12 +12,14 @@ parameter is tied to one placed already goes where that parameter is (tied weigh
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
 
-from accel.big_modeling.sizes import compute_module_sizes
+from accel.big_modeling.sizes import compute_module_sizes, tensor_bytes
 from accel.big_modeling.tied import tied_groups
 from accel.checkpoint.model_io import parse_size
 
@@ -122,8 +124,16 @@ def infer_auto_device_map(
     special_dtypes: dict[str, str | torch.dtype] | None = None,
     verbose: bool = False,
     clean_result: bool = True,
+    offload_buffers: bool = False,
+    fallback_allocation: bool = False,
 ) -> OrderedDict[str, Device]:
     """{module or tensor name: device} placing `model` on the devices of `max_memory` in order (module docstring).
+
+    Args:
+        offload_buffers: the buffers of modules placed on "cpu" / "disk" will be offloaded with them; without it they
+            will live on the execution device, and a warning says when no GPU has room for them.
+        fallback_allocation: a device on which the next module does not fit (and cannot be split) gets the first
+            smaller module found breadth-first among the rest (`fallback_allocate`) instead of staying empty.
 
     Raises ValueError, saying how many bytes are missing, when even the last device cannot take what is left.
     """
@@ -179,20 +189,100 @@ def infer_auto_device_map(
             if verbose:
                 logger.info("'%s' (%d bytes) -> %s", name, size, device)
             continue
-        children = list(module.named_children()) if module is not None else []
         if splittable:
             pending.pop(0)
-            own = [(f"{name}.{n}", None) for n, _ in [*module.named_parameters(recurse=False),
-                                                        *module.named_buffers(recurse=False)]]  # fmt: skip
-            pending[:0] = own + [(f"{name}.{child}", sub) for child, sub in children]
+            pending[:0] = _parts(name, module)
             if verbose:
                 logger.info("'%s' (%d bytes) does not fit on %s: splitting it", name, size, device)
             continue
+        if fallback_allocation and used[device] == 0 and device != "disk":
+            found, _, rest = fallback_allocate(pending, sizes, max(0, int(room(device_index))), list(no_split), tied)
+            if found is not None:  # placed here now; the module that did not fit goes on to the next device
+                placed[found] = device
+                used[device] += sizes.get(found, 0)
+                pending = rest
+                continue
         if verbose:
             logger.info("'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device,
                         used[device])  # fmt: skip
         device_index += 1
+    if not offload_buffers:
+        _warn_if_offloaded_buffers_fit_no_gpu(model, placed, max_memory, used, dtype)
     return _merged(placed, model) if clean_result else placed
+
+
+def _warn_if_offloaded_buffers_fit_no_gpu(model: nn.Module, placed: dict[str, Device], max_memory: dict[Device, int],
+                                          used: dict[Device, int], dtype: str | torch.dtype | None) -> None:  # fmt: skip
+    """Buffers of modules on "cpu" / "disk" live on the execution device when not offloaded: warn when no GPU has
+    room left for them."""
+    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    offloaded = [name for name, device in placed.items() if device in ("cpu", "disk")]
+    size = sum(tensor_bytes(buffer, dtype) for name, buffer in model.named_buffers()
+               if any(_owns(entry, name) for entry in offloaded))  # fmt: skip
+    gpus = [device for device in max_memory if device not in ("cpu", "disk")]
+    if size and gpus and not any(max_memory[gpu] >= size + used.get(gpu, 0) for gpu in gpus):
+        warnings.warn(f"Current model requires {size} bytes of buffer for offloaded layers, which seems does not fit any "
+                      "GPU's remaining memory. If you are experiencing a OOM later, please consider using "
+                      "offload_buffers=True.")  # fmt: skip
+
+
+def _parts(name: str, module: nn.Module | torch.Tensor | None) -> list[tuple[str, nn.Module | None]]:
+    """The entries a module is split into: its own tensors (as None), then its children."""
+    if not isinstance(module, nn.Module):
+        return []
+    own = [(f"{name}.{n}", None) for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
+    return own + [(f"{name}.{child}", sub) for child, sub in module.named_children()]
+
+
+def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: dict[str, int],
+                              modules_to_treat: list[tuple[str, Any]]) -> tuple[int, list[str], list[Any]]:  # fmt: skip
+    """A module's size together with the modules (among `modules_to_treat`) holding the weights tied to it
+    (`tied_params`), which must go where it goes: (total size, their names, the modules). Tied weights whose module
+    is not among `modules_to_treat` (placed already) add nothing (HF raises IndexError)."""
+    names, modules, total = [], [], module_size
+    for tied in tied_params:
+        owner = next(((n, m) for n, m in modules_to_treat if tied.startswith(n + ".")), None)
+        if owner is None:
+            continue
+        names.append(owner[0])
+        modules.append(owner[1])
+        total += module_sizes[owner[0]] - module_sizes[tied]
+    return total, names, modules
+
+
+def fallback_allocate(modules: list[tuple[str, Any]], module_sizes: dict[str, int], size_limit: int | str,
+                      no_split_module_classes: list[str] | None = None, tied_parameters: list[list[str]] | None = None
+                      ) -> tuple[str | None, Any, list[tuple[str, Any]]]:  # fmt: skip
+    """The first module (breadth-first, splitting modules that may be split) whose size with its tied modules fits
+    `size_limit`: (its name, the module, `modules` without it, its ancestors split into their parts), or
+    (None, None, `modules`) when none fits."""
+    try:
+        limit = convert_file_size_to_int(size_limit)
+    except ValueError:
+        return None, None, modules
+    no_split = set(no_split_module_classes or [])
+    queue = list(modules)
+    while queue:
+        name, module = queue.pop(0)
+        ties = [tensor for group in tied_parameters or [] if any(_owns(name, t) for t in group)
+                and not all(_owns(name, t) for t in group) for tensor in group if not _owns(name, tensor)]  # fmt: skip
+        if get_module_size_with_ties(ties, module_sizes.get(name, 0), module_sizes, queue)[0] <= limit:
+            return name, module, _without(modules, name)
+        if isinstance(module, nn.Module) and next(module.children(), None) is not None and not _no_split(module, no_split):
+            queue[:0] = _parts(name, module)
+    return None, None, modules
+
+
+def _without(modules: list[tuple[str, Any]], name: str) -> list[tuple[str, Any]]:
+    """`modules` without the entry `name`, the entry holding it split (repeatedly) until it is one of them."""
+    modules = list(modules)
+    while True:
+        names = [n for n, _ in modules]
+        if name in names:
+            del modules[names.index(name)]
+            return modules
+        index = next(i for i, n in enumerate(names) if name.startswith(n + "."))
+        modules[index:index + 1] = _parts(*modules[index])
 
 
 def _tied_device(name: str, tied: list[list[str]], placed: dict[str, Device]) -> Device | None:

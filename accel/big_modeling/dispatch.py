@@ -31,6 +31,7 @@ from accel.big_modeling.offload import (
 from accel.big_modeling.tied import tied_groups
 from accel.checkpoint.model_io import checkpoint_files
 from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into
+from accel.unsupported import refuse
 
 logger = logging.getLogger(__name__)
 OFFLOADED = ("cpu", "disk")
@@ -195,7 +196,7 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike, execution_dev
 def load_checkpoint_and_dispatch(
     model: nn.Module,
     checkpoint: str | os.PathLike,
-    device_map: str | Mapping[str, Device] | None = "auto",
+    device_map: str | Mapping[str, Device] | None = None,
     max_memory: Mapping[Device, int | str] | None = None,
     no_split_module_classes: list[str] | None = None,
     offload_folder: str | os.PathLike | None = None,
@@ -206,21 +207,31 @@ def load_checkpoint_and_dispatch(
     preload_module_classes: list[str] | None = None,
     force_hooks: bool = False,
     strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> nn.Module:
     """Loads `checkpoint` (a file, a sharded index or a folder; safetensors or .bin) into `model` (usually built
     under `init_empty_weights`) and dispatches it over the devices.
 
     `device_map`: "auto" / "balanced" / "balanced_low_0" (spread evenly over the GPUs; low_0 keeps GPU 0 light),
-    "sequential" (fill each device in turn), or an explicit {name: device}. Each tensor is read once, shard by
+    "sequential" (fill each device in turn), an explicit {name: device}, or None (the default, as HF): everything
+    on the CPU and no hooks. Each tensor is read once, shard by
     shard, straight to its device, or (for "disk") into the offload folder, so peak host memory stays near what
     lives on the CPU plus one tensor. Weights served from the CPU in the file's dtype are not copied at all:
     they are views of a private (copy-on-write) mapping of the safetensors file, pre-faulted while loading, so
     they share the page cache; writing to them never reaches the file. Files that others may write are copied
     instead (a file truncated under a mapping kills the reader; do not rewrite a checkpoint in place while a
     model mapped from it is in use). `offload_state_dict` is accepted for compatibility: tensors are loaded one at
-    a time anyway. `preload_module_classes`: as `dispatch_model`.
+    a time anyway. `preload_module_classes`: as `dispatch_model`. `full_state_dict` only concerns models whose
+    parameters are DTensors (FSDP2), which accel does not create; `broadcast_from_rank0=True` (rank 0 reads and
+    broadcasts) is not supported: UnsupportedFeatureError.
     """
+    if broadcast_from_rank0:
+        raise refuse("Loading on rank 0 and broadcasting (FSDP2)", "load_checkpoint_and_dispatch(broadcast_from_rank0=True)",
+                     "Let every process load the checkpoint: accel maps safetensors files, so processes on one machine "
+                     "share one copy in the page cache.")  # fmt: skip
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    dispatch = device_map is not None
     device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
     check_device_map(model, device_map)
     folder = None if offload_folder is None else os.fspath(offload_folder)
@@ -231,6 +242,8 @@ def load_checkpoint_and_dispatch(
     index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
         save_offload_index(index, folder)
+    if not dispatch:
+        return model
     return dispatch_model(model, device_map, offload_dir=folder, offload_index=index or None,
                           offload_buffers=offload_buffers, skip_keys=skip_keys,
                           preload_module_classes=preload_module_classes, force_hooks=force_hooks)  # fmt: skip

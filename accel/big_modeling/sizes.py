@@ -51,16 +51,18 @@ def compute_module_sizes(
     model: nn.Module,
     dtype: str | torch.dtype | None = None,
     special_dtypes: dict[str, str | torch.dtype] | None = None,
+    buffers_only: bool = False,
 ) -> dict[str, int]:
     """{module name: bytes of its parameters and buffers}, for every module and tensor name ("" is the model).
 
     `dtype`: the dtype the weights will be loaded in; `special_dtypes`: per-tensor exceptions (name -> dtype),
-    whatever their own dtype (e.g. weights kept in fp32).
+    whatever their own dtype (e.g. weights kept in fp32); `buffers_only`: count the buffers alone.
     """
     dtype = None if dtype is None else _dtype(dtype)
     special = {name: _dtype(value) for name, value in (special_dtypes or {}).items()}
     sizes: dict[str, int] = defaultdict(int)
-    for name, tensor in named_module_tensors(model, recurse=True):
+    tensors = model.named_buffers() if buffers_only else named_module_tensors(model, recurse=True)
+    for name, tensor in tensors:
         if name in special:
             size = tensor.numel() * torch.empty((), dtype=special[name]).element_size()
         else:
@@ -74,10 +76,7 @@ def compute_module_sizes(
 def compute_module_total_buffer_size(model: nn.Module, dtype: str | torch.dtype | None = None,
                                      special_dtypes: dict[str, str | torch.dtype] | None = None) -> int:  # fmt: skip
     """Bytes of all of `model`'s buffers, loaded as `dtype` (see `compute_module_sizes`)."""
-    dtype = None if dtype is None else _dtype(dtype)
-    special = {name: _dtype(value) for name, value in (special_dtypes or {}).items()}
-    return sum(tensor.numel() * dtype_byte_size(special[name]) if name in special else tensor_bytes(tensor, dtype)
-               for name, tensor in model.named_buffers())  # fmt: skip
+    return compute_module_sizes(model, dtype, special_dtypes, buffers_only=True).get("", 0)
 
 
 def dtype_byte_size(dtype: torch.dtype) -> float:

@@ -4,6 +4,7 @@ offload folder's API, state dicts of offloaded models."""
 import json
 import logging
 import os
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -11,8 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from accel.big_modeling import cpu_offload, disk_offload, init_empty_weights
+from accel.big_modeling import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
 from accel.checkpoint import save_file
+from accel.unsupported import UnsupportedFeatureError
+from accel.big_modeling.device_map import fallback_allocate, get_module_size_with_ties
 from accel.utils.modeling import (
     calculate_maximum_sizes,
     check_device_same,
@@ -26,6 +29,7 @@ from accel.utils.modeling import (
     get_module_leaves,
     get_state_dict_offloaded_model,
     id_tensor_storage,
+    infer_auto_device_map,
     is_peft_model,
     load_offloaded_weights,
     load_state_dict,
@@ -219,3 +223,46 @@ def test_state_dict_of_an_offloaded_model(tmp_path, offload):
     for name, tensor in expected.items():
         assert torch.equal(collected[name], tensor), name
     assert model[0].weight.device.type == "meta"  # brought in one module at a time, and dropped again
+
+
+# --- infer_auto_device_map's HF options --------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+
+def test_fallback_allocation_fills_a_device_the_next_block_does_not_fit():
+    model = nn.Sequential(Block(32), nn.Linear(4, 4), nn.Linear(4, 4))
+    block = compute_module_sizes(model)["0"]
+    max_memory = {0: block + 200, "cpu": 10**7}  # GPU 0 keeps room for the block (offloaded), plus 200 bytes
+    assert set(infer_auto_device_map(model, max_memory, ["Block"]).values()) == {"cpu"}
+    device_map = infer_auto_device_map(model, max_memory, ["Block"], fallback_allocation=True)
+    assert device_map == {"1": 0, "0": "cpu", "2": "cpu"}  # a 80-byte linear layer fits in the 200 bytes
+    name, module, rest = fallback_allocate([("0", model[0]), ("1", model[1])], compute_module_sizes(model), 100)
+    assert (name, module, rest) == ("1", model[1], [("0", model[0])])
+    sizes = {"x": 10, "y": 30, "y.w": 20}
+    assert get_module_size_with_ties(["y.w"], 10, sizes, [("y", None)]) == (20, ["y"], [None])
+
+
+def test_buffers_of_offloaded_modules_that_fit_no_gpu_are_warned_about():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(1000))
+    linear = compute_module_sizes(model)["0"]
+    with pytest.warns(UserWarning, match="offload_buffers=True"):
+        infer_auto_device_map(model, {0: linear + 100, "cpu": 10**7})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infer_auto_device_map(model, {0: linear + 100, "cpu": 10**7}, offload_buffers=True)
+
+
+def test_load_checkpoint_and_dispatch_without_a_device_map_loads_on_the_cpu_without_hooks(tmp_path):
+    model = nn.Linear(3, 2)
+    save_file(dict(model.state_dict()), os.fspath(tmp_path / "model.safetensors"))
+    with init_empty_weights():
+        empty = nn.Linear(3, 2)
+    loaded = load_checkpoint_and_dispatch(empty, tmp_path)  # device_map=None, as HF's default
+    assert torch.equal(loaded.weight, model.weight) and not hasattr(loaded, "_hf_hook")
+    with pytest.raises(UnsupportedFeatureError, match="broadcast_from_rank0"):
+        load_checkpoint_and_dispatch(empty, tmp_path, broadcast_from_rank0=True)
