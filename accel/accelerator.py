@@ -70,6 +70,8 @@ HANDLER_ATTRIBUTES = {
     MSAMPRecipeKwargs: "msamp_recipe_handler",
 }
 PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so code that checks it keeps working
+# The setups whose models DDP wraps: torch's Join applies to them (HF: multi-GPU only).
+JOINABLE_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 # The distributed types HF Accelerate calls multi-device (accelerators, not CPUs).
 MULTI_DEVICE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA,
                       DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
@@ -594,7 +596,10 @@ class Accelerator:
                     optimizer.zero_grad()
             ```
         """
-        if not self.use_distributed:
+        if self.distributed_type not in JOINABLE_TYPES:
+            if self.distributed_type != DistributedType.NO:  # HF's warning, for setups whose models are not DDP's
+                warnings.warn("Joining uneven inputs is only supported for multi-GPU and multi-CPU (DDP) training, as "
+                              "a result `join_uneven_inputs` will have no effect.")  # fmt: skip
             yield joinables
             return
         from accel.data.loaders import override_even_batches

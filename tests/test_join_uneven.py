@@ -106,3 +106,38 @@ def test_join_needs_joinable_objects():
 
     with pytest.raises(TypeError, match="join_uneven_inputs needs DDP models"):
         joinable(torch.nn.Linear(1, 1))
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(6).float())
+
+
+def _override_warnings():
+    import warnings
+
+    from accel.state import DistributedType
+
+    accelerator = Accelerator()
+    model = accelerator.prepare(_model())
+    stream = accelerator.prepare(torch.utils.data.DataLoader(_Stream(), batch_size=2))
+    with warnings.catch_warnings(record=True) as iterable_warnings:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            stream_even = stream.even_batches
+    accelerator.state.distributed_type = DistributedType.FSDP  # what HF's test_distributed_data_loop does
+    try:
+        with warnings.catch_warnings(record=True) as other_setup_warnings:
+            warnings.simplefilter("always")
+            with accelerator.join_uneven_inputs([object()]):
+                pass
+    finally:
+        accelerator.state.distributed_type = DistributedType.MULTI_CPU
+    return stream_even, [str(w.message) for w in iterable_warnings], [str(w.message) for w in other_setup_warnings]
+
+
+def test_join_warns_as_hf_for_iterable_loaders_and_setups_without_ddp():
+    for stream_even, iterable_messages, other_messages in run_on_ranks(_override_warnings, 2):
+        assert stream_even  # a dispatched iterable loader is not overridden, as in HF
+        assert any("only supported for map-style datasets" in m for m in iterable_messages)
+        assert any("only supported for multi-GPU and multi-CPU (DDP)" in m for m in other_messages)

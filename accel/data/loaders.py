@@ -570,9 +570,10 @@ class DataLoaderDispatcher(_PreparedLoader):
 
 def _even_batches_owner(loader: DataLoader) -> Any:
     """The object whose `even_batches` decides how `loader` ends an epoch: a dispatcher itself, or the
-    `BatchSamplerShard` of a sharded map-style loader; None for an iterable dataset (nothing to even out)."""
+    `BatchSamplerShard` of a sharded map-style loader; None for an iterable dataset (as in HF Accelerate, whose
+    join_uneven_inputs leaves those as they are and warns)."""
     if isinstance(loader, DataLoaderDispatcher):
-        return loader
+        return None if isinstance(loader.dataset, IterableDataset) else loader
     sampler = loader._index_batch_sampler() if isinstance(loader, _PreparedLoader) else loader.batch_sampler
     while isinstance(sampler, SkipBatchSampler):
         sampler = sampler.batch_sampler
