@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from accel.checkpoint.model_io import _write_atomically as write_atomically
+from accel.checkpoint.atomic_files import write_atomically
 from accel.unsupported import refuse
 
 

@@ -1,36 +1,30 @@
-"""Checkpoints on disk: safetensors files (safetensors_io.py) and model weights in Hugging Face's layout
-(model_io.py: save_model's sharding and index, load_checkpoint_in_model)."""
+"""Checkpoints on disk: safetensors files (safetensors_io.py), model weights in Hugging Face's layout
+(model_io.py: save_model's sharding and index, load_checkpoint_in_model), the file names (names.py) and
+atomically replaced files (atomic_files.py)."""
 
-from accel.checkpoint.model_io import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    load_checkpoint_in_model,
-    parse_size,
-    save_state_dict,
-    split_into_shards,
-)
-from accel.checkpoint.safetensors_io import CheckpointError, load_file, read_header, save_file
-from accel.checkpoint.state import (
+from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.model_io import load_checkpoint_in_model, parse_size, save_state_dict, split_into_shards
+from accel.checkpoint.names import (
     MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
     SAFE_MODEL_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    SAFE_WEIGHTS_PATTERN_NAME,
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    WEIGHTS_PATTERN_NAME,
 )
-
-# HF Accelerate's patterns for (sharded) weight file names: `{suffix}` is "" for one file, "-00001-of-00003" for
-# the first of three shards.
-SAFE_WEIGHTS_PATTERN_NAME = SAFE_MODEL_NAME + "{suffix}.safetensors"
-WEIGHTS_PATTERN_NAME = MODEL_NAME + "{suffix}.bin"
+from accel.checkpoint.safetensors_io import CheckpointError, load_file, read_header, save_file
 
 __all__ = [
     "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "CheckpointError",
     "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAMPLER_NAME", "SCALER_NAME",
     "SCHEDULER_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_PATTERN_NAME",
     "load_checkpoint_in_model", "load_file", "parse_size", "read_header", "save_file", "save_state_dict",
-    "split_into_shards",
+    "split_into_shards", "write_atomically",
 ]  # fmt: skip

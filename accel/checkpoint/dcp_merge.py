@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from accel.checkpoint.model_io import SAFE_WEIGHTS_NAME, WEIGHTS_NAME, _write_atomically
+from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.names import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from accel.checkpoint.safetensors_io import save_file
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def _write(state_dict: dict[str, Any], output_path: Path, safe_serialization: bo
         save_file(state_dict, path, metadata={"format": "pt"})
     else:
         path = output_path / WEIGHTS_NAME
-        _write_atomically(str(path), lambda handle: torch.save(state_dict, handle))
+        write_atomically(str(path), lambda handle: torch.save(state_dict, handle))
     return path
 
 

@@ -13,27 +13,17 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
-from typing import IO
+from collections.abc import Mapping
 
 import torch
 
+from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.names import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import (
-    CheckpointError,
-    fsync_directory,
-    read_header,
-    read_into,
-    save_file,
-    temporary_name,
-)
+from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into, save_file
 
 logger = logging.getLogger(__name__)
 
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-WEIGHTS_NAME = "pytorch_model.bin"
-WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -121,7 +111,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
                 save_file(shard, path, metadata={"format": "pt"})
             else:
                 tensors = {name: t.contiguous().cpu() for name, t in shard.items()}
-                _write_atomically(path, lambda f, tensors=tensors: torch.save(tensors, f))
+                write_atomically(path, lambda f, tensors=tensors: torch.save(tensors, f))
             bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
     written = [os.path.join(folder, filename) for filename in shards]
     if len(shards) > 1:
@@ -129,7 +119,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        _write_atomically(index_path, lambda f: f.write(text), mode="w")
+        write_atomically(index_path, lambda f: f.write(text), mode="w")
         written.append(index_path)
     _remove_stale_weights(folder, keep={os.path.basename(path) for path in written})
     return written
@@ -161,22 +151,6 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
-    """`write(file)` into a temporary name next to `path`, fsync'd, renamed over `path`; removed on failure."""
-    temporary = temporary_name(path)
-    try:
-        with open(temporary, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    fsync_directory(os.path.dirname(path) or ".")
 
 
 # --- loading -------------------------------------------------------------------------------------------------------

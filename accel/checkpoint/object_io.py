@@ -25,7 +25,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from accel.checkpoint.model_io import _write_atomically, without_shared_tensors
+from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.safetensors_io import save_file
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def save(obj: Any, f: str | os.PathLike | IO[bytes], save_on_each_node: bool = F
     if safe_serialization:
         _save_safetensors(obj, f)
     elif isinstance(f, (str, os.PathLike)):
-        _write_atomically(os.fspath(f), lambda file: torch.save(obj, file))
+        write_atomically(os.fspath(f), lambda file: torch.save(obj, file))
     else:
         torch.save(obj, f)
 

@@ -1,0 +1,47 @@
+"""The names of the files in a checkpoint folder: HF Accelerate's, so either library reads the other's folders.
+
+Every checkpoint file name accel writes or looks for is defined here once (`accel.checkpoint` and
+`accel.utils.constants` re-export these objects).
+"""
+
+from __future__ import annotations
+
+import re
+
+SAFE_MODEL_NAME = "model"
+MODEL_NAME = "pytorch_model"
+OPTIMIZER_NAME = "optimizer"
+SCHEDULER_NAME = "scheduler"
+SAMPLER_NAME = "sampler"
+DATALOADER_STATE_NAME = "dl_state_dict"  # a stateful dataloader's state_dict() (HF's name; no constant in HF)
+SCALER_NAME = "scaler.pt"
+RNG_STATE_NAME = "random_states"
+CUSTOM_CHECKPOINT_NAME = "custom_checkpoint"
+
+SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
+WEIGHTS_NAME = f"{MODEL_NAME}.bin"
+WEIGHTS_INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
+# HF's patterns for (sharded) weight file names: `{suffix}` is "" for one file, "-00001-of-00003" for the first
+# of three shards.
+SAFE_WEIGHTS_PATTERN_NAME = SAFE_MODEL_NAME + "{suffix}.safetensors"
+WEIGHTS_PATTERN_NAME = MODEL_NAME + "{suffix}.bin"
+
+# The folders of automatic checkpoint naming (`checkpoints/checkpoint_N`).
+CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
+# Every file save_state writes (what a folder swap may replace; anything else there is the user's).
+CHECKPOINT_FILE = re.compile(
+    rf"({SAFE_MODEL_NAME}|{MODEL_NAME})(_\d+)?\.(safetensors|bin)|"
+    rf"({OPTIMIZER_NAME}|{SCHEDULER_NAME}|{SAMPLER_NAME}|{DATALOADER_STATE_NAME})(_\d+)?\.bin|"
+    rf"{re.escape(SCALER_NAME)}|{RNG_STATE_NAME}_\d+\.pkl|{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl"
+)
+
+
+def numbered(name: str, index: int, extension: str) -> str:
+    """HF's numbering of the files of several objects: `optimizer.bin`, `optimizer_1.bin`, ..."""
+    return f"{name}{'' if index == 0 else f'_{index}'}{extension}"
+
+
+def custom_checkpoint_name(index: int) -> str:
+    """The file of the `index`-th object registered for checkpointing (numbered from 0, unlike `numbered`)."""
+    return f"{CUSTOM_CHECKPOINT_NAME}_{index}.pkl"
