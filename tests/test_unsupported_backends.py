@@ -71,7 +71,6 @@ def test_accelerator_refuses_backends_before_any_state(kwargs, feature, asked_by
         ("ACCEL_USE_MEGATRON_LM", "yes", "Megatron-LM"),
         ("ACCEL_MIXED_PRECISION", "fp8", "FP8 training"),
         ("ACCELERATE_TORCH_DEVICE", "xla:0", "TPU/XLA"),
-        ("ACCELERATE_DOWNCAST_BF16", "1", "TPU bf16"),
     ],
 )
 def test_launcher_variables_asking_for_backends_are_refused(monkeypatch, variable, value, feature):
@@ -334,3 +333,9 @@ def test_import_accel_binds_utils_lazily():
     code = ("import sys, accel; utils = accel.utils; assert 'torch' not in sys.modules, 'torch imported'; "
             "accel.utils.gather; assert 'torch' in sys.modules")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_downcast_bf16_from_a_launcher_is_accepted(monkeypatch):
+    # HF reads it on TPUs only: on CPUs and GPUs it changes nothing, in HF Accelerate as in accel (the launcher warns).
+    monkeypatch.setenv("ACCELERATE_DOWNCAST_BF16", "1")
+    assert Accelerator(cpu=True).mixed_precision == "no"

@@ -63,9 +63,6 @@ def refuse_unsupported_environment(mixed_precision_given: bool = False) -> None:
     device = get_setting("TORCH_DEVICE")
     if device is not None and device.strip().lower().startswith("xla"):
         raise refuse("TPU/XLA", f"the environment variable {_set_variable('TORCH_DEVICE')}={device}", DDP_INSTEAD)
-    if get_flag("DOWNCAST_BF16"):
-        raise refuse("TPU bf16 downcasting", f"the environment variable {_set_variable('DOWNCAST_BF16')}",
-                     "Use mixed_precision='bf16' (autocast) instead.")
 
 
 def parallelism_config_from_environment() -> ParallelismConfig | None:

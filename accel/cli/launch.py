@@ -333,7 +333,10 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     if config.enable_cpu_affinity:
         env["ACCEL_CPU_AFFINITY"] = "1"
     if config.downcast_bf16:
-        env["ACCEL_DOWNCAST_BF16"] = "1"  # read on TPUs only (HF's ACCELERATE_DOWNCAST_BF16)
+        # HF reads ACCELERATE_DOWNCAST_BF16 on TPUs only; accel runs none, so say that it changes nothing here.
+        warnings.warn("downcast_bf16 only affects bf16 training on TPUs (XLA), which accel does not run: it has no "
+                      "effect on CPUs and CUDA GPUs (as in HF Accelerate)")  # fmt: skip
+        env["ACCEL_DOWNCAST_BF16"] = "1"
     if config.ipex:
         if ipex_available():
             env["ACCEL_USE_IPEX"] = "true"

@@ -111,8 +111,9 @@ def test_rendezvous_backend_and_port_on_one_machine():
 
 
 def test_affinity_downcast_and_accumulation_reach_the_ranks():
-    env = child_env(resolved("--cpu", "--enable_cpu_affinity", "--downcast_bf16", "--gradient_accumulation_steps",
-                             "4"), environ={})  # fmt: skip
+    with pytest.warns(UserWarning, match="downcast_bf16 only affects bf16 training on TPUs"):
+        env = child_env(resolved("--cpu", "--enable_cpu_affinity", "--downcast_bf16", "--gradient_accumulation_steps",
+                                 "4"), environ={})  # fmt: skip
     assert (env["ACCEL_CPU_AFFINITY"], env["ACCEL_DOWNCAST_BF16"], env["ACCEL_GRADIENT_ACCUMULATION_STEPS"]) == (
         "1", "1", "4")
     assert "ACCEL_CPU_AFFINITY" not in child_env(resolved("--cpu"), environ={})
