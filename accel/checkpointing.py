@@ -2,10 +2,11 @@
 
 `Accelerator.save_state` / `load_state` (accel.checkpoint.state) are what scripts call; these are the lower-level
 functions HF exposes, writing the same files (HF's layout: `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
-`sampler.bin`, `scaler.pt`, `random_states_{rank}.pkl`, `custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further
-objects), so a folder written by either is read by the other. Differences from HF:
+`sampler.bin`, `dl_state_dict.bin` (stateful dataloaders), `scaler.pt`, `random_states_{rank}.pkl`,
+`custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further objects), so a folder written by either is read by the other. Differences from HF:
 
-- every shared file is written by the main process only (HF writes `scaler.pt` from every process at once), each
+- every shared file is written by the main process only (HF writes `scaler.pt` and `dl_state_dict.bin` from every
+  process at once: a dispatched loader's file is then right or wrong depending on which write lands last), each
   under a temporary name renamed into place, so a crash never leaves a half-written file;
 - nothing is unpickled beyond `weights_only=True` unless asked: `load_kwargs={"weights_only": False}` (HF's
   `load_custom_state` always unpickles; accel's takes `load_kwargs` for objects that need it);
@@ -21,19 +22,23 @@ from typing import Any
 
 import torch
 
-from accel.checkpoint.object_io import load, save
-from accel.checkpoint.state import (
+from accel.checkpoint.names import (
+    DATALOADER_STATE_NAME,
     MODEL_NAME,
     OPTIMIZER_NAME,
     SAFE_MODEL_NAME,
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    custom_checkpoint_name,
+    numbered,
+)
+from accel.checkpoint.object_io import load, save
+from accel.checkpoint.state import (
     load_model_weights,
     load_rng_state,
     loader_state,
-    numbered,
-    restore_loader,
+    restore_loader_files,
     save_rng_state,
 )
 
@@ -80,6 +85,8 @@ def save_accelerator_state(
         save(scheduler.state_dict(), output_dir / numbered(SCHEDULER_NAME, i, ".bin"), save_on_each_node)
     for i, dataloader in enumerate(dataloaders):
         save(loader_state(dataloader), output_dir / numbered(SAMPLER_NAME, i, ".bin"), save_on_each_node)
+        if getattr(dataloader, "use_stateful_dataloader", False):
+            save(dataloader.state_dict(), output_dir / numbered(DATALOADER_STATE_NAME, i, ".bin"), save_on_each_node)
     if scaler is not None:
         save(scaler.state_dict(), output_dir / SCALER_NAME, save_on_each_node)
     save_rng_state(os.fspath(output_dir), process_index, step)
@@ -138,9 +145,7 @@ def load_accelerator_state(
     for i, scheduler in enumerate(schedulers):
         scheduler.load_state_dict(load(os.path.join(input_dir, numbered(SCHEDULER_NAME, i, ".bin")), **load_kwargs))
     for i, dataloader in enumerate(dataloaders):
-        path = os.path.join(input_dir, numbered(SAMPLER_NAME, i, ".bin"))
-        if os.path.exists(path):
-            restore_loader(dataloader, load(path, **load_kwargs))
+        restore_loader_files(dataloader, input_dir, i, {"weights_only": True, **load_kwargs})
     if scaler is not None:
         scaler.load_state_dict(load(os.path.join(input_dir, SCALER_NAME), **load_kwargs))
     step = load_rng_state(input_dir, process_index)
@@ -150,7 +155,7 @@ def load_accelerator_state(
 
 def save_custom_state(obj: Any, path: str | os.PathLike, index: int = 0, save_on_each_node: bool = False) -> None:
     """Saves `obj.state_dict()` to `{path}/custom_checkpoint_{index}.pkl` (from the main process)."""
-    save(obj.state_dict(), Path(path) / f"custom_checkpoint_{index}.pkl", save_on_each_node)
+    save(obj.state_dict(), Path(path) / custom_checkpoint_name(index), save_on_each_node)
 
 
 def load_custom_state(obj: Any, path: str | os.PathLike, index: int = 0, load_kwargs: dict | None = None) -> None:
@@ -159,4 +164,4 @@ def load_custom_state(obj: Any, path: str | os.PathLike, index: int = 0, load_kw
     Loaded with `weights_only=True` (tensors, numbers, strings, containers, numpy arrays); a state dict holding other
     Python objects needs `load_kwargs={"weights_only": False}` (HF always unpickles: trusted files only).
     """
-    obj.load_state_dict(load(Path(path) / f"custom_checkpoint_{index}.pkl", map_location="cpu", **(load_kwargs or {})))
+    obj.load_state_dict(load(Path(path) / custom_checkpoint_name(index), map_location="cpu", **(load_kwargs or {})))

@@ -7,6 +7,7 @@ Files (HF's names, so its users find what they expect):
   optimizer.bin, optimizer_1.bin, ...           optimizer state dicts (torch.save)
   scheduler.bin, ...                            scheduler state dicts
   sampler.bin, ...                              each prepared dataloader's epoch and seedable-sampler seed
+  dl_state_dict.bin, dl_state_dict_1.bin, ...   each stateful prepared dataloader's state_dict() (its position)
   scaler.pt                                     the fp16 gradient scaler
   random_states_{rank}.pkl                      every process's python / numpy / torch (/ CUDA) RNG states and step
   custom_checkpoint_{i}.pkl                     register_for_checkpointing objects' state dicts
@@ -43,21 +44,26 @@ import numpy as np
 import torch
 
 from accel.checkpoint.model_io import without_shared_tensors
-from accel.checkpoint.safetensors_io import CheckpointError, fsync_directory, read_header, read_into, save_file
+from accel.checkpoint.names import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_PATTERN,
+    CUSTOM_CHECKPOINT_NAME,
+    DATALOADER_STATE_NAME,
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_MODEL_NAME,
+    SAMPLER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    custom_checkpoint_name,
+    numbered,
+)
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, fsync_directory, save_file
 
 logger = logging.getLogger(__name__)
 
-SAFE_MODEL_NAME, MODEL_NAME = "model", "pytorch_model"
-OPTIMIZER_NAME, SCHEDULER_NAME, SAMPLER_NAME = "optimizer", "scheduler", "sampler"
-SCALER_NAME = "scaler.pt"
-RNG_STATE_NAME = "random_states"
-CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def numbered(name: str, index: int, extension: str) -> str:
-    """HF's numbering: `optimizer.bin`, `optimizer_1.bin`, ..."""
-    return f"{name}{'' if index == 0 else f'_{index}'}{extension}"
 
 
 # --- where checkpoints go ----------------------------------------------------------------------------------------
@@ -80,12 +86,6 @@ def partial_name(final: str, node: int | None = None) -> str:
     """The hidden staging folder next to `final` (one per node when every node saves its own copy)."""
     folder, name = os.path.split(os.path.normpath(final))
     return os.path.join(folder, f".{name}.partial" + ("" if node is None else f"-node{node}"))
-
-
-CHECKPOINT_FILE = re.compile(
-    r"(model|pytorch_model)(_\d+)?\.(safetensors|bin)|(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin|"
-    r"scaler\.pt|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl"
-)
 
 
 def can_stage_beside(final: str) -> bool:
@@ -168,7 +168,10 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
     """
     config = accelerator.project_configuration
     root, output_dir = _target(accelerator, output_dir)
-    writes_shared_files = accelerator._saves_here()
+    # A process that names another folder than the main process's (each its own temporary folder, as HF's tests
+    # do) writes a whole checkpoint there, so that its load_state finds one (and its staging folder is published).
+    own_folder = not _same_folder_as_main(accelerator, output_dir)  # a collective: every process calls it
+    writes_shared_files = accelerator._saves_here() or own_folder
     node = accelerator.process_index // max(1, accelerator.state.local_num_processes) \
         if config.save_on_each_node else None  # fmt: skip
     staged = can_stage_beside(output_dir)
@@ -233,6 +236,15 @@ def _target(accelerator: Any, output_dir: str | None) -> tuple[str | None, str]:
     return None, output_dir
 
 
+def _same_folder_as_main(accelerator: Any, output_dir: str) -> bool:
+    """Whether the main process saves into `output_dir` too (one broadcast of its path)."""
+    if accelerator.num_processes == 1:
+        return True
+    from accel import collectives
+
+    return collectives.broadcast_object_list([output_dir])[0] == output_dir
+
+
 def _agree_or_raise(accelerator: Any, failure: BaseException | None, stage: str, cleanup: str | None = None) -> None:
     """A barrier that also tells every process whether any failed, so all raise instead of some waiting forever."""
     failed = failure is not None
@@ -272,10 +284,12 @@ def _save_shared_files(accelerator: Any, folder: str, weights: list[dict], safe_
         torch.save(scheduler.state_dict(), os.path.join(folder, numbered(SCHEDULER_NAME, i, ".bin")))
     for i, loader in enumerate(accelerator._dataloaders):
         torch.save(loader_state(loader), os.path.join(folder, numbered(SAMPLER_NAME, i, ".bin")))
+        if getattr(loader, "use_stateful_dataloader", False):
+            torch.save(loader.state_dict(), os.path.join(folder, numbered(DATALOADER_STATE_NAME, i, ".bin")))
     if accelerator.scaler is not None:
         torch.save(accelerator.scaler.state_dict(), os.path.join(folder, SCALER_NAME))
     for i, obj in enumerate(accelerator._custom_objects):
-        torch.save(obj.state_dict(), os.path.join(folder, f"custom_checkpoint_{i}.pkl"))
+        torch.save(obj.state_dict(), os.path.join(folder, custom_checkpoint_name(i)))
     for name in os.listdir(folder):  # the data is on disk before the folder is renamed into place
         _fsync_file(os.path.join(folder, name))
 
@@ -350,9 +364,7 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(_load(os.path.join(input_dir, numbered(SCHEDULER_NAME, i, ".bin")), load_kwargs))
     for i, loader in enumerate(accelerator._dataloaders):
-        path = os.path.join(input_dir, numbered(SAMPLER_NAME, i, ".bin"))
-        if os.path.exists(path):
-            restore_loader(loader, _load(path, load_kwargs))
+        restore_loader_files(loader, input_dir, i, load_kwargs)
     if accelerator.scaler is not None and os.path.exists(os.path.join(input_dir, SCALER_NAME)):
         accelerator.scaler.load_state_dict(_load(os.path.join(input_dir, SCALER_NAME), load_kwargs))
     _load_custom_objects(accelerator._custom_objects, input_dir, load_kwargs)
@@ -378,7 +390,7 @@ def _check_complete(accelerator: Any, models: list, folder: str) -> None:
     if missing:
         raise FileNotFoundError(f"'{folder}' is not a complete checkpoint for what was prepared: missing "
                                 f"{', '.join(missing)}")  # fmt: skip
-    found = [f for f in os.listdir(folder) if re.fullmatch(r"custom_checkpoint_\d+\.pkl", f)]
+    found = [f for f in os.listdir(folder) if re.fullmatch(rf"{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl", f)]
     if len(found) != len(accelerator._custom_objects):
         raise RuntimeError(f"'{folder}' holds {len(found)} custom checkpoints but {len(accelerator._custom_objects)} "
                            "objects are registered (register_for_checkpointing): load a checkpoint saved with the "
@@ -412,10 +424,10 @@ def load_model_weights(model: torch.nn.Module, folder: str, index: int, strict: 
     targets = {key: own[name] for key, name in _strip_wrappers(list(own)).items()}
     safe = os.path.join(folder, numbered(SAFE_MODEL_NAME, index, ".safetensors"))
     if os.path.exists(safe):
-        header = read_header(safe)
-        names = _strip_wrappers(list(header.tensors))
-        _check_names(safe, set(names), targets, strict)
-        read_into(header, {names[key]: tensor.data for key, tensor in targets.items() if key in names})
+        with SafetensorsFile(safe) as f:  # validated and read through one descriptor
+            names = _strip_wrappers(list(f.header.tensors))
+            _check_names(safe, set(names), targets, strict)
+            f.read_into({names[key]: tensor.data for key, tensor in targets.items() if key in names})
         return
     path = os.path.join(folder, numbered(MODEL_NAME, index, ".bin"))
     loaded = _load(path, {"weights_only": True})
@@ -441,6 +453,17 @@ def _check_names(path: str, saved: set[str], targets: dict[str, torch.Tensor], s
                               f"unexpected {unexpected or 'nothing'}")  # fmt: skip
 
 
+def restore_loader_files(loader: Any, folder: str, index: int, load_kwargs: dict) -> None:
+    """Restores the `index`-th prepared dataloader from `folder`: its epoch and sampler seed (`sampler*.bin`), then
+    a stateful loader's position (`dl_state_dict*.bin`). A missing file leaves that part as it is (HF does so)."""
+    path = os.path.join(folder, numbered(SAMPLER_NAME, index, ".bin"))
+    if os.path.exists(path):
+        restore_loader(loader, _load(path, load_kwargs))
+    path = os.path.join(folder, numbered(DATALOADER_STATE_NAME, index, ".bin"))
+    if getattr(loader, "use_stateful_dataloader", False) and os.path.exists(path):
+        loader.load_state_dict(_load(path, load_kwargs))
+
+
 def restore_loader(loader: Any, state: dict) -> None:
     """Gives a prepared dataloader back the epoch and sampler seed `loader_state` recorded."""
     from accel.data.loaders import get_sampler
@@ -454,7 +477,7 @@ def restore_loader(loader: Any, state: dict) -> None:
 
 def _load_custom_objects(objects: list, folder: str, load_kwargs: dict) -> None:
     for i, obj in enumerate(objects):
-        obj.load_state_dict(_load(os.path.join(folder, f"custom_checkpoint_{i}.pkl"), load_kwargs))
+        obj.load_state_dict(_load(os.path.join(folder, custom_checkpoint_name(i)), load_kwargs))
 
 
 def _numpy_rng_globals() -> list:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import itertools
 import math
 from typing import Any, Callable, Iterator
@@ -161,6 +162,10 @@ def _set_epoch_everywhere(loader: DataLoader, epoch: int) -> None:
 class _PreparedLoader(DataLoader, DataLoaderStateMixin):
     """What both prepared loaders share: GradientState, epochs, and the DataLoader arguments they keep."""
 
+    # True for the loaders of accel.data.stateful (torchdata's StatefulDataLoader under them): save_state saves
+    # their `state_dict()` (HF Accelerate's attribute of the same name, which its checkpointing reads too).
+    use_stateful_dataloader = False
+
     def __init__(self, dataset, _drop_last: bool = False, _non_blocking: bool = False, skip_batches: int = 0,
                  iteration: int = 0, **kwargs):
         super().__init__(dataset, **kwargs)
@@ -196,6 +201,10 @@ class _PreparedLoader(DataLoader, DataLoaderStateMixin):
     def get_sampler(self):
         """The sampler of indices under the batch sampler."""
         return get_sampler(self)
+
+    def _starting_epoch(self) -> None:
+        """Called just before the wrapped loader starts an epoch (after the RNG synchronization and `set_epoch`;
+        on process 0 only for a dispatcher): the stateful loaders note the sampler's generator state there."""
 
     @property
     def total_dataset_length(self) -> int:
@@ -237,6 +246,7 @@ class DataLoaderShard(_PreparedLoader):
             self.set_epoch(self.iteration)
             self.remainder, self._last_global_rows = self._last_step()
             self._uneven_role = self._uneven_role_from_lengths()
+            self._starting_epoch()
             yield from self._through_uneven_end(self._read_ahead(super().__iter__()))
             self.iteration += 1
         finally:
@@ -352,10 +362,13 @@ def _with_last_flag(items: Iterator) -> Iterator[tuple[Any, bool]]:
 
 
 class _GlobalBatch:
-    """One global batch as every process sees it after the broadcast."""
+    """One global batch as every process sees it after the broadcast.
 
-    def __init__(self, data: Any, rows: int, last: bool):
-        self.data, self.rows, self.last = data, rows, last
+    `position` is what the (stateful) loader of process 0 reported right after reading it (None otherwise).
+    """
+
+    def __init__(self, data: Any, rows: int, last: bool, position: Any = None):
+        self.data, self.rows, self.last, self.position = data, rows, last, position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,19 +433,29 @@ class DataLoaderDispatcher(_PreparedLoader):
         finally:
             self.end()
 
-    def _global_batches(self) -> Iterator[tuple[Any, bool]]:
-        """On process 0: (global batch, is_last) pairs."""
+    def _global_batches(self) -> Iterator[tuple[tuple[Any, Any], bool]]:
+        """On process 0: ((global batch, position after it), is_last) pairs."""
+        self._starting_epoch()
         loaded = super().__iter__()
-        if self.split_batches:
-            return _with_last_flag(loaded)
-        processes = self.state.num_processes
-        groups = iter(lambda: list(itertools.islice(loaded, processes)), [])
+        per_step = 1 if self.split_batches else self.state.num_processes
+        groups = iter(lambda: list(itertools.islice(loaded, per_step)), [])
         if self._drop_last:
-            groups = itertools.takewhile(lambda group: len(group) == processes, groups)
-        return _with_last_flag(map(self._join, groups))
+            groups = itertools.takewhile(lambda group: len(group) == per_step, groups)
+        # The position is taken as soon as a group is read, before the look-ahead reads the next one.
+        return _with_last_flag((self._join(group), self._position()) for group in groups)
+
+    def _position(self) -> Any:
+        """On process 0, after a global batch was read: the loader's position (the stateful dispatcher's state)."""
+        return None
+
+    def _entering_batch(self, batch: _GlobalBatch) -> None:
+        """Called on every process when `batch` becomes the one in use, before its part is yielded (also where this
+        process has no part of it); the stateful dispatcher records `batch.position`, which process 0 sent."""
 
     @staticmethod
     def _join(group: list) -> Any:
+        if len(group) == 1:
+            return group[0]
         try:
             return pytree.concatenate(group)
         except RuntimeError as error:
@@ -454,6 +477,8 @@ class DataLoaderDispatcher(_PreparedLoader):
                 self.end_of_dataloader = True
                 self.remainder = current.rows
                 self._last_global_rows = self._gathered_rows(current)
+            if index >= self.skip_batches:
+                self._entering_batch(current)
             if part is not None and index >= self.skip_batches:
                 yield pytree.to_device(part, self.device, self._non_blocking)
             index += 1
@@ -471,8 +496,9 @@ class DataLoaderDispatcher(_PreparedLoader):
                 failure, item = error, None
                 message = [_LoaderFailed(f"{type(error).__name__}: {error}")]
             if item is not None:
-                structure, buffer = pytree.pack(item[0])
-                message = [(structure, buffer.numel(), pytree.find_batch_size(item[0]), item[1])]
+                (batch, position), last = item
+                structure, buffer = pytree.pack(batch)
+                message = [(structure, buffer.numel(), pytree.find_batch_size(batch), last, position)]
         if multi_process():
             dist.broadcast_object_list(message, src=0, device=_comm_device())
         if isinstance(message[0], _LoaderFailed):
@@ -481,13 +507,13 @@ class DataLoaderDispatcher(_PreparedLoader):
             raise RuntimeError(f"the main process's dataloader raised {message[0].reason} (see its traceback)")
         if message[0] is None:
             return None
-        structure, nbytes, rows, last = message[0]
+        structure, nbytes, rows, last, position = message[0]
         if multi_process():
             device = _comm_device()
             buffer = buffer.to(device) if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
             if nbytes:
                 dist.broadcast(buffer, 0)
-        return _GlobalBatch(pytree.unpack(structure, buffer), rows, last)
+        return _GlobalBatch(pytree.unpack(structure, buffer), rows, last, position)
 
     def _evened(self, batch: _GlobalBatch) -> bool:
         return batch.last and self.even_batches and batch.rows % self.state.num_processes != 0
@@ -706,8 +732,8 @@ def prepare_data_loader(
         non_blocking: Copy batches to the device with `non_blocking=True` (useful with `pin_memory`).
         data_seed: The seed of the `SeedableRandomSampler` (default: process 0's `torch.initial_seed()`).
         use_stateful_dataloader: Build the loader on torchdata's `StatefulDataLoader` (needs `torchdata`):
-            `state_dict()` / `load_state_dict()` then save and resume the position within an epoch. Not with
-            `dispatch_batches`.
+            `state_dict()` / `load_state_dict()` then save and resume the position within an epoch (with
+            `dispatch_batches`, process 0's position, which every process reports).
         torch_device_mesh: Device meshes (tensor/context parallelism) are refused (UnsupportedFeatureError).
 
     Returns:
@@ -729,10 +755,6 @@ def prepare_data_loader(
         dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches and not put_on_device:
         raise ValueError("Using `dispatch_batches=True` requires `put_on_device=True`.")
-    if use_stateful_dataloader and dispatch_batches:
-        raise ValueError("use_stateful_dataloader=True works with sharded loaders, not with dispatch_batches (the "
-                         "default for iterable datasets; pass dispatch_batches=False): a dispatched loader's state "
-                         "lives on process 0 only.")
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
@@ -746,10 +768,14 @@ def prepare_data_loader(
     if batch_sampler is not None and use_seedable_sampler and isinstance(sampler, RandomSampler):
         sampler = _seedable(sampler, data_seed)
         batch_sampler = _with_sampler(batch_sampler, sampler)
+    if use_stateful_dataloader and not isinstance(sampler, SeedableRandomSampler):
+        _synchronized_generator(sampler)  # a stateful loader saves the state of the generator its order comes from
     kwargs = _copied_kwargs(dataloader)
     if dispatch_batches:
-        return _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn_for_dispatch,
-                           non_blocking, kwargs)
+        dispatcher_class = _stateful_class("StatefulDataLoaderDispatcher") if use_stateful_dataloader \
+            else DataLoaderDispatcher  # fmt: skip
+        return _dispatcher(dispatcher_class, dataloader, batch_sampler, split_batches, even_batches, device,
+                           slice_fn_for_dispatch, non_blocking, kwargs)
     dataset, batch_sampler, synchronized_generator = _shard(dataset, batch_sampler, sampler, dataloader,
                                                             num_processes, process_index, split_batches,
                                                             even_batches)
@@ -758,7 +784,7 @@ def prepare_data_loader(
     common = dict(device=device if put_on_device else None, rng_types=rng_types,
                   synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
                   _non_blocking=non_blocking, **kwargs)
-    shard_class = _stateful_shard_class() if use_stateful_dataloader else DataLoaderShard
+    shard_class = _stateful_class("StatefulDataLoaderShard") if use_stateful_dataloader else DataLoaderShard
     if batch_sampler is None:
         batch_size = dataloader.batch_size
         if split_batches and num_processes > 1:
@@ -769,14 +795,14 @@ def prepare_data_loader(
     return shard_class(dataset, batch_sampler=batch_sampler, **common)
 
 
-def _stateful_shard_class() -> type:
-    """`StatefulDataLoaderShard` (its module imports torchdata, so only when asked for)."""
+def _stateful_class(name: str) -> type:
+    """`name` from accel.data.stateful (that module imports torchdata, so only when asked for)."""
     try:
-        from accel.data.stateful import StatefulDataLoaderShard
+        stateful = importlib.import_module("accel.data.stateful")
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader (torchdata >= 0.8: "
                           f"pip install torchdata): {error}") from error
-    return StatefulDataLoaderShard
+    return getattr(stateful, name)
 
 
 def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_index, split_batches, even_batches):
@@ -792,13 +818,14 @@ def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_i
     return dataset, shard, generator
 
 
-def _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn, non_blocking, kwargs):
+def _dispatcher(dispatcher_class, dataloader, batch_sampler, split_batches, even_batches, device, slice_fn,
+                non_blocking, kwargs):  # fmt: skip
     common = dict(split_batches=split_batches, even_batches=even_batches, device=device, slice_fn=slice_fn,
                   _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
     if batch_sampler is None:
-        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
-                                    drop_last=dataloader.drop_last, **common)
-    return DataLoaderDispatcher(dataloader.dataset, batch_sampler=batch_sampler, **common)
+        return dispatcher_class(dataloader.dataset, batch_size=dataloader.batch_size,
+                                drop_last=dataloader.drop_last, **common)
+    return dispatcher_class(dataloader.dataset, batch_sampler=batch_sampler, **common)
 
 
 # --- skip_first_batches -------------------------------------------------------------------------------------------

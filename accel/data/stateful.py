@@ -1,10 +1,21 @@
-"""`DataLoaderShard` on torchdata's `StatefulDataLoader`: a prepared loader that saves and resumes its position.
+"""Prepared loaders on torchdata's `StatefulDataLoader`: they save and resume their position within an epoch.
 
-(Imported only when `use_stateful_dataloader=True`: it needs torchdata.) A prepared loader reads one batch
-ahead (to know which batch is last), so the wrapped loader is always one batch further than the user. The state
-is therefore snapshotted just before each read-ahead: `state_dict()` taken while a batch is in use describes the
-position after that batch, and loading it resumes with the next one (after the last batch of an epoch: with the
-next epoch). The loader's epoch count (`iteration`, which `set_epoch` uses) is part of the state.
+(Imported only when `use_stateful_dataloader=True`: it needs torchdata.) A prepared loader reads ahead (to know
+which batch is last), so the wrapped `StatefulDataLoader` is always further than the user. The position is
+therefore snapshotted as each batch is read, before anything after it: `state_dict()` taken while a batch is in
+use describes the position after that batch, and loading it resumes with the next one (after the last batch of
+an epoch: with the next epoch). The loader's epoch count (`iteration`, which `set_epoch` uses) is part of the state,
+and so is the state of the generator the sampler shuffles with (at the start of the epoch, or at its end for a
+finished one; a shuffling sampler gets a generator at prepare time): torchdata resumes a sampler it cannot
+checkpoint (accel's and HF's sharded ones) by replaying it, which only gives the same order from the same
+generator state. (HF Accelerate saves neither: its shuffled resumes replay another order.)
+
+- `StatefulDataLoaderShard`: every process reads its own share; its state is its own loader's position.
+- `StatefulDataLoaderDispatcher`: only process 0 reads. Its position travels with every global batch in the
+  message process 0 broadcasts anyway (no extra collective), so every process's `state_dict()` is process 0's
+  position and a checkpoint written by the main process resumes every rank exactly. (HF Accelerate's
+  dispatcher reports each process's own, never-read loader on the other ranks, and every rank writes the same
+  `dl_state_dict.bin`: which one lands decides whether the resume is right.)
 """
 
 from __future__ import annotations
@@ -13,40 +24,96 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from accel.data.loaders import DataLoaderShard
+from accel.data.loaders import DataLoaderDispatcher, DataLoaderShard, get_sampler
 
 _FINISHED = "_iterator_finished"  # StatefulDataLoader's key: the epoch is over
 _ITERATION = "_accel_iteration"  # ours: the epoch the state belongs to (ignored by StatefulDataLoader)
+_GENERATOR = "_accel_sampler_generator"  # ours: the sampler generator's state the epoch resumed in starts from
 
 
-class StatefulDataLoaderShard(DataLoaderShard, StatefulDataLoader):
+class _SavesPosition:
+    """`state_dict()` / `load_state_dict()` of a prepared loader, from the snapshots its subclass records."""
+
+    use_stateful_dataloader = True
+    _snapshot: dict | None = None
+    _epoch_generator = None  # the sampler generator's state when the current epoch started
+
+    def _sampler_generator(self):
+        return getattr(get_sampler(self), "generator", None)
+
+    def _starting_epoch(self) -> None:
+        generator = self._sampler_generator()
+        self._epoch_generator = None if generator is None else generator.get_state()
+
+    def _wrapped_position(self) -> dict:
+        """The wrapped loader's state now, with the sampler generator's states at the epoch's start and now."""
+        position = StatefulDataLoader.state_dict(self)
+        generator = self._sampler_generator()
+        if generator is not None:
+            position[_GENERATOR] = (self._epoch_generator, generator.get_state())
+        return position
+
+    def _record(self, position: dict, finished: bool) -> None:
+        """Records `position` (a `_wrapped_position` right after the batch about to be used)."""
+        # Resuming after the last batch starts the next epoch, whose number set_epoch must get.
+        snapshot = {**position, _FINISHED: finished, _ITERATION: self.iteration + (1 if finished else 0)}
+        if _GENERATOR in snapshot:  # the next epoch draws from the generator as it is now; this one from its start
+            at_start, now = snapshot[_GENERATOR]
+            snapshot[_GENERATOR] = now if finished else at_start
+        self._snapshot = snapshot
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batch in use (before the first iteration: the start of the epoch)."""
+        if self._snapshot is not None:
+            return dict(self._snapshot)
+        state = {**StatefulDataLoader.state_dict(self), _ITERATION: self.iteration}
+        generator = self._sampler_generator()
+        return state if generator is None else {**state, _GENERATOR: generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes from `state_dict` at the next iteration (a state without accel's epoch keeps the current one)."""
+        state_dict = dict(state_dict)
+        self.iteration = state_dict.pop(_ITERATION, self.iteration)
+        generator_state, generator = state_dict.pop(_GENERATOR, None), self._sampler_generator()
+        if generator_state is not None and generator is not None:
+            # Set now, before the next epoch's RNG synchronization (which then gives process 0's everywhere).
+            generator.set_state(generator_state)
+        # Kept as the position until the next batch: asking the wrapped loader would start an iterator early.
+        self._snapshot = {**state_dict, _ITERATION: self.iteration}
+        if generator_state is not None:
+            self._snapshot[_GENERATOR] = generator_state
+        StatefulDataLoader.load_state_dict(self, state_dict)
+
+
+class StatefulDataLoaderShard(_SavesPosition, DataLoaderShard, StatefulDataLoader):
     """A `DataLoaderShard` whose `state_dict()` / `load_state_dict()` save and restore the position in the epoch.
 
     Args: as `DataLoaderShard` (and `StatefulDataLoader`'s `snapshot_every_n_steps` for worker processes).
     """
 
-    _snapshot: dict | None = None
-
     def _before_reading_ahead(self) -> None:
-        self._snapshot = StatefulDataLoader.state_dict(self)
+        self._read_position = self._wrapped_position()
 
     def _after_reading_ahead(self) -> None:
-        self._snapshot[_FINISHED] = self.end_of_dataloader
-        # Resuming after the last batch starts the next epoch, whose number set_epoch must get.
-        self._snapshot[_ITERATION] = self.iteration + (1 if self.end_of_dataloader else 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the batch in use (before the first iteration: the start of the epoch)."""
-        if self._snapshot is None:
-            return {**StatefulDataLoader.state_dict(self), _ITERATION: self.iteration}
-        return dict(self._snapshot)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resumes from `state_dict` at the next iteration."""
-        state_dict = dict(state_dict)
-        self.iteration = state_dict.pop(_ITERATION, self.iteration)
-        self._snapshot = None
-        StatefulDataLoader.load_state_dict(self, state_dict)
+        self._record(self._read_position, self.end_of_dataloader)
 
 
-__all__ = ["StatefulDataLoaderShard"]
+class StatefulDataLoaderDispatcher(_SavesPosition, DataLoaderDispatcher, StatefulDataLoader):
+    """A `DataLoaderDispatcher` whose `state_dict()` / `load_state_dict()` save and restore process 0's position.
+
+    Every process reports the same state (process 0's, sent with each batch) and may load it: only process 0's
+    wrapped loader reads, the others take their epoch count from it.
+
+    Args: as `DataLoaderDispatcher`.
+    """
+
+    def _position(self) -> dict:
+        return self._wrapped_position()
+
+    def _entering_batch(self, batch) -> None:
+        # The end of the epoch is the global one (batch.last), the same on every process even where this
+        # process has no part of the last batch.
+        self._record(batch.position, batch.last)
+
+
+__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard"]
