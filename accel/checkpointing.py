@@ -3,7 +3,8 @@
 `Accelerator.save_state` / `load_state` (accel.checkpoint.state) are what scripts call; these are the lower-level
 functions HF exposes, writing the same files (HF's layout: `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
 `sampler.bin`, `dl_state_dict.bin` (stateful dataloaders), `scaler.pt`, `random_states_{rank}.pkl`,
-`custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further objects), so a folder written by either is read by the other. Differences from HF:
+`custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further objects), so a folder written by either is read by the
+other. Differences from HF:
 
 - every shared file is written by the main process only (HF writes `scaler.pt` and `dl_state_dict.bin` from every
   process at once: a dispatched loader's file is then right or wrong depending on which write lands last), each

@@ -1,9 +1,11 @@
 """`accelerate.data_loader`'s import path: a re-export of `accel.data`."""
 
 from accel.data.loaders import (  # noqa: F401
+    DataLoaderAdapter,
     DataLoaderDispatcher,
     DataLoaderShard,
     DataLoaderStateMixin,
+    SkipDataLoader,
     get_sampler,
     prepare_data_loader,
     skip_first_batches,
@@ -17,12 +19,14 @@ from accel.data.samplers import (  # noqa: F401
 
 __all__ = [
     "BatchSamplerShard",
+    "DataLoaderAdapter",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DataLoaderStateMixin",
     "IterableDatasetShard",
     "SeedableRandomSampler",
     "SkipBatchSampler",
+    "SkipDataLoader",
     "get_sampler",
     "prepare_data_loader",
     "skip_first_batches",

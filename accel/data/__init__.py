@@ -1,9 +1,11 @@
 """Sharded data loading: samplers, prepared dataloaders, RNG synchronization and gather_for_metrics truncation."""
 
 from accel.data.loaders import (
+    DataLoaderAdapter,
     DataLoaderDispatcher,
     DataLoaderShard,
     DataLoaderStateMixin,
+    SkipDataLoader,
     gather_for_metrics_truncation,
     get_sampler,
     prepare_data_loader,
@@ -14,6 +16,7 @@ from accel.data.samplers import BatchSamplerShard, IterableDatasetShard, Seedabl
 
 __all__ = [
     "BatchSamplerShard",
+    "DataLoaderAdapter",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DataLoaderStateMixin",
@@ -21,6 +24,7 @@ __all__ = [
     "RNGType",
     "SeedableRandomSampler",
     "SkipBatchSampler",
+    "SkipDataLoader",
     "gather_for_metrics_truncation",
     "get_sampler",
     "prepare_data_loader",

@@ -39,9 +39,11 @@ from accel.data.samplers import (
 from accel.state import GradientState, PartialState
 
 __all__ = [
+    "DataLoaderAdapter",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DataLoaderStateMixin",
+    "SkipDataLoader",
     "gather_for_metrics_truncation",
     "get_sampler",
     "override_even_batches",
@@ -159,15 +161,36 @@ def _set_epoch_everywhere(loader: DataLoader, epoch: int) -> None:
         loader.dataset.set_epoch(epoch)
 
 
-class _PreparedLoader(DataLoader, DataLoaderStateMixin):
-    """What both prepared loaders share: GradientState, epochs, and the DataLoader arguments they keep."""
+class DataLoaderAdapter(DataLoader, DataLoaderStateMixin):
+    """What accel's prepared loaders share: GradientState, epochs, and the DataLoader arguments they keep.
 
-    # True for the loaders of accel.data.stateful (torchdata's StatefulDataLoader under them): save_state saves
+    HF Accelerate's class of this name wraps a `DataLoader` (or torchdata's `StatefulDataLoader`) and pretends to
+    be its class; accel's loaders simply are `DataLoader`s. `use_stateful_dataloader=True` makes any of them
+    (`DataLoaderShard(..., use_stateful_dataloader=True)`, as in HF) its variant on torchdata's
+    `StatefulDataLoader` (accel.data.stateful), whose `state_dict()` / `load_state_dict()` save and resume the
+    position within an epoch.
+
+    Args:
+        dataset: The dataset.
+        use_stateful_dataloader: Build the stateful variant (needs torchdata >= 0.8).
+        _drop_last: The original loader's `drop_last`.
+        _non_blocking: Copy batches to the device with `non_blocking=True`.
+        skip_batches: Batches to skip at the start of each epoch.
+        iteration: The epoch to start at.
+        **kwargs: `torch.utils.data.DataLoader` arguments.
+    """
+
+    # True for the variants of accel.data.stateful (torchdata's StatefulDataLoader under them): save_state saves
     # their `state_dict()` (HF Accelerate's attribute of the same name, which its checkpointing reads too).
     use_stateful_dataloader = False
 
-    def __init__(self, dataset, _drop_last: bool = False, _non_blocking: bool = False, skip_batches: int = 0,
-                 iteration: int = 0, **kwargs):
+    def __new__(cls, *args, use_stateful_dataloader: bool = False, **kwargs):
+        if use_stateful_dataloader and not cls.use_stateful_dataloader:
+            cls = _stateful_variant(cls)
+        return super().__new__(cls)
+
+    def __init__(self, dataset, use_stateful_dataloader: bool = False, _drop_last: bool = False,
+                 _non_blocking: bool = False, skip_batches: int = 0, iteration: int = 0, **kwargs):  # fmt: skip
         super().__init__(dataset, **kwargs)
         self._drop_last = _drop_last
         self._non_blocking = _non_blocking
@@ -202,9 +225,23 @@ class _PreparedLoader(DataLoader, DataLoaderStateMixin):
         """The sampler of indices under the batch sampler."""
         return get_sampler(self)
 
+    # Hooks of the stateful variants (accel.data.stateful), which save the position of the batch in use:
+
     def _starting_epoch(self) -> None:
         """Called just before the wrapped loader starts an epoch (after the RNG synchronization and `set_epoch`;
         on process 0 only for a dispatcher): the stateful loaders note the sampler's generator state there."""
+
+    def _position(self) -> Any:
+        """The wrapped loader's position, asked right after a batch is read (before any read-ahead)."""
+        return None
+
+    def _skip_this_epoch(self) -> int:
+        """The batches the epoch starting now skips (asked once per epoch on every process; a stateful loader
+        resumed within an epoch has skipped them already)."""
+        return self.skip_batches
+
+    def _record_position(self, position: Any, finished: bool) -> None:
+        """Called when the batch read at `position` becomes the one in use; `finished`: it is the epoch's last."""
 
     @property
     def total_dataset_length(self) -> int:
@@ -212,7 +249,7 @@ class _PreparedLoader(DataLoader, DataLoaderStateMixin):
         return getattr(self.dataset, "total_length", None) or len(self.dataset)
 
 
-class DataLoaderShard(_PreparedLoader):
+class DataLoaderShard(DataLoaderAdapter):
     """A `DataLoader` whose sampler or dataset is sharded, with device placement and RNG synchronization.
 
     At each `iter()`: synchronizes `rng_types` from process 0, calls `set_epoch(self.iteration)`, then yields the
@@ -246,33 +283,28 @@ class DataLoaderShard(_PreparedLoader):
             self.set_epoch(self.iteration)
             self.remainder, self._last_global_rows = self._last_step()
             self._uneven_role = self._uneven_role_from_lengths()
+            skip = self._skip_this_epoch()
             self._starting_epoch()
-            yield from self._through_uneven_end(self._read_ahead(super().__iter__()))
+            yield from self._through_uneven_end(self._read_ahead(super().__iter__(), skip))
             self.iteration += 1
         finally:
             self.end()
 
-    def _read_ahead(self, batches: Iterator) -> Iterator:
+    def _read_ahead(self, batches: Iterator, skip: int) -> Iterator:
         done = object()
         current = next(batches, done)
         index = 0
         while current is not done:
             # Placed before reading the next batch, so a non_blocking copy overlaps with the read.
             current = pytree.to_device(current, self.device, self._non_blocking)
-            self._before_reading_ahead()
+            position = self._position()
             following = next(batches, done)
             self.end_of_dataloader = following is done
-            self._after_reading_ahead()
-            if index >= self.skip_batches:
+            if index >= skip:
+                self._record_position(position, self.end_of_dataloader)
                 yield current
             index += 1
             current = following
-
-    def _before_reading_ahead(self) -> None:
-        """Called when a batch was read, just before the next one is (the stateful loader snapshots its state)."""
-
-    def _after_reading_ahead(self) -> None:
-        """Called once `end_of_dataloader` is known for the batch about to be yielded."""
 
     def __len__(self) -> int:
         return max(0, self._base_len() - self.skip_batches)
@@ -378,7 +410,7 @@ class _LoaderFailed:
     reason: str
 
 
-class DataLoaderDispatcher(_PreparedLoader):
+class DataLoaderDispatcher(DataLoaderAdapter):
     """A `DataLoader` that only process 0 reads; each global batch is broadcast and every process keeps its slice.
 
     A global batch is one batch of the wrapped loader with `split_batches`, else `num_processes` consecutive
@@ -428,7 +460,7 @@ class DataLoaderDispatcher(_PreparedLoader):
                 source = self._global_batches()
             elif isinstance(self.dataset, IterDataPipe):
                 DataLoader.__iter__(self)  # its iterator agrees on a shared seed with a collective on every rank
-            yield from self._through_uneven_end(self._dispatch(source))
+            yield from self._through_uneven_end(self._dispatch(source, self._skip_this_epoch()))
             self.iteration += 1
         finally:
             self.end()
@@ -441,16 +473,9 @@ class DataLoaderDispatcher(_PreparedLoader):
         groups = iter(lambda: list(itertools.islice(loaded, per_step)), [])
         if self._drop_last:
             groups = itertools.takewhile(lambda group: len(group) == per_step, groups)
-        # The position is taken as soon as a group is read, before the look-ahead reads the next one.
+        # The position is taken as soon as a group is read, before the look-ahead reads the next one; it travels
+        # with the batch, so every process records process 0's (and the epoch's end is the global one).
         return _with_last_flag((self._join(group), self._position()) for group in groups)
-
-    def _position(self) -> Any:
-        """On process 0, after a global batch was read: the loader's position (the stateful dispatcher's state)."""
-        return None
-
-    def _entering_batch(self, batch: _GlobalBatch) -> None:
-        """Called on every process when `batch` becomes the one in use, before its part is yielded (also where this
-        process has no part of it); the stateful dispatcher records `batch.position`, which process 0 sent."""
 
     @staticmethod
     def _join(group: list) -> Any:
@@ -465,21 +490,21 @@ class DataLoaderDispatcher(_PreparedLoader):
                 "split_batches=True (the main process splits each batch), or dispatch_batches=False."
             ) from error
 
-    def _dispatch(self, source) -> Iterator:
+    def _dispatch(self, source, skip: int) -> Iterator:
         current = self._receive(source)
         index = 0
         while current is not None:
             following = None if current.last else self._receive(source)
             part = self._part(current)
-            if current.last and index >= self.skip_batches:
+            if current.last and index >= skip:
                 self._uneven_role = self._uneven_role_at(current)
             if following is None or self._part_bounds(following)[1] is None:
                 self.end_of_dataloader = True
                 self.remainder = current.rows
                 self._last_global_rows = self._gathered_rows(current)
-            if index >= self.skip_batches:
-                self._entering_batch(current)
-            if part is not None and index >= self.skip_batches:
+            if index >= skip:  # (also where this process has no part of the batch)
+                self._record_position(current.position, current.last)
+            if part is not None and index >= skip:
                 yield pytree.to_device(part, self.device, self._non_blocking)
             index += 1
             current = following
@@ -600,7 +625,7 @@ def _even_batches_owner(loader: DataLoader) -> Any:
     join_uneven_inputs leaves those as they are and warns)."""
     if isinstance(loader, DataLoaderDispatcher):
         return None if isinstance(loader.dataset, IterableDataset) else loader
-    sampler = loader._index_batch_sampler() if isinstance(loader, _PreparedLoader) else loader.batch_sampler
+    sampler = loader._index_batch_sampler() if isinstance(loader, DataLoaderAdapter) else loader.batch_sampler
     while isinstance(sampler, SkipBatchSampler):
         sampler = sampler.batch_sampler
     return sampler if isinstance(sampler, BatchSamplerShard) else None
@@ -737,7 +762,8 @@ def prepare_data_loader(
         torch_device_mesh: Device meshes (tensor/context parallelism) are refused (UnsupportedFeatureError).
 
     Returns:
-        A `DataLoaderShard` or a `DataLoaderDispatcher`.
+        A `DataLoaderShard` or a `DataLoaderDispatcher` (their `StatefulDataLoader` variants with
+        `use_stateful_dataloader`).
 
     Example:
         ```python
@@ -771,11 +797,10 @@ def prepare_data_loader(
     if use_stateful_dataloader and not isinstance(sampler, SeedableRandomSampler):
         _synchronized_generator(sampler)  # a stateful loader saves the state of the generator its order comes from
     kwargs = _copied_kwargs(dataloader)
+    kwargs["use_stateful_dataloader"] = use_stateful_dataloader
     if dispatch_batches:
-        dispatcher_class = _stateful_class("StatefulDataLoaderDispatcher") if use_stateful_dataloader \
-            else DataLoaderDispatcher  # fmt: skip
-        return _dispatcher(dispatcher_class, dataloader, batch_sampler, split_batches, even_batches, device,
-                           slice_fn_for_dispatch, non_blocking, kwargs)
+        return _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn_for_dispatch,
+                           non_blocking, kwargs)
     dataset, batch_sampler, synchronized_generator = _shard(dataset, batch_sampler, sampler, dataloader,
                                                             num_processes, process_index, split_batches,
                                                             even_batches)
@@ -784,25 +809,24 @@ def prepare_data_loader(
     common = dict(device=device if put_on_device else None, rng_types=rng_types,
                   synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
                   _non_blocking=non_blocking, **kwargs)
-    shard_class = _stateful_class("StatefulDataLoaderShard") if use_stateful_dataloader else DataLoaderShard
     if batch_sampler is None:
         batch_size = dataloader.batch_size
         if split_batches and num_processes > 1:
             batch_size //= num_processes
-        return shard_class(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
+        return DataLoaderShard(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
     if isinstance(dataloader.sampler, BatchSampler):
-        return shard_class(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common)
-    return shard_class(dataset, batch_sampler=batch_sampler, **common)
+        return DataLoaderShard(dataset, sampler=batch_sampler, batch_size=dataloader.batch_size, **common)
+    return DataLoaderShard(dataset, batch_sampler=batch_sampler, **common)
 
 
-def _stateful_class(name: str) -> type:
-    """`name` from accel.data.stateful (that module imports torchdata, so only when asked for)."""
+def _stateful_variant(cls: type) -> type:
+    """`cls` on torchdata's StatefulDataLoader (accel.data.stateful imports torchdata, so only when asked for)."""
     try:
         stateful = importlib.import_module("accel.data.stateful")
     except ImportError as error:
         raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader (torchdata >= 0.8: "
                           f"pip install torchdata): {error}") from error
-    return getattr(stateful, name)
+    return stateful.stateful_variant(cls)
 
 
 def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_index, split_batches, even_batches):
@@ -818,17 +842,35 @@ def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_i
     return dataset, shard, generator
 
 
-def _dispatcher(dispatcher_class, dataloader, batch_sampler, split_batches, even_batches, device, slice_fn,
-                non_blocking, kwargs):  # fmt: skip
+def _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn, non_blocking, kwargs):
     common = dict(split_batches=split_batches, even_batches=even_batches, device=device, slice_fn=slice_fn,
                   _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
     if batch_sampler is None:
-        return dispatcher_class(dataloader.dataset, batch_size=dataloader.batch_size,
-                                drop_last=dataloader.drop_last, **common)
-    return dispatcher_class(dataloader.dataset, batch_sampler=batch_sampler, **common)
+        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
+                                    drop_last=dataloader.drop_last, **common)
+    return DataLoaderDispatcher(dataloader.dataset, batch_sampler=batch_sampler, **common)
 
 
 # --- skip_first_batches -------------------------------------------------------------------------------------------
+
+
+class SkipDataLoader(DataLoaderShard):
+    """A `DataLoader` whose iterations skip their first `skip_batches` batches (HF Accelerate's class, which
+    `skip_first_batches` returns for a plain, unprepared loader over an iterable dataset).
+
+    It registers with `GradientState` while iterated and, unlike HF's, knows its last batch (`end_of_dataloader`),
+    as every prepared loader does. Prefer `skip_first_batches`, or a stateful loader.
+
+    Args:
+        dataset: The dataset.
+        skip_batches: The number of batches to skip at the start of each iteration.
+        use_stateful_dataloader: Build it on torchdata's `StatefulDataLoader`.
+        **kwargs: `torch.utils.data.DataLoader` arguments.
+    """
+
+    def __init__(self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs):
+        super().__init__(dataset, skip_batches=skip_batches, use_stateful_dataloader=use_stateful_dataloader,
+                         **kwargs)  # fmt: skip
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
@@ -856,8 +898,9 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     else:
         kwargs.update(_drop_last=dataloader.drop_last)
     if isinstance(dataloader.dataset, IterableDataset):
-        return DataLoaderShard(dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
-                               skip_batches=num_batches, **kwargs)
+        skipping = DataLoaderShard if isinstance(dataloader, DataLoaderShard) else SkipDataLoader
+        return skipping(dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
+                        skip_batches=num_batches, **kwargs)
     if isinstance(dataloader.sampler, BatchSampler):
         skipped = SkipBatchSampler(dataloader.sampler, num_batches)
         kwargs.update(sampler=skipped, batch_size=dataloader.batch_size)

@@ -24,28 +24,36 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from accel.data.loaders import DataLoaderDispatcher, DataLoaderShard, get_sampler
+from accel.data.loaders import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader, get_sampler
 
 _FINISHED = "_iterator_finished"  # StatefulDataLoader's key: the epoch is over
 _ITERATION = "_accel_iteration"  # ours: the epoch the state belongs to (ignored by StatefulDataLoader)
 _GENERATOR = "_accel_sampler_generator"  # ours: the sampler generator's state the epoch resumed in starts from
+_SKIP = "_accel_skip"  # ours: the batches still to skip (skip_batches) in the epoch resumed in
 
 
 class _SavesPosition:
-    """`state_dict()` / `load_state_dict()` of a prepared loader, from the snapshots its subclass records."""
+    """`state_dict()` / `load_state_dict()` of a prepared loader, from the positions its loop reports (the hooks
+    `_starting_epoch`, `_position` and `_record_position` of `DataLoaderAdapter`)."""
 
     use_stateful_dataloader = True
     _snapshot: dict | None = None
     _epoch_generator = None  # the sampler generator's state when the current epoch started
+    _resumed_skip: int | None = None  # the skip of the epoch a loaded state resumes in
 
     def _sampler_generator(self):
         return getattr(get_sampler(self), "generator", None)
+
+    def _skip_this_epoch(self) -> int:
+        skip = self.skip_batches if self._resumed_skip is None else self._resumed_skip
+        self._resumed_skip = None
+        return skip
 
     def _starting_epoch(self) -> None:
         generator = self._sampler_generator()
         self._epoch_generator = None if generator is None else generator.get_state()
 
-    def _wrapped_position(self) -> dict:
+    def _position(self) -> dict:
         """The wrapped loader's state now, with the sampler generator's states at the epoch's start and now."""
         position = StatefulDataLoader.state_dict(self)
         generator = self._sampler_generator()
@@ -53,10 +61,10 @@ class _SavesPosition:
             position[_GENERATOR] = (self._epoch_generator, generator.get_state())
         return position
 
-    def _record(self, position: dict, finished: bool) -> None:
-        """Records `position` (a `_wrapped_position` right after the batch about to be used)."""
+    def _record_position(self, position: dict, finished: bool) -> None:
         # Resuming after the last batch starts the next epoch, whose number set_epoch must get.
-        snapshot = {**position, _FINISHED: finished, _ITERATION: self.iteration + (1 if finished else 0)}
+        snapshot = {**position, _FINISHED: finished, _ITERATION: self.iteration + (1 if finished else 0),
+                    _SKIP: self.skip_batches if finished else 0}  # fmt: skip
         if _GENERATOR in snapshot:  # the next epoch draws from the generator as it is now; this one from its start
             at_start, now = snapshot[_GENERATOR]
             snapshot[_GENERATOR] = now if finished else at_start
@@ -66,7 +74,7 @@ class _SavesPosition:
         """The position after the batch in use (before the first iteration: the start of the epoch)."""
         if self._snapshot is not None:
             return dict(self._snapshot)
-        state = {**StatefulDataLoader.state_dict(self), _ITERATION: self.iteration}
+        state = {**StatefulDataLoader.state_dict(self), _ITERATION: self.iteration, _SKIP: self.skip_batches}
         generator = self._sampler_generator()
         return state if generator is None else {**state, _GENERATOR: generator.get_state()}
 
@@ -74,28 +82,23 @@ class _SavesPosition:
         """Resumes from `state_dict` at the next iteration (a state without accel's epoch keeps the current one)."""
         state_dict = dict(state_dict)
         self.iteration = state_dict.pop(_ITERATION, self.iteration)
+        self._resumed_skip = state_dict.pop(_SKIP, None)
         generator_state, generator = state_dict.pop(_GENERATOR, None), self._sampler_generator()
         if generator_state is not None and generator is not None:
             # Set now, before the next epoch's RNG synchronization (which then gives process 0's everywhere).
             generator.set_state(generator_state)
         # Kept as the position until the next batch: asking the wrapped loader would start an iterator early.
-        self._snapshot = {**state_dict, _ITERATION: self.iteration}
+        self._snapshot = {**state_dict, _ITERATION: self.iteration, _SKIP: self._resumed_skip}
         if generator_state is not None:
             self._snapshot[_GENERATOR] = generator_state
         StatefulDataLoader.load_state_dict(self, state_dict)
 
 
 class StatefulDataLoaderShard(_SavesPosition, DataLoaderShard, StatefulDataLoader):
-    """A `DataLoaderShard` whose `state_dict()` / `load_state_dict()` save and restore the position in the epoch.
+    """A `DataLoaderShard` whose `state_dict()` / `load_state_dict()` save and restore its position in the epoch.
 
     Args: as `DataLoaderShard` (and `StatefulDataLoader`'s `snapshot_every_n_steps` for worker processes).
     """
-
-    def _before_reading_ahead(self) -> None:
-        self._read_position = self._wrapped_position()
-
-    def _after_reading_ahead(self) -> None:
-        self._record(self._read_position, self.end_of_dataloader)
 
 
 class StatefulDataLoaderDispatcher(_SavesPosition, DataLoaderDispatcher, StatefulDataLoader):
@@ -107,13 +110,24 @@ class StatefulDataLoaderDispatcher(_SavesPosition, DataLoaderDispatcher, Statefu
     Args: as `DataLoaderDispatcher`.
     """
 
-    def _position(self) -> dict:
-        return self._wrapped_position()
 
-    def _entering_batch(self, batch) -> None:
-        # The end of the epoch is the global one (batch.last), the same on every process even where this
-        # process has no part of the last batch.
-        self._record(batch.position, batch.last)
+class StatefulSkipDataLoader(_SavesPosition, SkipDataLoader, StatefulDataLoader):
+    """A `SkipDataLoader` whose `state_dict()` / `load_state_dict()` save and restore its position in the epoch.
+
+    Args: as `SkipDataLoader`.
+    """
 
 
-__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard"]
+_VARIANTS = {DataLoaderShard: StatefulDataLoaderShard, DataLoaderDispatcher: StatefulDataLoaderDispatcher,
+             SkipDataLoader: StatefulSkipDataLoader}  # fmt: skip
+
+
+def stateful_variant(cls: type) -> type:
+    """The class that is `cls` on torchdata's `StatefulDataLoader` (made once for a subclass of accel's loaders)."""
+    if cls not in _VARIANTS:
+        _VARIANTS[cls] = type(f"Stateful{cls.__name__}", (_SavesPosition, cls, StatefulDataLoader),
+                              {"__module__": cls.__module__, "__doc__": cls.__doc__})  # fmt: skip
+    return _VARIANTS[cls]
+
+
+__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard", "StatefulSkipDataLoader", "stateful_variant"]

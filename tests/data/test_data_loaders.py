@@ -9,9 +9,11 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from data_fixtures import Stream
 from accel.data import (
+    DataLoaderAdapter,
     DataLoaderDispatcher,
     DataLoaderShard,
     SeedableRandomSampler,
+    SkipDataLoader,
     gather_for_metrics_truncation,
     prepare_data_loader,
     skip_first_batches,
@@ -120,7 +122,9 @@ def test_skip_first_batches_on_plain_and_prepared_loaders():
     plain = skip_first_batches(DataLoader(range(10), batch_size=3), 2)
     assert type(plain) is DataLoader and [b.tolist() for b in plain] == [[6, 7, 8], [9]] and len(plain) == 2
     stream = skip_first_batches(DataLoader(Stream(10), batch_size=3), 2)
+    assert type(stream) is SkipDataLoader and isinstance(stream, DataLoaderAdapter)  # HF's classes
     assert [b.tolist() for b in stream] == [[6, 7, 8], [9]] and len(stream) == 2
+    assert [GradientState().end_of_dataloader for _ in stream] == [False, True]  # (HF's never knows)
     prepared = prepare_data_loader(DataLoader(range(10), batch_size=2), num_processes=2, process_index=0)
     resumed = skip_first_batches(prepared, 1)
     assert isinstance(resumed, DataLoaderShard) and len(resumed) == 2

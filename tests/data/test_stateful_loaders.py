@@ -137,3 +137,22 @@ def test_a_plain_stateful_dataloader_state_loads(tmp_path):
         DataLoader(torch.arange(10), batch_size=2))
     loader.load_state_dict(plain.state_dict())
     assert _run(loader)[0] == [[4, 5], [6, 7], [8, 9]] and loader.iteration == 1
+
+
+def test_hf_s_constructors_take_use_stateful_dataloader():
+    import pickle
+
+    from accel.data import DataLoaderAdapter, DataLoaderShard, SkipDataLoader
+
+    shard = DataLoaderShard(torch.arange(6), batch_size=2, use_stateful_dataloader=True)
+    assert type(shard).__name__ == "StatefulDataLoaderShard" and isinstance(shard, DataLoaderAdapter)
+    assert shard.use_stateful_dataloader and not DataLoaderShard(torch.arange(6)).use_stateful_dataloader
+    assert type(pickle.loads(pickle.dumps(shard))) is type(shard)
+    # A skipping loader resumed within its epoch does not skip again; a new epoch skips as usual.
+    skipping = SkipDataLoader(Stream(8), skip_batches=1, batch_size=2, use_stateful_dataloader=True)
+    saved = {}
+    first, after = _run(skipping, 0, lambda step: saved.setdefault("state", skipping.state_dict()))
+    resumed = SkipDataLoader(Stream(8), skip_batches=1, batch_size=2, use_stateful_dataloader=True)
+    resumed.load_state_dict(saved["state"])
+    assert first == [[2, 3], [4, 5], [6, 7]] and _run(resumed)[0] == after == [[4, 5], [6, 7]]
+    assert _run(resumed)[0] == first
