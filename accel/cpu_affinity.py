@@ -25,6 +25,7 @@ import logging
 import os
 from pathlib import Path
 
+from accel._env import get_flag
 from accel.environment import SETTING_PREFIXES, get_cpu_distributed_information, parse_flag_from_env, query_gpus
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,8 @@ def override_numa_affinity(local_process_index: int, verbose: bool | None = None
         return
     from accel.availability import is_cuda_available
 
-    cpus = gpu_local_cpus(local_process_index) if is_cuda_available() else None
+    # `accel launch --cpu` (ACCEL_USE_CPU) on a GPU machine runs CPU ranks: they get their share of the CPUs.
+    cpus = gpu_local_cpus(local_process_index) if is_cuda_available() and not get_flag("USE_CPU") else None
     if cpus is None:
         cpus = cpu_affinity_for(local_process_index, get_cpu_distributed_information().local_world_size)
     os.sched_setaffinity(0, cpus)

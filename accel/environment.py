@@ -340,10 +340,14 @@ def is_port_in_use(port: int | None = None) -> bool:
         return sock.connect_ex(("localhost", 29500 if port is None else port)) == 0
 
 
-def get_free_port() -> int:
-    """A TCP port nothing listens on right now on this machine (the OS's choice), e.g. for a rendezvous."""
+def get_free_port(address: str = "") -> int:
+    """A TCP port nothing listens on right now (the OS's choice), e.g. for a rendezvous.
+
+    Args:
+        address: The address to find it on (default: every address of this machine, as HF's).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 

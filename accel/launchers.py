@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -25,9 +24,15 @@ import torch
 import torch.distributed as dist
 
 from accel._env import MIXED_PRECISIONS
+from accel.environment import get_free_port
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
-__all__ = ["PrepareForLaunch", "debug_launcher", "notebook_launcher"]
+__all__ = ["ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION", "PrepareForLaunch", "debug_launcher",
+           "notebook_launcher", "test_launch"]  # fmt: skip
+
+# HF's constant: the torch version whose elastic LaunchConfig takes `log_line_prefix_template`. accel needs torch
+# >= 2.4, so notebook_launcher always passes it.
+ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION = "2.2.0"
 
 # The signals torch's elastic agent installs its own handlers for (LaunchConfig.signals_to_handle).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -122,19 +127,12 @@ def _check_mixed_precision(mixed_precision: str) -> str:
     return value
 
 
-def _free_port(address: str) -> int:
-    """A port nobody listens on at `address` right now (the OS's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
 def _rendezvous_port(use_port: str | int, master_addr: str, num_nodes: int) -> int:
     if str(use_port) != "0":
         return int(use_port)
     if num_nodes > 1:
         raise ValueError("use_port='0' picks a port on this machine only; give the port all machines use.")
-    return _free_port(master_addr)
+    return get_free_port(master_addr)
 
 
 # --- What the forked processes run -------------------------------------------------------------------------------
@@ -157,6 +155,11 @@ def _fresh_state_entrypoint(function: Callable) -> Callable:
 
 
 # --- notebook_launcher -------------------------------------------------------------------------------------------
+
+
+def test_launch() -> None:
+    """Checks that a `PartialState` can be created in this process (HF's launcher self-test)."""
+    PartialState()
 
 
 def _launch_config(
@@ -362,7 +365,7 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
             "WORLD_SIZE": str(num_processes),
             "LOCAL_WORLD_SIZE": str(num_processes),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port("127.0.0.1")),
+            "MASTER_PORT": str(get_free_port("127.0.0.1")),
             "ACCEL_MIXED_PRECISION": "no",
             "ACCEL_USE_CPU": "1",
             "ACCEL_FORK_LAUNCHED": "1",

@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from accel.collectives.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
+
+
+def move_to_device(state: Any, device: Any) -> Any:
+    """`state` (an optimizer state dict: nested dicts, lists and tuples) with every tensor on `device` (HF's name;
+    the same walk as `send_to_device`)."""
+    return send_to_device(state, device)
+
+
+def patch_optimizer_step(accelerated_optimizer: AcceleratedOptimizer, method: Callable) -> Callable:
+    """`method` (an optimizer's `step`) wrapped to set `accelerated_optimizer._accelerate_step_called = True` before
+    each call (HF's helper: with a gradient scaler, a step the scaler skips never calls it). accel's
+    AcceleratedOptimizer reads skipped steps from the scaler itself and does not patch."""
+
+    def patched_step(*args: Any, **kwargs: Any) -> Any:
+        accelerated_optimizer._accelerate_step_called = True
+        return method(*args, **kwargs)
+
+    return patched_step
 
 
 def lomo_optimizer_classes() -> tuple[type, ...] | None:
@@ -51,7 +69,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False
         self._updates_in_backward = is_lomo_optimizer(optimizer)  # known once: step() is the hot path
         if device_placement:
-            self.optimizer.load_state_dict(send_to_device(self.optimizer.state_dict(), self.accelerator_state.device))
+            self.optimizer.load_state_dict(move_to_device(self.optimizer.state_dict(), self.accelerator_state.device))
 
     @property
     def state(self) -> dict:
@@ -85,7 +103,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.device_placement:
-            state_dict = send_to_device(state_dict, self.accelerator_state.device)
+            state_dict = move_to_device(state_dict, self.accelerator_state.device)
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from accel._env import get_flag, get_setting
 
@@ -179,6 +179,10 @@ class GradScalerKwargs(KwargsHandler):
 PROFILE_PATTERN_NAME = "profile_{suffix}.json"  # HF Accelerate's trace file name; the suffix is the process index
 
 
+# HF's name for the activities ProfileKwargs takes.
+ProfilerActivity = Literal["cpu", "xpu", "mtia", "cuda", "hpu"]
+
+
 @dataclasses.dataclass
 class ProfileKwargs(KwargsHandler):
     """Settings of `torch.profiler.profile` for `Accelerator.profile()` (HF Accelerate's fields and defaults).
@@ -199,7 +203,7 @@ class ProfileKwargs(KwargsHandler):
         ```
     """
 
-    activities: list[str] | None = None
+    activities: list[ProfilerActivity] | None = None
     schedule_option: dict[str, int] | None = None
     on_trace_ready: Any = None
     record_shapes: bool = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import os
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from datetime import timedelta
@@ -60,8 +61,36 @@ def is_initialized() -> bool:
     return "_mixed_precision" in AcceleratorState._shared_state
 
 
-def _do_nothing(*args, **kwargs) -> None:
+def do_nothing(*args, **kwargs) -> None:
+    """Takes anything, does nothing, returns None (what `on_main_process` & co. give the other processes)."""
     return None
+
+
+class ThreadLocalSharedDict(threading.local):
+    """A descriptor holding one dict per thread, shared by every instance of the class it is set on (HF's).
+
+    `Class._shared_state` and `instance._shared_state` both give the current thread's dict, and assigning through an
+    instance replaces it; assigning on the class replaces the descriptor itself, so clear it in place instead.
+    HF Accelerate uses it as the singletons' shared state under PJRT's multithreaded XLA (TPU v2/v3), which accel
+    does not run.
+
+    Args:
+        thread_local: Unused; HF's signature.
+    """
+
+    def __init__(self, thread_local: bool = False):
+        self._storage = {}
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> dict:
+        return self._storage
+
+    def __set__(self, obj: Any, value: dict) -> None:
+        self._storage = value
+
+
+# The type of the singletons' shared state: a plain dict, shared by all threads (HF switches to
+# ThreadLocalSharedDict when torch_xla is installed; accel does not run XLA, so there is no such case).
+SharedDict = dict
 
 
 # --- Resolving the environment once ------------------------------------------------------------------------------
@@ -168,6 +197,16 @@ def _barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool
 # --- split_between_processes -------------------------------------------------------------------------------------
 
 
+def _pin_cpus(local_process_index: int) -> None:
+    """With ACCEL_CPU_AFFINITY (HF: ACCELERATE_CPU_AFFINITY) set, pins this process to its CPUs, as HF's
+    PartialState does (`accel.cpu_affinity.set_numa_affinity`: once per process, so a process `accel launch`'s
+    worker pinned already is not pinned again)."""
+    if get_flag("CPU_AFFINITY"):
+        from accel.cpu_affinity import set_numa_affinity
+
+        set_numa_affinity(local_process_index)
+
+
 def _shard_bounds(length: int, num_processes: int, process_index: int) -> tuple[int, int]:
     """[start, end) of this process's contiguous shard: the first `length % num_processes` shards get one more."""
     per_process, extras = divmod(length, num_processes)
@@ -249,7 +288,7 @@ class PartialState:
         ```
     """
 
-    _shared_state: dict = {}
+    _shared_state: dict = SharedDict()
     _known_attrs = [
         "_cpu",
         "_shared_state",
@@ -289,6 +328,7 @@ class PartialState:
             fields = _single_process_fields(use_cuda, timeout)
         fields.update(_cpu=cpu, debug=debug)
         self._shared_state.update(fields)
+        _pin_cpus(self.local_process_index)
 
     def __repr__(self) -> str:
         backend = f"  Backend: {self.backend}" if self.backend else ""
@@ -465,7 +505,7 @@ class PartialState:
         return self._only_if(self.local_process_index == local_process_index, function)
 
     def _only_if(self, selected: bool, function: Callable[..., Any]):
-        return function if selected or not self.use_distributed else _do_nothing
+        return function if selected or not self.use_distributed else do_nothing
 
     def print(self, *args, **kwargs) -> None:
         """`print` on the local main process only."""
@@ -556,7 +596,7 @@ class AcceleratorState:
         **kwargs: Passed to `PartialState` (process group options).
     """
 
-    _shared_state: dict = {}
+    _shared_state: dict = SharedDict()
     _known_attrs = PartialState._known_attrs + ["_mixed_precision", "dynamo_plugin"]
 
     def __init__(
@@ -701,7 +741,7 @@ class GradientState:
             A later instance with different kwargs updates them.
     """
 
-    _shared_state: dict = {}
+    _shared_state: dict = SharedDict()
 
     def __init__(self, gradient_accumulation_plugin=None):
         self.__dict__ = self._shared_state

@@ -8,8 +8,8 @@ The JSON is what tests/conformance/test_surface.py checks accel against, so a re
 installed. It records: the names `accelerate/__init__.py` imports; the public names of `accelerate.utils`
 (submodules left out); the public members of `Accelerator`, `PartialState`, `AcceleratorState` and
 `GradientState`; every `accelerate launch` option (its longest spelling); the subcommands; the module paths
-users import; and, per HF example and per test script, the unconditional `from accelerate... import ...`
-statements (not under `if` or `try`).
+users import, and per module path the public names it defines (see `module_names`); and, per HF example and per
+test script, the unconditional `from accelerate... import ...` statements (not under `if` or `try`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import ast
 import importlib
 import json
+import logging
 import pathlib
 import types
 
@@ -42,6 +43,30 @@ def utils_names() -> list[str]:
 
 def members(cls) -> list[str]:
     return sorted(n for n in dir(cls) if not n.startswith("_"))
+
+
+def assigned_names(module: types.ModuleType) -> set[str]:
+    """The names a module's own source assigns at its top level (its constants and aliases)."""
+    source = getattr(module, "__file__", None)
+    if source is None or not source.endswith(".py"):
+        return set()
+    names = set()
+    for node in ast.parse(pathlib.Path(source).read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names.update(target.id for target in targets if isinstance(target, ast.Name))
+    return names
+
+
+def module_names(path: str) -> list[str]:
+    """The public names `accelerate.<path>` defines: functions and classes whose `__module__` is it, names its
+    source assigns at top level, and its `__all__`; module-level loggers (not an API) are left out."""
+    name = f"accelerate.{path}"
+    module = importlib.import_module(name)
+    defined = {n for n in dir(module) if getattr(getattr(module, n), "__module__", None) == name}
+    defined |= {n for n in assigned_names(module) if hasattr(module, n)}
+    defined |= set(getattr(module, "__all__", []))
+    loggers = (logging.Logger, logging.LoggerAdapter)
+    return sorted(n for n in defined if not n.startswith("_") and not isinstance(getattr(module, n, None), loggers))
 
 
 def launch_options() -> list[str]:
@@ -91,6 +116,7 @@ def main() -> None:
         "launch_options": launch_options(),
         "subcommands": SUBCOMMANDS,
         "module_paths": MODULE_PATHS,
+        "module_names": {path: module_names(path) for path in MODULE_PATHS},
         "examples": imports_of(args.examples, args.examples),
         "test_scripts": imports_of(scripts, scripts),
     }

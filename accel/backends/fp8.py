@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import torch
 
@@ -26,10 +26,13 @@ from accel.unsupported import refuse
 FEATURE = "FP8 training"
 INSTEAD = "accel trains in mixed_precision 'bf16' or 'fp16' (or 'no'); use one of those."
 _ENV = "ACCELERATE_FP8_"
-_FORMATS = ("HYBRID", "E4M3", "E5M2")
-_AMAX_ALGORITHMS = ("max", "most_recent")
-_OPT_LEVELS = ("O1", "O2")
-_BACKENDS = ("MSAMP", "TE")
+# HF's names for the values the recipe fields take.
+Backend = Literal["MSAMP", "TE"]
+OptLevel = Literal["O1", "O2"]
+FP8Format = Literal["HYBRID", "E4M3", "E5M2"]
+AmaxComputeAlgorithm = Literal["max", "most_recent"]
+_FORMATS, _AMAX_ALGORITHMS = get_args(FP8Format), get_args(AmaxComputeAlgorithm)
+_OPT_LEVELS, _BACKENDS = get_args(OptLevel), get_args(Backend)
 
 
 def _refuse(engine: str, asked_by: str):
@@ -68,9 +71,9 @@ class TERecipeKwargs(KwargsHandler):
     use_autocast_during_eval: bool | None = None
     margin: int | None = None
     interval: int | None = None
-    fp8_format: str | None = None
+    fp8_format: FP8Format | None = None
     amax_history_len: int | None = None
-    amax_compute_algo: str | None = None
+    amax_compute_algo: AmaxComputeAlgorithm | None = None
     override_linear_precision: tuple[bool, bool, bool] | None = None
     use_mxfp8_block_scaling: bool | None = None
 
@@ -99,7 +102,7 @@ class TERecipeKwargs(KwargsHandler):
 class MSAMPRecipeKwargs(KwargsHandler):
     """MS-AMP FP8 recipe: `opt_level` "O1" or "O2" (ACCELERATE_FP8_OPT_LEVEL, default "O2")."""
 
-    opt_level: str | None = None
+    opt_level: OptLevel | None = None
 
     def __post_init__(self) -> None:
         if self.opt_level is None:
@@ -112,7 +115,7 @@ class MSAMPRecipeKwargs(KwargsHandler):
 class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
     """Deprecated (as in HF Accelerate): TransformerEngine and MS-AMP fields plus `backend` ("MSAMP" or "TE")."""
 
-    backend: str | None = None
+    backend: Backend | None = None
 
     def __post_init__(self) -> None:
         warnings.warn("FP8RecipeKwargs is deprecated and will be removed in Accelerate v2.0.0. Please use one of the "
@@ -203,7 +206,7 @@ def apply_fp8_autowrap(model: torch.nn.Module, fp8_recipe_handler: Any) -> torch
 
 
 __all__ = [
-    "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "RECIPE_HANDLERS", "TERecipeKwargs", "apply_fp8_autowrap",
+    "AORecipeKwargs", "AmaxComputeAlgorithm", "Backend", "FP8Format", "OptLevel", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "RECIPE_HANDLERS", "TERecipeKwargs", "apply_fp8_autowrap",
     "contextual_fp8_autocast", "convert_model", "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers",
     "filter_linear_layers", "find_first_last_linear_layers", "has_ao_layers", "has_transformer_engine_layers",
 ]  # fmt: skip

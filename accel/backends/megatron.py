@@ -224,6 +224,122 @@ def add_model_config_to_megatron_parser(model_type: str) -> Callable[[Callable],
     return register
 
 
+# --- HF's model-config parsers: a transformers model's sizes as Megatron-LM arguments (no Megatron-LM needed) ----
+
+
+def _input_length(batch_data: Any, key: str, default: int) -> int:
+    return default if batch_data is None else batch_data[key].shape[1]
+
+
+def _one_stack_length(plugin: MegatronLMPlugin, own: str, batch_data: Any, max_positions: int) -> int:
+    """BERT / GPT-2: `own` (encoder/decoder_seq_length) when set, else `seq_length`, else the batch's, else the
+    maximum positions. (HF replaces a given `seq_length` with `own` even when `own` is None.)"""
+    own_length = getattr(plugin, own)
+    if own_length is not None:
+        if plugin.seq_length is not None:
+            warnings.warn(f"Both `seq_length` and `{own}` are set. Using `{own}`.")
+        return own_length
+    return plugin.seq_length if plugin.seq_length is not None else _input_length(batch_data, "input_ids", max_positions)
+
+
+def _decoder_length(plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> int:
+    """Llama-like models: `seq_length`, else the config's max_sequence_length, else decoder_seq_length, else the
+    batch's, else the maximum positions."""
+    for length in (plugin.seq_length, getattr(model.config, "max_sequence_length", None), plugin.decoder_seq_length):
+        if length is not None:
+            return length
+    return _input_length(batch_data, "input_ids", model.config.max_position_embeddings)
+
+
+def _set_network_args(plugin: MegatronLMPlugin, model: Any, **args: Any) -> None:
+    plugin.megatron_lm_default_args.update(args, model_return_dict=model.config.return_dict)
+
+
+@add_model_config_to_megatron_parser("megatron-bert")
+def parse_bert_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> None:
+    """Sets BERT's sizes (and pretraining for a masked-LM head) in `megatron_lm_plugin.megatron_lm_default_args`."""
+    config, plugin = model.config, megatron_lm_plugin
+    plugin.seq_length = _one_stack_length(plugin, "encoder_seq_length", batch_data, config.max_position_embeddings)
+    _set_network_args(plugin, model, seq_length=plugin.seq_length, model_type_name="bert",
+                      num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                      num_attention_heads=config.num_attention_heads,
+                      max_position_embeddings=config.max_position_embeddings,
+                      pretraining_flag="maskedlm" in type(model).__name__.lower(), orig_vocab_size=config.vocab_size,
+                      num_labels=config.num_labels)  # fmt: skip
+
+
+@add_model_config_to_megatron_parser("gpt2")
+def parse_gpt2_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> None:
+    """Sets GPT-2's sizes and tokenizer in `megatron_lm_plugin.megatron_lm_default_args`."""
+    config, plugin = model.config, megatron_lm_plugin
+    plugin.seq_length = _one_stack_length(plugin, "decoder_seq_length", batch_data, config.n_positions)
+    _set_network_args(plugin, model, seq_length=plugin.seq_length, return_logits=plugin.return_logits,
+                      tokenizer_type="GPT2BPETokenizer", model_type_name="gpt", num_layers=config.n_layer,
+                      hidden_size=config.n_embd, num_attention_heads=config.n_head,
+                      max_position_embeddings=config.n_positions, pretraining_flag=True,
+                      orig_vocab_size=config.vocab_size)  # fmt: skip
+
+
+@add_model_config_to_megatron_parser("t5")
+def parse_t5_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> None:
+    """Sets T5's sizes and encoder/decoder lengths in `megatron_lm_plugin.megatron_lm_default_args`."""
+    config, plugin = model.config, megatron_lm_plugin
+    max_positions = getattr(config, "n_positions", 1024)
+    if plugin.encoder_seq_length is None:
+        plugin.encoder_seq_length = _input_length(batch_data, "input_ids", max_positions)
+    if plugin.decoder_seq_length is None:
+        plugin.decoder_seq_length = _input_length(batch_data, "labels", max_positions)
+    _set_network_args(plugin, model, encoder_seq_length=plugin.encoder_seq_length,
+                      decoder_seq_length=plugin.decoder_seq_length, model_type_name="t5",
+                      num_layers=config.num_layers, hidden_size=config.d_model, num_attention_heads=config.num_heads,
+                      max_position_embeddings=max_positions, pretraining_flag=True,
+                      orig_vocab_size=config.vocab_size)  # fmt: skip
+
+
+def _decoder_args(plugin: MegatronLMPlugin, model: Any, batch_data: Any, tokenizer: str, pretraining: bool) -> None:
+    config = model.config
+    plugin.seq_length = _decoder_length(plugin, model, batch_data)
+    _set_network_args(plugin, model, return_logits=plugin.return_logits, tokenizer_type=tokenizer,
+                      model_type_name="gpt", num_layers=config.num_hidden_layers, pretraining_flag=pretraining,
+                      hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                      orig_vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
+                      seq_length=plugin.seq_length)  # fmt: skip
+
+
+@add_model_config_to_megatron_parser("llama")
+def parse_llama_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> None:
+    """Sets Llama's sizes and tokenizer in `megatron_lm_plugin.megatron_lm_default_args`."""
+    _decoder_args(megatron_lm_plugin, model, batch_data, "Llama2Tokenizer", pretraining=True)
+
+
+@add_model_config_to_megatron_parser("glm4_moe")
+def parse_glm4_moe_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data: Any) -> None:
+    """Sets GLM-4 MoE's sizes, attention, experts and precision in `megatron_lm_plugin.megatron_lm_default_args`."""
+    config, args = model.config, megatron_lm_plugin.megatron_lm_default_args
+    _decoder_args(megatron_lm_plugin, model, batch_data, "HuggingFaceTokenizer", pretraining=False)
+    dense_layers = config.first_k_dense_replace
+    args.update({
+        "kv_channels": config.head_dim, "position_embedding_type": "rope", "original_model_type": config.model_type,
+        "qk_layernorm": config.use_qk_norm, "add_bias_linear": False, "group_query_attention": True,
+        "num_query_groups": config.num_key_value_heads, "ffn_hidden_size": config.intermediate_size,
+        "add_qkv_bias": True, "normalization": "RMSNorm", "rotary-percent": 0.5, "swiglu": True,
+        "moe_ffn_hidden_size": config.moe_intermediate_size,
+        "moe_shared_expert_intermediate_size": config.moe_intermediate_size, "moe_router_pre_softmax": True,
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 0, "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_token_dispatcher_type": "alltoall", "moe_router_topk": config.num_experts_per_tok,
+        "moe_router_topk_scaling_factor": config.routed_scaling_factor,
+        "moe_layer_freq": [0] * dense_layers + [1] * (config.num_hidden_layers - dense_layers),
+        "num_experts": config.n_routed_experts, "moe_grouped_gemm": True, "moe_router_dtype": "fp32",
+        "moe_permute_fusion": True, "moe_aux_loss_coeff": 0, "rotary_base": config.rope_theta, "rope_type": "rope",
+        "rotary_percent": config.partial_rotary_factor, "norm_epsilon": 1e-3, "use_flash_attn": True,
+        "eos_token_id": config.eos_token_id, "bf16": config.bf16,
+        "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
+    })  # fmt: skip
+    if getattr(config, "fp8_param", False):
+        args.update({name: getattr(config, name) for name in ("fp8", "fp8_param", "fp8_param_gather", "fp8_recipe")})
+
+
 class AbstractTrainStep(ABC):
     """Base of a Megatron-LM train step: batching, forward step and loss functions."""
 
@@ -290,5 +406,6 @@ def avg_losses_across_data_parallel_group(losses: list) -> Any:
 __all__ = [
     "AbstractTrainStep", "BertTrainStep", "GPTTrainStep", "MODEL_CONFIGS_TO_MEGATRON_PARSERS", "MegatronLMDummyDataLoader",
     "MegatronLMDummyScheduler", "MegatronLMPlugin", "T5TrainStep", "add_model_config_to_megatron_parser",
-    "avg_losses_across_data_parallel_group",
+    "avg_losses_across_data_parallel_group", "parse_bert_config", "parse_glm4_moe_config", "parse_gpt2_config",
+    "parse_llama_config", "parse_t5_config",
 ]  # fmt: skip

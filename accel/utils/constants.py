@@ -22,6 +22,7 @@ from accel.checkpoint import (
 )
 from accel.collectives.operations import TORCH_DISTRIBUTED_OPERATION_TYPES
 from accel.environment import TORCH_LAUNCH_PARAMS
+from accel.launchers import ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION
 from accel.settings import PROFILE_PATTERN_NAME
 
 __all__ = [name for name in dir() if not name.startswith("_")]

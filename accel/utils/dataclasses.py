@@ -5,9 +5,27 @@ The configuration classes live in accel.settings; those of the backends accel do
 
 from accel.backends.bnb import BnbQuantizationConfig
 from accel.backends.deepspeed import DeepSpeedPlugin
-from accel.backends.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from accel.backends.fp8 import (
+    AmaxComputeAlgorithm,
+    AORecipeKwargs,
+    Backend,
+    FP8Format,
+    FP8RecipeKwargs,
+    MSAMPRecipeKwargs,
+    OptLevel,
+    TERecipeKwargs,
+)
 from accel.backends.fsdp import FullyShardedDataParallelPlugin, get_module_class_from_name
-from accel.backends.megatron import MegatronLMPlugin, add_model_config_to_megatron_parser
+from accel.backends.megatron import (
+    MODEL_CONFIGS_TO_MEGATRON_PARSERS,
+    MegatronLMPlugin,
+    add_model_config_to_megatron_parser,
+    parse_bert_config,
+    parse_glm4_moe_config,
+    parse_gpt2_config,
+    parse_llama_config,
+    parse_t5_config,
+)
 from accel.backends.parallelism import (
     DeepSpeedSequenceParallelConfig,
     TorchContextParallelConfig,
@@ -31,6 +49,7 @@ from accel.settings import (
     KwargsHandler,
     PrecisionType,
     ProfileKwargs,
+    ProfilerActivity,
     ProjectConfiguration,
     SageMakerDistributedType,
     TorchDynamoPlugin,
@@ -41,7 +60,9 @@ from accel.state import DistributedType
 _ELSEWHERE = ("LoggerType", "RNGType", "TensorInformation")
 
 __all__ = [
-    "AORecipeKwargs", "AutocastKwargs", "BaseEnum", "BnbQuantizationConfig", "ComputeEnvironment", "CustomDtype",
+    "AORecipeKwargs", "AmaxComputeAlgorithm", "AutocastKwargs", "Backend", "FP8Format", "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "OptLevel", "ProfilerActivity", "parse_bert_config", "parse_glm4_moe_config", "parse_gpt2_config",
+    "parse_llama_config", "parse_t5_config", "BaseEnum", "BnbQuantizationConfig", "ComputeEnvironment", "CustomDtype",
     "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig",
     "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend", "EnumWithContains", "FP8BackendType",
     "FP8RecipeKwargs", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",

@@ -1,9 +1,9 @@
 """HF Accelerate's public surface resolves in accel: a frozen list, checked without HF installed.
 
 tests/conformance/hf_accelerate_surface.json is written by tools/hf_surface.py from an install of HF Accelerate
-and a checkout of its examples. Every name, member, launch option, subcommand and module path there must
-resolve in accel with `accelerate` renamed to `accel`, except the few `accelerate.utils` names listed in
-NOT_PROVIDED, each with its reason (the README's conformance section lists them too).
+and a checkout of its examples. Every name, member, launch option, subcommand, module path and name a module path
+defines there must resolve in accel with `accelerate` renamed to `accel`, except the few `accelerate.utils` names
+listed in NOT_PROVIDED, each with its reason (the README's conformance section lists them too).
 """
 
 from __future__ import annotations
@@ -86,6 +86,12 @@ def test_subcommands():
 @pytest.mark.parametrize("path", SURFACE["module_paths"])
 def test_module_path(path):
     assert _resolves(f"accelerate.{path}", None)
+
+
+@pytest.mark.parametrize("path", sorted(SURFACE["module_names"]))
+def test_names_each_module_path_defines(path):
+    module = importlib.import_module(f"accel.{path}")
+    assert _missing(SURFACE["module_names"][path], lambda name: hasattr(module, name)) == []
 
 
 @pytest.mark.parametrize("kind", ["examples", "test_scripts"])

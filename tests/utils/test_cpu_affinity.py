@@ -139,6 +139,28 @@ def test_set_numa_affinity_pins_each_rank():
         assert not set(pinned[0]) & set(pinned[1])
 
 
+def _pinned_by_partial_state():
+    from accel.state import PartialState
+
+    original = os.sched_getaffinity(0)
+    try:
+        PartialState()
+        pinned = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, original)
+        PartialState._reset_state()
+        PartialState()  # the pinning is done once per process (cached), as in HF
+        return pinned, os.sched_getaffinity(0) == original
+    finally:
+        os.sched_setaffinity(0, original)
+        cpu_affinity.set_numa_affinity.cache_clear()
+
+
+def test_partial_state_pins_each_rank_when_cpu_affinity_is_asked(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_CPU_AFFINITY", "1")  # HF's name; ACCEL_CPU_AFFINITY works too
+    results = run_on_ranks(_pinned_by_partial_state, 2)
+    assert results == [(sorted(cpu_affinity_for(rank, 2)), True) for rank in range(2)]
+
+
 @pytest.mark.gpu
 def test_gpu_local_cpus_on_this_machine():
     cpus = cpu_affinity.gpu_local_cpus(0)
