@@ -9,10 +9,11 @@ comes back on the device of its input.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
-import stat
 from collections.abc import Mapping
 
 import torch
@@ -30,7 +31,8 @@ from accel.big_modeling.offload import (
 )
 from accel.big_modeling.tied import tied_groups
 from accel.checkpoint.model_io import checkpoint_files
-from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into
+from accel.checkpoint import leased_mapping
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from accel.unsupported import refuse
 
 logger = logging.getLogger(__name__)
@@ -217,12 +219,15 @@ def load_checkpoint_and_dispatch(
     "sequential" (fill each device in turn), an explicit {name: device}, or None (the default, as HF): everything
     on the CPU and no hooks. Each tensor is read once, shard by
     shard, straight to its device, or (for "disk") into the offload folder, so peak host memory stays near what
-    lives on the CPU plus one tensor. Weights served from the CPU in the file's dtype are not copied at all:
-    they are views of a private (copy-on-write) mapping of the safetensors file, pre-faulted while loading, so
-    they share the page cache; writing to them never reaches the file. Files that others may write are copied
-    instead (a file truncated under a mapping kills the reader; do not rewrite a checkpoint in place while a
-    model mapped from it is in use). `offload_state_dict` is accepted for compatibility: tensors are loaded one at
-    a time anyway. `preload_module_classes`: as `dispatch_model`. `full_state_dict` only concerns models whose
+    lives on the CPU plus one tensor. Every safetensors file is opened once and read through that descriptor, so a
+    checkpoint replaced while it loads is read as it was validated (rewritten in place: FileChangedError).
+    Weights served from the CPU in the file's dtype are not copied at all: they are views of a private
+    (copy-on-write) mapping of the safetensors file, pre-faulted while loading, sharing the page cache; writing to
+    them never reaches the file. The mapping holds a read lease: before anyone rewrites or truncates the file in
+    place, the weights are copied into private memory, so they never change underneath (details and limits:
+    accel.checkpoint.leased_mapping; where no lease can be taken, or with ACCEL_MAP_CHECKPOINTS=0, weights are
+    copied while loading). `offload_state_dict` is accepted for compatibility: tensors are loaded one at a time
+    anyway. `preload_module_classes`: as `dispatch_model`. `full_state_dict` only concerns models whose
     parameters are DTensors (FSDP2), which accel does not create; `broadcast_from_rank0=True` (rank 0 reads and
     broadcasts) is not supported: UnsupportedFeatureError.
     """
@@ -263,7 +268,10 @@ def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[
 
 def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device], folder: str | None,
                  dtype: torch.dtype | None, strict: bool, offload_buffers: bool) -> dict:  # fmt: skip
-    """Reads every tensor once to where the device map sends it; returns the offload index of the disk ones."""
+    """Reads every tensor once to where the device map sends it; returns the offload index of the disk ones.
+
+    Every safetensors file is opened once: its header is validated (all of them before anything is loaded) and its
+    data read through that same descriptor, so a checkpoint replaced meanwhile is read as it was validated."""
     own = dict(model.named_parameters()) | dict(model.named_buffers())
     buffers = {name for name, _ in model.named_buffers()} if not offload_buffers else set()
     persistent = set(model.state_dict(keep_vars=True))  # buffers a checkpoint holds (not e.g. rotary tables)
@@ -273,36 +281,40 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     seen: set[str] = set()
     unexpected: list[str] = []
     files = checkpoint_files(checkpoint)
-    headers = {path: read_header(path) for path in files if path.endswith(".safetensors")}  # all validated first
-    _check_shapes(own, headers)
-    for path in files:
-        if path in headers:
-            header = headers[path]
-            mapped = _mapped(path) if _maps_here(header, own, device_map, dtype) else None
-            unexpected += [name for name in header.tensors if first_name.get(name, name) not in own]
-            for saved_name, info in header.tensors.items():
+    with contextlib.ExitStack() as stack:
+        opened = {path: stack.enter_context(SafetensorsFile(path)) for path in files if path.endswith(".safetensors")}
+        _check_shapes(own, {path: f.header for path, f in opened.items()})
+        for path in files:
+            state = _tensors_of(opened[path], own, device_map, dtype) if path in opened else _load_bin(path).items()
+            for saved_name, value in state:
                 name = first_name.get(saved_name, saved_name)
-                if name in own and name not in seen:
+                if name not in own:
+                    unexpected.append(saved_name)
+                elif name not in seen:
                     seen.add(name)
-                    value = _view(mapped, info) if mapped is not None else None
-                    if value is None:
-                        value = torch.empty(info.shape, dtype=info.dtype)
-                        read_into(header, {saved_name: value})
-                    _route(model, name, value, own[name], device_map, folder, dtype, index, path, name in buffers)
-        else:
-            state_dict = _load_bin(path)
-            unexpected += [name for name in state_dict if first_name.get(name, name) not in own]
-            for saved_name, value in state_dict.items():
-                name = first_name.get(saved_name, saved_name)
-                if name in own and name not in seen:
-                    seen.add(name)
-                    _route(model, name, value, own[name], device_map, folder, dtype, index, path, name in buffers)
-            del state_dict
+                    _route(model, name, value(), own[name], device_map, folder, dtype, index, path, name in buffers)
     aliases = {name for group in tied for name in group}
     _report({n: t for n, t in own.items() if n in persistent}, seen, tied, [n for n in unexpected if n not in aliases],
             strict, checkpoint)  # fmt: skip
     _retie(model, tied, index, folder)
     return index
+
+
+def _tensors_of(file: SafetensorsFile, own: dict, device_map: Mapping[str, Device], dtype: torch.dtype | None):
+    """(name, a function giving the tensor) for every tensor of `file`, in file order: views of the file's leased
+    mapping where weights are served from the CPU in the file's dtype (see accel.checkpoint.leased_mapping), else
+    read through the file's descriptor, one tensor at a time."""
+    mapped = leased_mapping.map_file(file) if _maps_here(file.header, own, device_map, dtype) else None
+    for saved_name, info in file.header.tensors.items():
+        yield saved_name, functools.partial(_read_one, file, info, mapped)
+
+
+def _read_one(file: SafetensorsFile, info, mapped: torch.Tensor | None) -> torch.Tensor:
+    value = _view(mapped, info) if mapped is not None else None
+    if value is None:
+        value = torch.empty(info.shape, dtype=info.dtype)
+        file.read_into({info.name: value})
+    return value
 
 
 def _maps_here(header, own: dict, device_map: Mapping[str, Device], dtype: torch.dtype | None) -> bool:
@@ -313,22 +325,6 @@ def _maps_here(header, own: dict, device_map: Mapping[str, Device], dtype: torch
             if not info.dtype.is_floating_point or wanted == info.dtype:
                 return True
     return False
-
-
-def _mapped(path: str) -> torch.Tensor | None:
-    """The file as a private (copy-on-write) mapping, pre-faulted from the page cache; None when others may write
-    the file: truncated under the mapping, reading a weight would kill the process (SIGBUS)."""
-    info = os.stat(path)
-    if not _safe_to_map(info) or info.st_size == 0:
-        return None
-    data = torch.from_file(path, shared=False, size=info.st_size, dtype=torch.uint8)
-    int(data[::4096].sum())  # touch every page now, so the first forward does not pay for it
-    return data
-
-
-def _safe_to_map(info: os.stat_result) -> bool:
-    """Only files no one else may write: one truncated under a mapping kills the reader (SIGBUS)."""
-    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and info.st_uid == os.getuid()
 
 
 def _view(mapped: torch.Tensor, info) -> torch.Tensor | None:
@@ -365,13 +361,11 @@ def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | N
 
 
 def _load_bin(path: str) -> dict:
-    """A .bin state dict (weights_only): memory-mapped when the file is safe to map, else read."""
-    if _safe_to_map(os.stat(path)):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a legacy (non-zip) file cannot be mapped
-            pass
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A .bin state dict as (name, a function giving the tensor), read (weights_only) through one descriptor. Not
+    mapped: torch.load's mapping could not be guarded against in-place writers (see leased_mapping)."""
+    with open(path, "rb") as f:
+        state_dict = torch.load(f, map_location="cpu", weights_only=True)
+    return {name: (lambda tensor=tensor: tensor) for name, tensor in state_dict.items()}
 
 
 def _route(model, name, value, current, device_map, folder, dtype, index, path, keep_on_cpu: bool = False) -> None:

@@ -20,7 +20,7 @@ import torch
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.names import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import CheckpointError, read_header, read_into, save_file
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
 
 logger = logging.getLogger(__name__)
 
@@ -241,11 +241,12 @@ def _destinations(model: torch.nn.Module, dtype: torch.dtype | None, keep_fp32: 
 def _load_file_into(path: str, destinations: dict[str, torch.Tensor]) -> list[str]:
     """Reads the tensors of one file that `destinations` names; returns every name in the file."""
     if path.endswith(".safetensors"):
-        header = read_header(path)
-        # In the model's order, so that a checkpoint of another architecture names the model's first mismatch.
-        read_into(header, {name: tensor for name, tensor in destinations.items() if name in header.tensors})
-        return list(header.tensors)
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        with SafetensorsFile(path) as f:  # validated and read through one descriptor
+            # In the model's order, so that a checkpoint of another architecture names the model's first mismatch.
+            f.read_into({name: tensor for name, tensor in destinations.items() if name in f.header.tensors})
+            return list(f.header.tensors)
+    with open(path, "rb") as f:
+        state_dict = torch.load(f, map_location="cpu", weights_only=True)
     with torch.no_grad():
         for name, tensor in state_dict.items():
             if name in destinations:

@@ -57,13 +57,6 @@ class TensorInfo:
         return self.end - self.begin
 
 
-@dataclasses.dataclass(frozen=True)
-class Header:
-    path: str
-    metadata: dict[str, str]
-    tensors: dict[str, TensorInfo]  # in file order
-
-
 # --- writing -------------------------------------------------------------------------------------------------------
 
 
@@ -193,21 +186,107 @@ def _remove_quietly(path: str) -> None:
 # --- reading -------------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class FileIdentity:
+    """Which file, at which content: the device and inode say which file a name led to, size and mtime whether it
+    was rewritten in place since."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    path: str
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]  # in file order
+    identity: FileIdentity | None = None  # of the file the header was read from
+
+
+class FileChangedError(CheckpointError):
+    """The file was replaced, truncated or rewritten between reading its header and reading its data."""
+
+
+def _changed(path: str, then: FileIdentity, now: FileIdentity) -> FileChangedError:
+    if (then.device, then.inode) != (now.device, now.inode):
+        what = "was replaced by another file"
+    elif now.size < then.size:
+        what = f"was truncated ({then.size} -> {now.size} bytes)"
+    else:
+        what = "was rewritten in place"
+    return FileChangedError(f"'{path}' {what} after its header was read: another process is writing it. Load it "
+                            "again once that writer is done (writers that write a new file and rename it, as "
+                            "accel, safetensors and transformers do, never disturb a reader)")  # fmt: skip
+
+
+class SafetensorsFile:
+    """A safetensors file opened once: its header is validated and its data read through the same descriptor, so
+    that a file replaced meanwhile (an atomic rename by a writer) cannot lend its bytes to another file's header.
+    A file rewritten in place while it is read is detected (size or mtime moved) and raises FileChangedError.
+
+    Use as a context manager; `header` is validated on opening.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.header = _read_header_from(self.fd, self.path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read_into(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """As the module's `read_into`, through this file's descriptor."""
+        _read_into(self.header, targets, self.fd)
+
+    def check_unchanged(self) -> None:
+        """Raises FileChangedError when the file's size or mtime moved since its header was read."""
+        _check_unchanged(self.fd, self.header)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_header(path: str | os.PathLike) -> Header:
-    """Parses and fully validates the header of the safetensors file at `path`; touches no tensor data."""
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CheckpointError(f"'{path}' is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES:
-            raise CheckpointError(f"'{path}': header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
-        if 8 + length > size:
-            raise CheckpointError(f"'{path}': header length {length} runs past the end of the file ({size} bytes)")
-        raw = f.read(length)
-    return parse_header(path, raw, size)
+    """Parses and fully validates the header of the safetensors file at `path`; touches no tensor data.
+
+    The header records the file's identity, so that a later `read_into(header, ...)` fails instead of reading
+    another file's bytes when the file was replaced or rewritten in between. Readers that open, validate and read
+    in one go use `SafetensorsFile`."""
+    with SafetensorsFile(path) as f:
+        return f.header
+
+
+def _read_header_from(fd: int, path: str) -> Header:
+    identity = FileIdentity.of(os.fstat(fd))
+    size = identity.size
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        raise CheckpointError(f"'{path}' is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointError(f"'{path}': header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + length > size:
+        raise CheckpointError(f"'{path}': header length {length} runs past the end of the file ({size} bytes)")
+    raw = os.pread(fd, length, 8)
+    if len(raw) < length:
+        raise CheckpointError(f"'{path}' ended inside its header: the file is truncated")
+    return dataclasses.replace(parse_header(path, raw, size), identity=identity)
 
 
 def parse_header(path: str, raw: bytes, file_size: int) -> Header:
@@ -271,8 +350,18 @@ def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
     """Reads the named tensors of `header`'s file into `targets` (same shapes), converting dtype and device.
 
     Targets that are contiguous tensors of the file's dtype, on the CPU (or a GPU, with the native kernels),
-    are read into directly; the others through a temporary CPU tensor and `copy_`.
+    are read into directly; the others through a temporary CPU tensor and `copy_`. The file is opened again by
+    its path: when it is no longer the file the header was read from (replaced, truncated, rewritten), this
+    raises FileChangedError instead of reading its bytes (`SafetensorsFile` reads through one descriptor).
     """
+    fd = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _read_into(header, targets, fd)
+    finally:
+        os.close(fd)
+
+
+def _read_into(header: Header, targets: Mapping[str, torch.Tensor], fd: int) -> None:
     direct, converted = [], []
     for name, target in targets.items():
         info = header.tensors[name]
@@ -283,30 +372,53 @@ def read_into(header: Header, targets: Mapping[str, torch.Tensor]) -> None:
             direct.append((info, target))
         else:
             converted.append((info, target, torch.empty(info.shape, dtype=info.dtype)))
+    _check_unchanged(fd, header)
     # detach(): the same memory, without autograd objecting to an in-place write into a parameter.
-    _read(header.path, [(info, t.detach()) for info, t in direct] + [(info, tmp) for info, _, tmp in converted])
+    _read(fd, header.path, [(info, t.detach()) for info, t in direct] + [(info, tmp) for info, _, tmp in converted])
+    _check_unchanged(fd, header)  # a writer that changed it during the read
     with torch.no_grad():
         for _, target, temporary in converted:
             target.copy_(temporary)
 
 
-def _read(path: str, pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
+def _check_unchanged(fd: int, header: Header) -> None:
+    if header.identity is None:
+        return
+    now = FileIdentity.of(os.fstat(fd))
+    if now != header.identity:
+        raise _changed(header.path, header.identity, now)
+
+
+def descriptor_path(fd: int, path: str) -> str:
+    """A path that opens the very file `fd` is open on (Linux's /proc/self/fd), for code that takes a path (the
+    native reader, torch.from_file); `path` itself where /proc is not mounted (the identity checks then catch a
+    replaced file)."""
+    alias = f"/proc/self/fd/{fd}"
+    return alias if os.path.exists(alias) else path
+
+
+def _read(fd: int, path: str, pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
     pairs = [(info, tensor) for info, tensor in pairs if info.nbytes]
     if not pairs:
         return
     if _ext.native_for("read_tensors_", "cpu"):
-        ops.read_tensors_(path, [info.begin for info, _ in pairs], [tensor for _, tensor in pairs])
+        try:
+            ops.read_tensors_(descriptor_path(fd, path), [info.begin for info, _ in pairs], [t for _, t in pairs])
+        except RuntimeError as error:  # the native reader names the descriptor's alias; users know the path
+            raise RuntimeError(str(error).replace(f"/proc/self/fd/{fd}", path)) from None
         return
-    with open(path, "rb") as f:
-        for info, tensor in pairs:
-            f.seek(info.begin)
-            if f.readinto(_bytes_of(tensor)) != info.nbytes:
+    for info, tensor in pairs:
+        view, done = _bytes_of(tensor), 0
+        while done < info.nbytes:
+            n = os.preadv(fd, [view[done:]], info.begin + done)
+            if n == 0:
                 raise CheckpointError(f"'{path}' ended early while reading tensor '{info.name}': the file is truncated")
+            done += n
 
 
 def load_file(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file (as `safetensors.torch.load_file`), validated first."""
-    header = read_header(path)
-    tensors = {name: torch.empty(info.shape, dtype=info.dtype) for name, info in header.tensors.items()}
-    read_into(header, tensors)
+    with SafetensorsFile(path) as f:
+        tensors = {name: torch.empty(info.shape, dtype=info.dtype) for name, info in f.header.tensors.items()}
+        f.read_into(tensors)
     return {name: tensor.to(device) for name, tensor in tensors.items()}

@@ -171,16 +171,18 @@ def test_cpu_weights_map_the_file_privately_and_never_write_it(tmp_path):
         assert torch.equal(f.get_tensor("transformer.h.0.attn.c_attn.weight"), original.transformer.h[0].attn.c_attn.weight)
 
 
-def test_a_file_others_may_write_is_copied_not_mapped(tmp_path):
-    from accel.big_modeling import dispatch
+def test_a_file_others_may_write_is_mapped_under_the_same_lease(tmp_path):
+    """The lease guards against every writer, other users included (test_mapped_weights.py has the writers)."""
+    from test_mapped_weights import backing_file
 
     config, cls, _ = gpt2()
     cls(config).save_pretrained(tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "model.safetensors"
     os.chmod(path, 0o666)
-    assert dispatch._mapped(str(path)) is None
-    os.chmod(path, 0o644)
-    assert dispatch._mapped(str(path)) is not None
+    with init_empty_weights():
+        model = cls(config)
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"})
+    assert backing_file(model.transformer.h[0].attn.c_attn.weight) == str(path)
 
 
 @pytest.mark.gpu
