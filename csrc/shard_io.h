@@ -59,6 +59,46 @@ class File {
   int fd_ = -1;
 };
 
+// Which file, at which contents: a writer that replaces the file keeps the path but not the inode; one that truncates
+// or rewrites it in place moves its size or mtime. Checked around a read, so that bytes of a file that changed while
+// they were read are never handed out as a checkpoint.
+struct FileVersion {
+  dev_t device;
+  ino_t inode;
+  off_t size;
+  struct timespec mtime;
+
+  bool operator==(const FileVersion& other) const {
+    return device == other.device && inode == other.inode && size == other.size &&
+           mtime.tv_sec == other.mtime.tv_sec && mtime.tv_nsec == other.mtime.tv_nsec;
+  }
+};
+
+inline FileVersion version_of(const File& file) {
+  struct stat info {};
+  const int err = ::fstat(file.fd(), &info) == 0 ? 0 : errno;
+  TORCH_CHECK(err == 0, "cannot stat '", file.path(), "': ", errno_text(err));
+#if defined(__APPLE__)
+  return FileVersion{info.st_dev, info.st_ino, info.st_size, info.st_mtimespec};
+#else
+  return FileVersion{info.st_dev, info.st_ino, info.st_size, info.st_mtim};
+#endif
+}
+
+inline void check_unchanged(const File& file, const FileVersion& before) {
+  TORCH_CHECK(version_of(file) == before, "'", file.path(), "' was truncated or rewritten while it was being read: ",
+              "another process is writing it; read it again once that writer is done");
+}
+
+// Before any byte moves: every chunk lies inside the file (a truncated file is named, not half read).
+inline void check_covers(const File& file, const std::vector<IoChunk>& chunks, const FileVersion& version) {
+  for (const IoChunk& c : chunks) {
+    TORCH_CHECK(c.file_offset + c.bytes <= version.size, "'", file.path(), "' ended early (tensor ", c.tensor,
+                " needs bytes up to ", c.file_offset + c.bytes, ", the file has ", version.size,
+                "): the file is truncated");
+  }
+}
+
 // The first failure of any thread, reported once all threads are done.
 class FirstError {
  public:

@@ -4,7 +4,8 @@
 // Writing: the file is created, its full size reserved with posix_fallocate (a full disk fails here, before any
 // data moves, instead of as a short write halfway), then the header and every tensor's bytes are written straight
 // from the tensors' memory with pwrite, in chunks of 8 MiB spread over torch's threads, then fsync'd. Reading is
-// the same in reverse with pread, straight into the destination tensors. No intermediate buffers either way.
+// the same in reverse with pread, straight into the destination tensors. No intermediate buffers either way. A read
+// fails, naming the file, when the file is too short for what is asked or changed (size, mtime) while being read.
 #include "../shard_io.h"
 
 #include <torch/library.h>
@@ -40,8 +41,11 @@ void read_tensors_cpu(c10::string_view path, at::IntArrayRef offsets, at::Tensor
   check_on_cpu(outs, op);
   const std::vector<IoChunk> chunks = plan_io(outs, offsets, 0, op);
   File file(std::string(path), O_RDONLY, /*unlink_on_failure=*/false);
+  const FileVersion before = version_of(file);
+  check_covers(file, chunks, before);
   auto pread_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pread(file.fd(), memory, bytes, offset); };
   transfer_all(chunks, pread_fn, file, "read", /*writeback=*/false);
+  check_unchanged(file, before);
   file.commit();
 }
 

@@ -150,9 +150,13 @@ void read_tensors_cuda(c10::string_view path, at::IntArrayRef offsets, at::Tenso
   const SplitIo split = split_by_device(outs, offsets, 0, op);
   const std::vector<IoChunk> host_chunks = plan_io(split.host_tensors, split.host_offsets, 0, op);
   File file(std::string(path), O_RDONLY, /*unlink_on_failure=*/false);
+  const FileVersion before = version_of(file);
+  check_covers(file, host_chunks, before);
+  check_covers(file, split.device_chunks, before);
   auto pread_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pread(file.fd(), memory, bytes, offset); };
   transfer_all(host_chunks, pread_fn, file, "read", /*writeback=*/false);
   read_device_chunks(split, file);
+  check_unchanged(file, before);
   file.commit();
 }
 

@@ -287,6 +287,9 @@ def test_native_bad_arguments_name_the_problem(tmp_path):
         torch.ops.accel.write_tensors_(str(tmp_path / "x"), header, [torch.ones(3)], [0, 1])
     with pytest.raises(RuntimeError, match="cannot open"):
         torch.ops.accel.read_tensors_(str(tmp_path / "missing"), [0], [torch.empty(3)])
+    (tmp_path / "short").write_bytes(b"\0" * 100)
+    with pytest.raises(RuntimeError, match=r"'.*short' ended early \(tensor 1 needs bytes up to 140, the file has 100\)"):
+        torch.ops.accel.read_tensors_(str(tmp_path / "short"), [0, 60], [torch.empty(10), torch.empty(20)])
     assert not (tmp_path / "x").exists()
 
 
