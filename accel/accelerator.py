@@ -25,7 +25,8 @@ from accel import collectives
 from accel.checkpoint import save_file, save_state_dict
 from accel.checkpoint import state as checkpoint_state
 from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
-from accel.precision import precision_for, restore_forward
+from accel.module_tree import extract_model_from_parallel
+from accel.precision import precision_for
 from accel.precision.grads import Measured
 from accel.precision.grads import clip_grad_norm_ as fused_clip_grad_norm_
 from accel.scheduler import AcceleratedScheduler
@@ -54,7 +55,7 @@ from accel.settings import (
 )
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.strategies import ddp_sync
-from accel.strategies import SingleDeviceStrategy, compiled_wrapper, strategy_for
+from accel.strategies import SingleDeviceStrategy, strategy_for
 from accel.tracking.session import TrackerSession
 
 # Each kwargs handler class and the Accelerator attribute HF Accelerate stores it in (FP8 ones are refused).
@@ -493,15 +494,10 @@ class Accelerator:
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
     ) -> torch.nn.Module:
         """The user's module inside DDP (and torch.compile, unless `keep_torch_compile`, as in HF Accelerate:
-        then the compiled wrapper is returned around the unwrapped module); the bf16 forward kept or removed."""
-        compiled = compiled_wrapper(model)
-        inner = self.strategy.unwrap(model)
-        if not keep_fp32_wrapper:
-            restore_forward(inner)
-        if keep_torch_compile and compiled is not None:
-            compiled._orig_mod = inner
-            return compiled
-        return inner
+        then the compiled wrapper is returned around the unwrapped module); the bf16 forward kept or removed.
+        See `accel.module_tree.extract_model_from_parallel`."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                           keep_torch_compile=keep_torch_compile)  # fmt: skip
 
     # --- the training step -------------------------------------------------------------------------------
 

@@ -139,6 +139,11 @@ def is_lomo_available() -> bool:
     return _installed("lomo_optim", "lomo-optim")
 
 
+def is_ipex_available() -> bool:
+    """Whether Intel Extension for PyTorch is installed (`accel launch --ipex`; HF 1.x dropped its own check)."""
+    return _installed("intel_extension_for_pytorch", "intel_extension_for_pytorch", "intel-extension-for-pytorch")
+
+
 def is_deepspeed_available() -> bool:
     return _installed("deepspeed")
 

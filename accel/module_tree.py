@@ -1,8 +1,8 @@
 """A model's module tree: the user's model inside the wrappers accel and torch put around it, and walks over it.
 
-`extract_model_from_parallel` is the one unwrapping implementation (`Accelerator.unwrap_model` uses it): it
-removes torch.compile's wrapper (kept or not), DistributedDataParallel / DataParallel / FSDP (and DeepSpeed's
-engine, when DeepSpeed is imported), and optionally the mixed-precision forward accel installs.
+`extract_model_from_parallel` is the one unwrapping implementation (`Accelerator.unwrap_model` and `is_peft_model`
+use it): it removes torch.compile's wrapper (kept or not), DistributedDataParallel / DataParallel / FSDP (and
+DeepSpeed's engine, when DeepSpeed is imported), and optionally the mixed-precision forward accel installs.
 """
 
 from __future__ import annotations
@@ -108,6 +108,18 @@ def extract_model_from_parallel(
             compiled.__dict__["_orig_mod"] = model
         return compiled
     return model
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether `model` (possibly wrapped by DDP or torch.compile) is a PEFT `PeftModel`; False without peft
+    installed (peft is imported only when it is)."""
+    from accel.availability import is_peft_available
+
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    return isinstance(extract_model_from_parallel(model), PeftModel)
 
 
 def recursive_getattr(obj: Any, attr: str) -> Any:

@@ -6,7 +6,7 @@ infer_auto_device_map, clean_device_map); hooks (hooks.py: ModelHook, AlignDevic
 set_module_tensor_to_device; attach.py: attach_align_device_hook*, align_module_device); whole-model offload for
 pipelines (model_offload.py: cpu_offload_with_hook); layerwise casting (casting.py); the offload folder
 (offload.py); dispatch_model, cpu_offload, disk_offload and load_checkpoint_and_dispatch (dispatch.py); state dicts
-of big models (state_dict.py: load_state_dict, get_state_dict_offloaded_model); is_peft_model (model_kind.py).
+of big models (state_dict.py: load_state_dict, get_state_dict_offloaded_model); is_peft_model (accel.module_tree).
 """
 
 from accel.big_modeling.attach import (
@@ -48,7 +48,7 @@ from accel.big_modeling.hooks import (
     remove_hook_from_submodules,
     set_module_tensor_to_device,
 )
-from accel.big_modeling.model_kind import is_peft_model
+from accel.module_tree import is_peft_model
 from accel.big_modeling.model_offload import CpuOffload, UserCpuOffloadHook, cpu_offload_with_hook
 from accel.big_modeling.offload import (
     OffloadedWeightsLoader,

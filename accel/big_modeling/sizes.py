@@ -100,7 +100,8 @@ def get_max_layer_size(modules: list[tuple[str, nn.Module]], module_sizes: dict[
     """The size of the largest layer among `modules` (walked depth first) and the names of the layers of that size.
 
     A layer is a module without children, a module whose class is in `no_split_module_classes`, or a tensor (a
-    `(name, tensor)` entry of `modules`).
+    `(name, tensor)` entry of `modules`). A layer missing from `module_sizes` (no parameters or buffers, e.g.
+    dropout) has size 0.
     """
     largest, names = 0, []
     pending = list(modules)
@@ -110,7 +111,7 @@ def get_max_layer_size(modules: list[tuple[str, nn.Module]], module_sizes: dict[
         if children and type(module).__name__ not in no_split_module_classes:
             pending[:0] = [(f"{name}.{child}", sub) for child, sub in children]
             continue
-        size = module_sizes[name]
+        size = module_sizes.get(name, 0)
         if size > largest:
             largest, names = size, [name]
         elif size == largest:

@@ -123,28 +123,6 @@ def create_empty_model(model_name: str, library_name: str | None, trust_remote_c
 # --- the sizes ------------------------------------------------------------------------------------------------
 
 
-def largest_layer(model: Any, sizes: dict[str, int]) -> tuple[int, list[str]]:
-    """The size and names of the biggest unsplittable layer: a module without children or one of the model's
-    `_no_split_modules` classes; a split module's own parameters count as layers of their own."""
-    no_split = set(getattr(model, "_no_split_modules", None) or ())
-    pending: list[tuple[str, Any]] = [("", model)]
-    best, names = 0, []
-    while pending:
-        name, item = pending.pop(0)
-        children = list(item.named_children()) if hasattr(item, "named_children") else []
-        if name == "" or (children and type(item).__name__ not in no_split):
-            prefix = f"{name}." if name else ""
-            own = [*item.named_parameters(recurse=False), *item.named_buffers(recurse=False), *children]
-            pending[:0] = [(prefix + child_name, child) for child_name, child in own]
-            continue
-        size = sizes.get(name, 0)
-        if size > best:
-            best, names = size, [name]
-        elif size == best:
-            names.append(name)
-    return best, names
-
-
 def estimate_training_usage(bytes: int, mixed_precision: str, msamp_config: str | None = None) -> dict[str, int]:
     """HF Accelerate's training estimate for a model of `bytes` (float32 size), batch size 1: bytes per part
     ("model", "optimizer", "gradients", "step"); -1 where there is no estimate (int8, int4)."""
@@ -159,12 +137,11 @@ def estimate_training_usage(bytes: int, mixed_precision: str, msamp_config: str 
 
 def gather_data(args: argparse.Namespace) -> list[list[Any]]:
     """Rows of [dtype, largest layer bytes, total bytes, training estimate dict], one per `args.dtypes`."""
-    from accel.big_modeling import compute_module_sizes
+    from accel.big_modeling import calculate_maximum_sizes
 
     model = create_empty_model(args.model_name, library_name=args.library_name,
                                trust_remote_code=args.trust_remote_code)  # fmt: skip
-    sizes = compute_module_sizes(model)
-    total, (largest, _) = sizes[""], largest_layer(model, sizes)
+    total, (largest, _) = calculate_maximum_sizes(model)
     return [[dtype, largest / _BYTES_DIVISOR[dtype], total / _BYTES_DIVISOR[dtype], estimate_training_usage(total, dtype)]
             for dtype in args.dtypes]  # fmt: skip
 

@@ -38,6 +38,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from accel import availability
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
@@ -308,14 +309,6 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
     return [*argv, *_worker_target(config)]
 
 
-def ipex_available() -> bool:
-    try:
-        import intel_extension_for_pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables every rank inherits: what the Accelerator reads, plus thread, device and core pinning."""
     env = {
@@ -338,7 +331,7 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
                       "effect on CPUs and CUDA GPUs (as in HF Accelerate)")  # fmt: skip
         env["ACCEL_DOWNCAST_BF16"] = "1"
     if config.ipex:
-        if ipex_available():
+        if availability.is_ipex_available():
             env["ACCEL_USE_IPEX"] = "true"
         else:
             warnings.warn("IPEX was asked for but intel_extension_for_pytorch is not installed; running without it")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from accel.collectives.pytree import recursively_apply
+from accel.collectives.pytree import convert_to_fp32
 from accel.precision.grads import Measured
 from accel.precision.scaler import FusedGradScaler
 
@@ -115,16 +115,9 @@ def autocast_forward(forward: Any, precision: FullPrecision) -> Any:
     def forward_in_autocast(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with precision.autocast():
             outputs = forward(module, *args, **kwargs)
-        return outputs_to_fp32(outputs)
+        return convert_to_fp32(outputs)
 
     return forward_in_autocast
-
-
-def outputs_to_fp32(outputs: Any) -> Any:
-    def upcast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
-
-    return recursively_apply(upcast, outputs, test_type=lambda t: isinstance(t, torch.Tensor))
 
 
 def restore_forward(model: torch.nn.Module) -> torch.nn.Module:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from accel.state import DistributedType, PartialState
 from accel.strategies.ddp import DDPStrategy
-from accel.strategies.single import SingleDeviceStrategy, compiled_wrapper
+from accel.strategies.single import SingleDeviceStrategy
 
 STRATEGIES = {
     DistributedType.NO: SingleDeviceStrategy,
@@ -25,4 +25,4 @@ def strategy_for(state: PartialState, ddp_kwargs=None) -> SingleDeviceStrategy:
     return strategy(state, ddp_kwargs)
 
 
-__all__ = ["DDPStrategy", "SingleDeviceStrategy", "STRATEGIES", "compiled_wrapper", "strategy_for"]
+__all__ = ["DDPStrategy", "SingleDeviceStrategy", "STRATEGIES", "strategy_for"]

@@ -7,26 +7,13 @@ from typing import Any
 
 import torch
 
+from accel.compilation import is_compiled_module
 from accel.state import PartialState
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether `model` is torch.compile's wrapper (an OptimizedModule)."""
-    return hasattr(model, "_orig_mod")
-
-
-def compiled_wrapper(model: torch.nn.Module) -> torch.nn.Module | None:
-    """torch.compile's wrapper in the chain of wrappers around the user's module (outside or inside DDP), or None."""
-    while not is_compiled(model):
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return None
-        model = model.module
-    return model
 
 
 def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
     """`torch.compile(model)` with the plugin's settings; a model without a plugin, or compiled already, as is."""
-    if dynamo_plugin is None or not dynamo_plugin.enabled or is_compiled(model):
+    if dynamo_plugin is None or not dynamo_plugin.enabled or is_compiled_module(model):
         return model
     return torch.compile(model, **dynamo_plugin.compile_kwargs())
 
@@ -49,13 +36,3 @@ class SingleDeviceStrategy:
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
-
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module inside torch.compile's and DDP's wrappers."""
-        while True:
-            if is_compiled(model):
-                model = model._orig_mod
-            elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                model = model.module
-            else:
-                return model

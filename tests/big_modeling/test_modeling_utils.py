@@ -95,6 +95,13 @@ def test_sizes_of_modules_and_dtypes():
     assert get_module_leaves({"": 1, "a": 1, "a.b": 1, "c": 1}) == ["a.b", "c"]
 
 
+def test_layers_without_parameters_count_as_empty():
+    # GPT-2's dropout (a leaf without parameters) made get_max_layer_size raise KeyError('transformer.drop')
+    model = nn.Sequential(nn.Dropout(), nn.Linear(3, 4), nn.ReLU())
+    assert get_max_layer_size(list(model.named_children()), compute_module_sizes(model), []) == (64, ["1"])
+    assert calculate_maximum_sizes(model) == (64, (64, ["1"]))
+
+
 def test_id_tensor_storage_tells_shared_memory_apart():
     base = torch.zeros(8)
     assert id_tensor_storage(base[:4]) == id_tensor_storage(base[4:])

@@ -151,7 +151,7 @@ def test_children_get_the_settings_the_accelerator_reads():
 
 
 def test_ipex_asked_for_but_missing_warns_and_runs_without(monkeypatch):
-    monkeypatch.setattr("accel.cli.launch.ipex_available", lambda: False)
+    monkeypatch.setattr("accel.availability.is_ipex_available", lambda: False)
     with pytest.warns(UserWarning, match="intel_extension_for_pytorch is not installed"):
         env = child_env(LaunchConfig(use_cpu=True, ipex=True), environ={})
     assert "ACCEL_USE_IPEX" not in env
