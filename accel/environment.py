@@ -174,6 +174,21 @@ def clear_environment() -> Iterator[None]:
 
 
 @contextmanager
+def variables_restored(names: Iterable[str]) -> Iterator[None]:
+    """Afterwards, each environment variable of `names` has its value of the start again, or is unset if it was
+    unset then (whatever the block did to it)."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
 def patch_environment(**kwargs: Any) -> Iterator[None]:
     """Sets each keyword as an environment variable (name upper-cased, value `str()`-ed) for the duration of the
     block; afterwards each one has its previous value again, or is unset if it was unset.
@@ -183,19 +198,10 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
         with patch_environment(foo="bar"):
             os.environ["FOO"]   # "bar"
     """
-    saved = {}
-    for key, value in kwargs.items():
-        key = key.upper()
-        saved.setdefault(key, os.environ.get(key))
-        os.environ[key] = str(value)
-    try:
+    variables = {key.upper(): str(value) for key, value in kwargs.items()}
+    with variables_restored(variables):
+        os.environ.update(variables)
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextmanager

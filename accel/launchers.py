@@ -18,13 +18,13 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from functools import wraps
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from accel._env import MIXED_PRECISIONS
-from accel.environment import get_free_port
+from accel.environment import get_free_port, patch_environment
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
 __all__ = ["ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION", "PrepareForLaunch", "debug_launcher",
@@ -46,21 +46,6 @@ _CUDA_ADVICE = (
 
 
 # --- Guarding the parent -----------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _environ_set(updates: Mapping[str, str]) -> Iterator[None]:
-    """Sets `updates` in os.environ, then puts those variables back as they were."""
-    before = {key: os.environ.get(key) for key in updates}
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextmanager
@@ -223,7 +208,7 @@ def _run_elastic(function: Callable, args: tuple, config_fields: dict) -> None:
 def _run_in_process(function: Callable, args: tuple, mixed_precision: str) -> None:
     device = "one GPU" if _gpu_count() > 0 else "CPU"
     print(f"Launching training on {device}.")
-    with _environ_set({"ACCEL_MIXED_PRECISION": mixed_precision}):
+    with patch_environment(ACCEL_MIXED_PRECISION=mixed_precision):
         function(*args)
 
 
@@ -314,7 +299,7 @@ def notebook_launcher(
         monitor_interval=monitor_interval,
         log_line_prefix_template=log_line_prefix_template,
     )
-    with _environ_restored(), _environ_set(child_env):
+    with _environ_restored(), patch_environment(**child_env):
         _run_elastic(function, args, config_fields)
 
 
@@ -372,7 +357,7 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
             "GLOO_SOCKET_IFNAME": "lo",  # gloo's hostname-based interface choice is unreliable on CI machines
         }
         worker_args = (function, tuple(args), os.path.join(store_dir, "store"), num_processes)
-        with _environ_set(env):
+        with patch_environment(**env):
             start_processes(_debug_worker, args=worker_args, nprocs=num_processes, start_method="fork")
 
 

@@ -29,7 +29,7 @@ import torch
 
 import accel
 from accel import availability
-from accel.environment import check_cuda_fp8_capability, parse_flag_from_env
+from accel.environment import check_cuda_fp8_capability, parse_flag_from_env, variables_restored
 
 # --- the device tests run on -------------------------------------------------------------------------------------
 
@@ -296,18 +296,11 @@ def mockenv(**kwargs: str) -> Any:
 @contextmanager
 def mockenv_context(*remove: str, **update: str) -> Iterator[None]:
     """Inside, the variables `update` names are set and those `remove` names are unset; all restored after."""
-    saved = {name: os.environ.get(name) for name in (*remove, *update)}
-    try:
+    with variables_restored([*remove, *update]):
         for name in remove:
             os.environ.pop(name, None)
         os.environ.update(update)
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 # --- checks ------------------------------------------------------------------------------------------------------
