@@ -37,12 +37,9 @@ def offload_weight(weight: torch.Tensor, weight_name: str, offload_folder: str |
     weight = weight.detach().to("cpu").contiguous()
     path = os.path.join(os.fspath(offload_folder), f"{weight_name}.dat")
     # A new file renamed over the old one: a tensor may still map the old file, and truncating a mapped file
-    # kills its reader (SIGBUS).
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as f:
-        if weight.numel():
-            f.write(memoryview(weight.reshape(-1).view(torch.uint8).numpy()))
-    os.replace(temporary, path)
+    # kills its reader (SIGBUS). Not fsync'd: the offload folder is scratch space, rebuilt after a crash.
+    data = memoryview(weight.reshape(-1).view(torch.uint8).numpy()) if weight.numel() else b""
+    write_atomically(path, lambda f: f.write(data), durable=False)
     index[weight_name] = {"dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
     return index
 

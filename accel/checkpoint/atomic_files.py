@@ -9,29 +9,35 @@ import os
 from collections.abc import Callable
 from typing import IO
 
-from accel.checkpoint.safetensors_io import fsync_directory, temporary_name
+from accel.checkpoint.safetensors_io import create_exclusive, fsync_directory, temporary_name
 
 
-def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
-    """Calls `write(file)` on a temporary file next to `path`, fsyncs it and renames it over `path`.
+def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *, durable: bool = True) -> None:
+    """Calls `write(file)` on a new temporary file next to `path`, fsyncs it and renames it over `path`.
 
     A reader sees the old file or the complete new one, never a part; a crash leaves at most a temporary file
-    (`.NAME.tmp-PID-RANDOM`), which is removed when `write` raises.
+    (`.NAME.tmp-PID-RANDOM`), which is removed when `write` raises. The temporary file is created exclusively
+    (never through a symbolic link or over an existing file) under a name nobody can guess.
 
     Args:
         path: The file to (re)place.
         write: Writes the content into the open file it is given.
         mode: The mode the temporary file is opened with ("wb", or "w" for text).
+        durable: fsync the file and the folder (False: the bytes may still be in the page cache on return; a
+            process kill cannot lose them, a power loss can).
     """
     temporary = temporary_name(path)
+    fd = create_exclusive(temporary)
     try:
-        with open(temporary, mode) as f:
+        with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException:
-        if os.path.exists(temporary):
+        if os.path.lexists(temporary):
             os.remove(temporary)
         raise
-    fsync_directory(os.path.dirname(path) or ".")
+    if durable:
+        fsync_directory(os.path.dirname(path) or ".")

@@ -8,8 +8,9 @@ Python plans the header and the offsets (tensors ordered by decreasing element s
 tensor starts aligned to its element size) and validates every header it reads completely before touching
 data: lengths, offsets inside the file, no overlaps or holes, known dtypes, shapes matching byte counts. The
 native ops (`accel::write_tensors_` / `accel::read_tensors_`) then move every tensor's bytes with parallel
-pwrite/pread straight from/to the tensors' memory. Files are written under a temporary name, fsync'd and
-renamed, so a reader never sees a partial file.
+pwrite/pread straight from/to the tensors' memory. Files are written under a temporary name (fsync'd when the
+save is durable) and renamed, so a reader never sees a partial file. A reader opens a file once and reads its
+header and data through that descriptor (`SafetensorsFile`), so a file replaced meanwhile is never mixed in.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import os
 import re
 import secrets
 import struct
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -86,26 +89,45 @@ def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     return struct.pack("<Q", len(text)) + text, planned
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None
-              ) -> None:  # fmt: skip
-    """Writes `tensors` to `path` as safetensors: to a temporary name in the same folder, fsync'd, then renamed.
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+              *, durable: bool = True) -> None:  # fmt: skip
+    """Writes `tensors` to `path` as safetensors: into a new temporary file in the same folder, renamed over `path`
+    once complete, so a reader (or a process killed meanwhile) sees the old file or the new one, never a part.
 
+    `durable=True` fsyncs the file before the rename and the folder after it (the file survives a power loss
+    once this returns); `durable=False` leaves the bytes in the page cache, as safetensors and HF do (a process
+    kill cannot lose them, a power loss can): the caller makes them durable later (accel.checkpoint.background).
     Non-contiguous tensors are made contiguous first; GPU tensors stream through the native writer's pinned
     buffers (or are copied to the CPU first without it). On any failure (a full disk included) the temporary
     file is removed and the error names the file.
     """
     path = os.fspath(path)
+    temporary = write_temporary(tensors, path, metadata, durable=durable)
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        _remove_quietly(temporary)
+        raise
+    if durable:
+        fsync_directory(os.path.dirname(path) or ".")
+
+
+def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None,
+                    *, durable: bool = True) -> str:  # fmt: skip
+    """Writes `tensors` as safetensors into a new temporary file next to `path` and returns its name (see
+    `save_file`; the caller renames it). Durable writes go through the native writer (parallel pwrite, early
+    writeback, fsync); the others through parallel pwrite from Python threads (the time is in the kernel)."""
     header, planned = plan_file(tensors, metadata)
-    native = _ext.native_for("write_tensors_", "cpu")
+    native = durable and _ext.native_for("write_tensors_", "cpu")
     staged = [(name, _staged(tensor, native), offset) for name, tensor, offset in planned]
     temporary = temporary_name(path)
+    fd = create_exclusive(temporary)
     try:
         if native:
-            ops.write_tensors_(temporary, torch.frombuffer(bytearray(header), dtype=torch.uint8),
+            ops.write_tensors_(descriptor_path(fd, temporary), torch.frombuffer(bytearray(header), dtype=torch.uint8),
                                [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
         else:
-            _write_python(temporary, header, staged)
-        os.replace(temporary, path)
+            write_parallel(fd, header, staged, durable)
     except OSError as error:
         _remove_quietly(temporary)
         raise OSError(error.errno, f"cannot write '{path}': {error.strerror or error}") from error
@@ -118,7 +140,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, meta
     except BaseException:
         _remove_quietly(temporary)
         raise
-    fsync_directory(os.path.dirname(path) or ".")
+    finally:
+        os.close(fd)
+    return temporary
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,20 +169,52 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_python(path: str, header: bytes, staged: list[tuple[str, torch.Tensor, int]]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(header)
-        for _, tensor, _ in staged:
-            if tensor.numel():
-                f.write(_bytes_of(tensor))
-        f.flush()
-        os.fsync(f.fileno())
+_CHUNK_BYTES = 8 << 20  # as the native writer: large for the disk, small enough to spread over threads
+_writers: ThreadPoolExecutor | None = None
+_writers_lock = threading.Lock()
+
+
+def write_parallel(fd: int, header: bytes, staged: list[tuple[str, torch.Tensor, int]], durable: bool) -> None:
+    """pwrite of the header and every tensor's bytes (8 MiB chunks over a few threads: pwrite releases the GIL),
+    then fsync when `durable`. The tensors are contiguous CPU tensors; offsets count from the end of the header."""
+    _pwrite_all(fd, memoryview(header), 0)
+    chunks = [(view[start:start + _CHUNK_BYTES], len(header) + offset + start)
+              for _, tensor, offset in staged if tensor.numel()
+              for view in (_bytes_of(tensor),) for start in range(0, len(view), _CHUNK_BYTES)]  # fmt: skip
+    if len(chunks) > 1:
+        for _ in _writer_pool().map(lambda chunk: _pwrite_all(fd, *chunk), chunks):
+            pass
+    elif chunks:
+        _pwrite_all(fd, *chunks[0])
+    if durable:
+        os.fsync(fd)
+
+
+def _writer_pool() -> ThreadPoolExecutor:
+    global _writers
+    with _writers_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="accel-pwrite")
+        return _writers
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def temporary_name(path: str) -> str:
+    """A name next to `path` that nobody can guess (64 random bits), marked with this process's id so that a
+    later save can tell the leftovers of a killed one."""
     folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def create_exclusive(path: str, mode: int = 0o644) -> int:
+    """A descriptor of a new file at `path`, open for writing; fails if anything exists there, a symbolic link
+    included (O_EXCL | O_NOFOLLOW), so that a name planted in a shared folder cannot redirect the write."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 def fsync_directory(folder: str) -> None:

@@ -119,6 +119,7 @@ def publish(partial: str, final: str) -> None:
                        "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
         for name in os.listdir(partial):
             os.replace(os.path.join(partial, name), os.path.join(final, name))
+        fsync_directory(final)  # the renames into it, not only its own entry in the parent
         os.rmdir(partial)
     elif not os.path.exists(final):
         os.rename(partial, final)
@@ -135,11 +136,18 @@ def publish(partial: str, final: str) -> None:
 
 def recover_interrupted_publish(final: str) -> None:
     """A crash between the two renames of publish's fallback left the previous checkpoint at `.NAME.partial.old`
-    and nothing at `final`: put it back."""
-    old = partial_name(final) + ".old"
-    if not os.path.exists(final) and os.path.isdir(old):
-        logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
-        os.rename(old, final)
+    (`.NAME.partial-node<K>.old` when every node saves its own copy) and nothing at `final`: put it back."""
+    if os.path.exists(final):
+        return
+    parent, name = os.path.split(os.path.normpath(final))
+    parent = parent or "."
+    parked = re.compile(re.escape(f".{name}.partial") + r"(-node\d+)?\.old")
+    for candidate in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        old = os.path.join(parent, candidate)
+        if parked.fullmatch(candidate) and os.path.isdir(old):
+            logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
+            os.rename(old, final)
+            return
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -172,8 +180,7 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
     # do) writes a whole checkpoint there, so that its load_state finds one (and its staging folder is published).
     own_folder = not _same_folder_as_main(accelerator, output_dir)  # a collective: every process calls it
     writes_shared_files = accelerator._saves_here() or own_folder
-    node = accelerator.process_index // max(1, accelerator.state.local_num_processes) \
-        if config.save_on_each_node else None  # fmt: skip
+    node = _node_index(accelerator) if config.save_on_each_node else None
     staged = can_stage_beside(output_dir)
     staging = partial_name(output_dir, node) if staged else output_dir
     if not staged and writes_shared_files:
@@ -212,6 +219,13 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
     _agree_or_raise(accelerator, failure, "publishing")  # nobody returns before the checkpoint is visible
     config.iteration += 1
     return output_dir
+
+
+def _node_index(accelerator: Any) -> int:
+    """Which machine this process is on (processes are numbered node by node, as torchrun does)."""
+    from accel.environment import get_cpu_distributed_information
+
+    return accelerator.process_index // max(1, get_cpu_distributed_information().local_world_size)
 
 
 def _target(accelerator: Any, output_dir: str | None) -> tuple[str | None, str]:

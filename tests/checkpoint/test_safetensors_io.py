@@ -103,7 +103,11 @@ def test_native_and_fallback_write_identical_files(tmp_path):
     native, python = tmp_path / "native", tmp_path / "python"
     torch.ops.accel.write_tensors_(str(native), torch.frombuffer(bytearray(header), dtype=torch.uint8),
                                    [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
-    io._write_python(str(python), header, staged)
+    fd = io.create_exclusive(str(python))
+    try:
+        io.write_parallel(fd, header, staged, durable=True)
+    finally:
+        os.close(fd)
     assert native.read_bytes() == python.read_bytes()
 
 

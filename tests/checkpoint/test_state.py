@@ -343,3 +343,49 @@ def _check_loadable(project, mode):
     assert torch.all(model.weight == value)  # one consistent save, never a mix
     if mode == "automatic":
         assert value == int(os.path.basename(folder).split("_")[1])
+
+
+def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suffix(tmp_path, monkeypatch):
+    """Without renameat2 (NFS, CIFS, FUSE), publish parks the old folder at `.NAME.partial-node<K>.old` under
+    save_on_each_node; a crash before the second rename must not hide the checkpoint (issue 12, defect 6)."""
+    from accel.checkpoint import state
+
+    folder = str(tmp_path / "ckpt")
+    accelerator = fresh_accelerator(project_config=ProjectConfiguration(save_on_each_node=True))
+    model, *_ = training_objects(accelerator)
+    accelerator.save_state(folder)
+    saved = params(accelerator, model)
+    monkeypatch.setattr(state, "_exchange", lambda a, b: False)
+    renames = []
+
+    def crash_on_second_rename(source, target):
+        renames.append((source, target))
+        if len(renames) == 2:
+            raise KeyboardInterrupt("simulated crash between the two renames")
+        os.replace(source, target)
+
+    monkeypatch.setattr(state.os, "rename", crash_on_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        accelerator.save_state(folder)
+    monkeypatch.undo()
+    assert not os.path.exists(folder) and renames[0][1].endswith(".ckpt.partial-node0.old")
+    with torch.no_grad():
+        for p in accelerator.unwrap_model(model).parameters():
+            p.zero_()
+    accelerator.load_state(folder)
+    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), saved))
+
+
+def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(tmp_path, monkeypatch):
+    from accel.checkpoint import state
+
+    final, partial = tmp_path / "out", tmp_path / ".out.partial"
+    final.mkdir()
+    (final / "train.log").write_text("kept")
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"new")
+    synced = []
+    monkeypatch.setattr(state, "fsync_directory", lambda path: synced.append(os.path.normpath(path)))
+    state.publish(str(partial), str(final))
+    assert (final / "model.safetensors").read_bytes() == b"new" and (final / "train.log").read_text() == "kept"
+    assert str(final) in synced  # the renames into it are durable, not only its parent's entry
