@@ -124,6 +124,56 @@ def test_empty_lists_and_empty_tensors():
     torch.ops.accel.clip_grads_([], torch.tensor(5.0), 1.0)
 
 
+def tiny_bf16_values(count, generator):
+    """bf16 values around and below fp32's normal range (2^-126): random signs, mantissas and exponents 0-24,
+    denormals included, with some normal values and zeros mixed in."""
+    sign = torch.randint(0, 2, (count,), generator=generator, dtype=torch.int32) << 15
+    exponent = torch.randint(0, 25, (count,), generator=generator, dtype=torch.int32) << 7
+    mantissa = torch.randint(0, 128, (count,), generator=generator, dtype=torch.int32)
+    values = (sign | exponent | mantissa).to(torch.int16).view(torch.bfloat16)
+    values[::17] = torch.randn(values[::17].shape, generator=generator).to(torch.bfloat16)
+    values[::29] = 0.0
+    return values
+
+
+@needs_native
+@pytest.mark.parametrize("inv_scale", [2.0**-16, 0.37, 1.0, 4.0])
+def test_bf16_values_near_the_denormal_range_match_torch_bit_for_bit(inv_scale):
+    """Where the CPU narrows bf16 with AVX512-BF16's instruction, which flushes denormals (torch rounds them), a
+    vector holding one takes torch's rounding: unscale and clip still match torch bit for bit."""
+    generator = torch.Generator().manual_seed(16)
+    grads = [tiny_bf16_values(n, generator) for n in (1, 31, 32, 1000, 40_007)]
+    assert check_parity(grads, inv_scale) == 0.0
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    total_norm = torch.tensor(3e5)  # a clip coefficient of ~2^-17: more results fall below the normal range
+    torch.nn.utils.clip_grad._clip_grads_with_norm_(params, 1.0, total_norm)
+    actual = [g.clone() for g in grads]
+    torch.ops.accel.clip_grads_(actual, total_norm, 1.0)
+    assert all(same_bits(a, p.grad) for a, p in zip(actual, params))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_the_number_of_threads(dtype):
+    """Threads claim chunks of the gradients in whatever order they get to run; each chunk's sum still lands in
+    its fixed place, so grads, found_inf and the sums are the same with 1 thread as with 4 (on any core count)."""
+    generator = torch.Generator().manual_seed(17)
+    grads = [(torch.randn(n, generator=generator) * 1000).to(dtype) for n in (300_001, 7, 65_537, 131_072, 40_000)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = native_unscale(grads, 0.37)
+        torch.set_num_threads(4)
+        parallel = native_unscale(grads, 0.37)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(same_bits(a, b) for a, b in zip(serial[0], parallel[0]))
+    assert serial[1].item() == parallel[1].item() == 0.0
+    assert torch.equal(serial[2], parallel[2])
+
+
 @needs_native
 @pytest.mark.parametrize("dtypes", [[d] for d in DTYPES] + [DTYPES], ids=lambda d: "+".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("norm", [0.5, 3.0, 1e4, float("inf"), float("nan")])

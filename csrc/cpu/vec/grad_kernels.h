@@ -36,6 +36,10 @@ extern const GradKernels grad_kernels_ACCEL_AVX2;
 #endif
 #if defined(ACCEL_CPU_AVX512)
 extern const GradKernels grad_kernels_ACCEL_AVX512;
+// The AVX512 kernels with bf16 narrowed by AVX512-BF16's instruction (one per 32 values instead of ~16 integer
+// operations); only for CPUs that have it (avx512_bf16_supported).
+extern const GradKernels grad_kernels_ACCEL_AVX512_BF16;
+bool avx512_bf16_supported();
 #endif
 
 }  // namespace accel::cpu
