@@ -214,3 +214,50 @@ def test_the_example_trains_in_fp16_under_accel_launch(tmp_path):
     assert "loss scale 65536" in result.stdout
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines() if "eval mse" in line]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+
+def _scaled_step(param_dtype, max_norm):
+    """One fp16 step on many small parameters of `param_dtype`: (their scaled gradients, the gradients and norm
+    after accelerator.clip_grad_norm_, the loss scale)."""
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    generator = torch.Generator().manual_seed(23)
+    sizes = torch.randint(1, 3000, (150,), generator=generator).tolist()
+    targets = [(torch.randn(n, generator=generator) * 1e-3).to(param_dtype) for n in sizes]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=param_dtype)) for n in sizes]
+    optimizer = accelerator.prepare(torch.optim.SGD(params, lr=0.1))
+    accelerator.backward(torch.stack([(p * t).sum(dtype=torch.float32) for p, t in zip(params, targets)]).sum())
+    scaled = [p.grad.clone() for p in params]
+    norm = accelerator.clip_grad_norm_(params, max_norm)
+    clipped = [p.grad.clone() for p in params]
+    optimizer.step()  # the scaler remembers the unscale (no second division) and the step is not skipped
+    assert not accelerator.optimizer_step_was_skipped
+    assert all(torch.equal(p.detach(), torch.zeros_like(g).add_(g, alpha=-0.1)) for p, g in zip(params, clipped))
+    return scaled, clipped, norm, accelerator.scaler.get_scale()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("max_norm", [1e9, 0.01])
+def test_clip_grad_norm_after_backward_matches_torchs_unscale_and_clip(param_dtype, max_norm):
+    """The public path (fused unscale measuring the norm, fused clip) against what HF Accelerate runs: torch's
+    unscale, then torch.nn.utils.clip_grad_norm_. Unscaled gradients are bit-identical; clipped ones and the norm
+    agree to two units in the last place (torch rounds fp16/bf16 norms and clip coefficients to the gradients'
+    dtype, accel keeps them in fp32)."""
+    scaled, clipped, norm, scale = _scaled_step(param_dtype, max_norm)
+    reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in scaled]
+    for param, grad in zip(reference, scaled):
+        param.grad = grad.clone()
+    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in reference], torch.zeros(()),
+                                                     torch.tensor(1.0 / scale))  # fmt: skip
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm)
+    rtol = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}[param_dtype]
+    torch.testing.assert_close(norm.float(), expected_norm.float(), rtol=rtol, atol=0)  # fp32 when fused
+    assert max_norm == 1e9 or norm.item() > 2 * max_norm  # the second case clips
+    for ours, theirs in zip(clipped, reference):
+        if max_norm == 1e9:
+            assert torch.equal(ours, theirs.grad)
+        else:
+            atol = 2**-24 if param_dtype == torch.float16 else 0  # one step of fp16's subnormals
+            torch.testing.assert_close(ours, theirs.grad, rtol=rtol, atol=atol)

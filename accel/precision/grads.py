@@ -15,6 +15,8 @@ than 2) go through torch's own functions.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -30,12 +32,22 @@ def fusable(grad: torch.Tensor) -> bool:
     return bool(_fusable_on_device([grad], grad.device))
 
 
+@functools.cache
+def native_on(device_type: str) -> bool:
+    """Whether the fused kernels run on this device type ("cpu", "cuda").
+
+    Asked once per device type: the dispatcher lookup behind `_ext.native_for` costs tens of microseconds, a
+    noticeable share of an unscale-and-clip step of a thousand small gradients.
+    """
+    return _ext.native_for("unscale_grads_", device_type)
+
+
 def _fusable_on_device(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The grads the kernels take, of `grads` all on `device` (the kernel itself refuses another device).
 
     Per-gradient Python is what sets of thousands of small gradients pay, so the device is checked once.
     """
-    if not _ext.native_for("unscale_grads_", device):
+    if not native_on(device.type):
         return []
     strided, dtypes = torch.strided, FUSED_DTYPES
     return [g for g in grads if g.layout is strided and g.dtype in dtypes and g.is_contiguous()]
@@ -61,10 +73,11 @@ class Measured:
 
     def covers_exactly(self, grads: list[torch.Tensor]) -> bool:
         """Whether `grads` are exactly the measured gradients (the usual unscale-then-clip case)."""
-        measured = [g for source, _ in self.sources for g in source]
+        measured = self.sources[0][0] if len(self.sources) == 1 else [g for source, _ in self.sources for g in source]
         if len(measured) != len(grads):
             return False
-        return all(a is b for a, b in zip(measured, grads)) or {id(g) for g in measured} == {id(g) for g in grads}
+        # Usually the same tensors in the same order: compared by identity at C speed (map + operator.is_).
+        return all(map(operator.is_, measured, grads)) or set(map(id, measured)) == set(map(id, grads))
 
     def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         if self._index is None:
@@ -105,7 +118,7 @@ def try_unscale_fused_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_s
     The kernel checks every argument before it writes anything, in C++, so trying it costs nothing and spares
     thousands of small gradients a check each in Python; the caller sorts them out only when one is refused.
     """
-    if not grads or not _ext.native_for("unscale_grads_", found_inf.device):
+    if not grads or not native_on(found_inf.device.type):
         return None
     sq_norms = torch.empty(len(grads), dtype=torch.float64, device=found_inf.device)
     try:
