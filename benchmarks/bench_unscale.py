@@ -1,127 +1,225 @@
-"""fp16 unscale + gradient clip: accel's fused kernels against what HF Accelerate runs, and the memory limit.
+"""fp16 loss scaling's unscale + gradient clip, through the public API, side by side with HF Accelerate.
 
-Each group is one gradient set and dtype:
-  - `small`: 5,000 tensors of 1-10 Ki elements (a model with many small layers, e.g. norms and biases);
-  - `large`: ~100 M elements in 200 tensors.
-Benchmarks in a group:
-  - `hf_unscale_clip`: torch's `GradScaler.unscale_` then `torch.nn.utils.clip_grad_norm_` (HF's
-    `accelerator.clip_grad_norm_` under fp16): unscale (read+write), norm (read), scale (read+write);
-  - `accel_unscale_clip`: `FusedGradScaler.unscale_` then `accel.precision.grads.clip_grad_norm_`: unscale with
-    the norm measured in the same pass (read+write), then the fused scale (read+write);
-  - `hf_unscale` / `accel_unscale`: the unscale alone (what every fp16 optimizer step runs);
-  - `limit`: one streaming read+write of the same bytes (the gradients are views of one buffer, which torch
-    bitwise-inverts in place on every thread: memory traffic with no arithmetic to speak of); an unscale is one
-    such pass, unscale+clip at best two.
-Gradients are restored before every round (not timed) so every round sees the same values; the unscaled norm
-(0.6 for the small sets, 1.2 for the large) is above MAX_NORM, so the clip always scales.
+What a user times is `accelerator.clip_grad_norm_(model.parameters(), max_norm)` right after
+`accelerator.backward(loss)` under `mixed_precision="fp16"`: it unscales every gradient (loss scaling) and clips
+them. Each case is a gradient set and dtype (the parameters' dtype, so the gradients' too):
+  - `small`: 1,000 gradients of 1-10 Ki elements (5.6 M elements: many small layers, norms, biases);
+  - `large`: 200 gradients of 40,000 elements (8.0 M elements).
 
-Run: .venv/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider
-(`make bench-unscale` also writes docs/benchmarks/unscale.md and its plot.)
+Variants, all measured in every round, in a rotating order (interleaved), each round on fresh gradients:
+  - public path (one training step each: zero_grad, forward, `accelerator.backward`, then the timed
+    `accelerator.clip_grad_norm_`, then `optimizer.step()`):
+    - `accel`: `accel.Accelerator(mixed_precision="fp16", cpu=True)`: a GradScaler for the CPU whose unscale
+      is accel's fused kernel (the norm measured in the same pass), then the fused clip;
+    - `hf`: HF Accelerate 1.15's `Accelerator(mixed_precision="fp16", cpu=True)` running its loss-scaling code
+      as it does on a GPU. HF turns fp16 off on the CPU (no autocast, no scaler: it trains in fp32 there), so the
+      benchmark hands it the scaler it would make for a GPU, torch's `GradScaler`, for the CPU device
+      (`accelerator.scaler`, `native_amp=True`, before `prepare`): HF's own `backward` (scaled loss),
+      `clip_grad_norm_` (`scaler.unscale_` of every optimizer, then `torch.nn.utils.clip_grad_norm_`) and
+      `AcceleratedOptimizer.step` run unchanged. torch's scaler refuses to unscale fp16 gradients (HF fails the
+      same way on a GPU); for fp16 parameters it runs torch's own kernel on them (`allow_fp16`);
+    - `hf_cpu`: HF's `Accelerator(mixed_precision="fp16", cpu=True)` as shipped: no loss scaling, so its
+      `clip_grad_norm_` is `torch.nn.utils.clip_grad_norm_` alone (the same call its "bf16" path makes on the
+      CPU). Less work than loss scaling needs (nothing to unscale); shown for reference;
+  - op level, on a copy of the same gradients as views of one buffer, restored before every round (not timed):
+    - `op_accel`: `accel::unscale_grads_` then `accel::clip_grads_` (two passes over the gradients);
+    - `op_torch`: what HF's path runs on them: `torch._amp_foreach_non_finite_check_and_unscale_`, then
+      `torch.nn.utils.clip_grad_norm_` (unscale read+write, norm read, scale read+write);
+    - `limit`: one streaming read+write of the same bytes (torch bitwise-inverts them in place on every thread:
+      memory traffic with no arithmetic to speak of); unscale+clip needs two such passes.
+
+The gradients are fixed (loss = sum_i <w_i, c_i>, so the gradient of w_i is c_i times the loss scale): every
+round sees the same values, the unscaled norm (0.24 small, 0.28 large) is above `MAX_NORM`, so the clip always
+scales, and no step overflows. Medians over rounds; a ratio is the median of the per-round ratios (both variants
+measured in the same round). pytest-benchmark's own column is the length of a whole round (every variant and
+its untimed setup); the per-variant times are in each benchmark's `extra_info`.
+
+Run:  .venv/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -s
+      (needs `pip install accelerate==1.15.0` for the HF variants; without it they are left out, with a notice).
+Report: tools/bench_unscale_report.py OUT_DIR results.json (`make bench-unscale` runs both).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from accel import _ext
-from accel.precision import grads as grad_ops
-from accel.precision.scaler import FusedGradScaler
+from accel import _ext, ops
 
-SCALE = 65536.0
+SCALE = 65536.0  # torch's GradScaler's initial scale
 MAX_NORM = 0.1
 SETS = {
-    "small": lambda generator: torch.randint(1024, 10 * 1024 + 1, (5000,), generator=generator).tolist(),
-    "large": lambda generator: [500_000] * 200,
+    "small": lambda generator: torch.randint(1024, 10 * 1024 + 1, (1000,), generator=generator).tolist(),
+    "large": lambda generator: [40_000] * 200,
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-ROUNDS = {"small": 25, "large": 15}
+ROUNDS = {"small": 40, "large": 40}
+WARMUP_ROUNDS = 2
+PUBLIC = ("accel", "hf", "hf_cpu")
+OP_LEVEL = ("op_accel", "op_torch", "limit")
 needs_native = pytest.mark.skipif(not _ext.status().loaded, reason="native extension not loaded")
 
 
-class GradientSet:
-    """Parameters whose gradients are views of one buffer (so `limit` can stream over exactly their bytes), and a
-    pristine copy of the scaled gradients to restore before every round."""
-
-    def __init__(self, set_name: str, dtype: torch.dtype):
-        generator = torch.Generator().manual_seed(0)
-        sizes = SETS[set_name](generator)
-        # Scaled gradients as fp16 training has them: small values times 2^16, which fit every dtype (fp16 tops
-        # out at 65504); unscaled, they are ~1e-4, partly fp16 subnormals, as real gradients are.
-        self.pristine = (torch.randn(sum(sizes), generator=generator) * 8).to(dtype)
-        self.storage = self.pristine.clone()
-        self.params = [torch.nn.Parameter(torch.empty(size, dtype=dtype)) for size in sizes]
-        for param, grad in zip(self.params, self.storage.split(sizes)):
-            param.grad = grad
-        self.optimizer = torch.optim.SGD(self.params, lr=0.1)
-        self.nbytes = self.storage.numel() * self.storage.element_size()
-
-    def restore(self) -> None:
-        self.storage.copy_(self.pristine)
-
-    def stream(self) -> None:
-        """One read+write pass over the gradients' bytes with next to no arithmetic: the limit."""
-        self.storage.view(torch.int32 if self.storage.element_size() == 4 else torch.int16).bitwise_not_()
+def gradient_values(set_name: str, dtype: torch.dtype) -> tuple[list[int], torch.Tensor]:
+    """The set's sizes and its unscaled gradients (one buffer): ~1e-4, partly fp16 subnormals, as real ones are."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = SETS[set_name](generator)
+    return sizes, (torch.randn(sum(sizes), generator=generator) * 1e-4).to(dtype)
 
 
-def unscale(scaler, grads: GradientSet) -> None:
-    """What `scaler.unscale_(optimizer)` runs, minus its bookkeeping, with fp16 gradients allowed for both
-    scalers (torch's refuses them in unscale_; its kernel handles them)."""
-    inv_scale, found_inf = torch.tensor(1.0 / SCALE), torch.zeros(())
-    scaler._unscale_grads_(grads.optimizer, inv_scale, found_inf, True)
+class FixedGradientModel(torch.nn.Module):
+    """Parameters of the given sizes whose gradients are fixed: loss = sum_i <w_i, c_i>, d loss / d w_i = c_i."""
+
+    def __init__(self, sizes: list[int], values: torch.Tensor):
+        super().__init__()
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n, dtype=values.dtype)) for n in sizes)
+        self.targets = [c.clone() for c in values.split(sizes)]
+
+    def forward(self) -> torch.Tensor:
+        return torch.stack([(w * c).sum(dtype=torch.float32) for w, c in zip(self.weights, self.targets)]).sum()
 
 
-_current: dict[tuple[str, str], GradientSet] = {}
+class HFScalerAllowingFp16(torch.amp.GradScaler):
+    """torch's GradScaler, which refuses to unscale fp16 gradients; this one runs torch's own kernel on them."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
-@pytest.fixture(params=[(s, d) for s in SETS for d in DTYPES], ids=lambda p: f"{p[0]}-{p[1]}")
-def gradients(request) -> tuple[str, GradientSet]:
-    key = request.param
-    if key not in _current:
-        _current.clear()  # one set in memory at a time (the large fp32 one is 800 MB with its copy)
-        _current[key] = GradientSet(key[0], DTYPES[key[1]])
-    return f"{key[0]}-{key[1]}", _current[key]
+class TrainingStep:
+    """A prepared model + SGD; calling it runs one step and returns how long clip_grad_norm_ took."""
+
+    def __init__(self, accelerator, sizes: list[int], values: torch.Tensor):
+        model = FixedGradientModel(sizes, values)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.accelerator = accelerator
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.norm: float | None = None  # the last step's, to check that every variant did the same job
+
+    def __call__(self) -> float:
+        self.optimizer.zero_grad()
+        self.accelerator.backward(self.model())
+        start = time.perf_counter()
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        elapsed = time.perf_counter() - start
+        self.optimizer.step()
+        self.norm = norm.item()
+        return elapsed
 
 
-def run(benchmark, gradients, fn):
-    name, grads = gradients
-    benchmark.group = f"unscale {name}"
-    benchmark.extra_info["bytes"] = grads.nbytes
-    benchmark.pedantic(fn, setup=grads.restore, rounds=ROUNDS[name.split("-")[0]], warmup_rounds=1)
+def hf_accelerator(loss_scaling: bool, dtype: torch.dtype):
+    import accelerate
+
+    accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    assert accelerator.scaler is None and not accelerator.native_amp, "HF Accelerate now scales losses on the CPU"
+    if loss_scaling:  # what HF's __init__ does on a GPU, with torch's scaler for this device
+        scaler_class = HFScalerAllowingFp16 if dtype == torch.float16 else torch.amp.GradScaler
+        accelerator.scaler, accelerator.native_amp = scaler_class("cpu"), True
+    return accelerator
 
 
-def test_hf_unscale_clip(benchmark, gradients):
-    grads, scaler = gradients[1], torch.amp.GradScaler("cpu")
+def timed(fn: Callable[[], object], setup: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
+        setup()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
-    def unscale_and_clip():
-        unscale(scaler, grads)
-        torch.nn.utils.clip_grad_norm_(grads.params, MAX_NORM)
-
-    run(benchmark, gradients, unscale_and_clip)
+    return run
 
 
-def test_hf_unscale(benchmark, gradients):
-    grads, scaler = gradients[1], torch.amp.GradScaler("cpu")
-    run(benchmark, gradients, lambda: unscale(scaler, grads))
+def op_level_variants(sizes: list[int], values: torch.Tensor) -> dict[str, Callable[[], float]]:
+    """The kernels alone, on gradients that are views of one buffer (restored before every run)."""
+    pristine = values * SCALE
+    storage = pristine.clone()
+    grads = list(storage.split(sizes))
+    params = [torch.nn.Parameter(torch.empty_like(grad)) for grad in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    inv_scale = torch.tensor(1.0 / SCALE)
+
+    def op_accel() -> None:
+        found_inf, sq_norms = torch.zeros(()), torch.empty(len(grads), dtype=torch.float64)
+        ops.unscale_grads_(grads, found_inf, inv_scale, sq_norms)
+        ops.clip_grads_(grads, sq_norms.sum().sqrt().float(), MAX_NORM)
+
+    def op_torch() -> None:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(()), inv_scale)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+    def limit() -> None:
+        storage.view(torch.int32 if storage.element_size() == 4 else torch.int16).bitwise_not_()
+
+    restore = lambda: storage.copy_(pristine)  # noqa: E731
+    return {"op_accel": timed(op_accel, restore), "op_torch": timed(op_torch, restore), "limit": timed(limit, restore)}
+
+
+def variants(set_name: str, dtype: torch.dtype) -> tuple[dict[str, Callable[[], float]], int, str | None]:
+    """Every variant of a case, each a function returning the seconds its timed part took; the gradients' bytes;
+    a notice when the HF variants are left out."""
+    import accel
+
+    sizes, values = gradient_values(set_name, dtype)
+    runs = {"accel": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values)}
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        notice = "HF Accelerate is not installed (pip install accelerate==1.15.0): HF variants left out"
+    else:
+        notice = None
+        runs["hf"] = TrainingStep(hf_accelerator(True, dtype), sizes, values)
+        runs["hf_cpu"] = TrainingStep(hf_accelerator(False, dtype), sizes, values)
+    runs.update(op_level_variants(sizes, values))
+    return runs, values.numel() * values.element_size(), notice
+
+
+def interleaved(runs: dict[str, Callable[[], float]], rounds: int, first_round: int = 0) -> dict[str, list[float]]:
+    """Every variant once per round, the order rotated by one each round; seconds per variant, per round."""
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(first_round, first_round + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(runs[name]())
+    return samples
+
+
+def summary(samples: dict[str, list[float]]) -> dict[str, float]:
+    """Median seconds per variant, and `X/accel` ratios as medians of per-round ratios (higher: accel faster)."""
+    result = {f"{name}_s": statistics.median(times) for name, times in samples.items()}
+    for slower, faster in RATIOS:
+        if slower in samples and faster in samples:
+            result[f"{slower}/{faster}"] = statistics.median(s / f for s, f in zip(samples[slower], samples[faster]))
+    return result
+
+
+RATIOS = (("hf", "accel"), ("hf_cpu", "accel"), ("op_torch", "op_accel"))
+CASES = [(s, d) for s in SETS for d in DTYPES]
 
 
 @needs_native
-def test_accel_unscale_clip(benchmark, gradients):
-    grads, scaler = gradients[1], FusedGradScaler("cpu")
+@pytest.mark.parametrize("case", CASES, ids=[f"{s}-{d}" for s, d in CASES])
+def test_unscale_clip(benchmark, case):
+    set_name, dtype_name = case
+    runs, nbytes, notice = variants(set_name, DTYPES[dtype_name])
+    interleaved(runs, WARMUP_ROUNDS)  # first-call costs (allocator, threads, lazy inits) out of the samples
+    samples: dict[str, list[float]] = {name: [] for name in runs}
 
-    def unscale_and_clip():
-        with scaler.measuring() as measured:
-            unscale(scaler, grads)
-        grad_ops.clip_grad_norm_(grads.params, MAX_NORM, measured=measured)
+    def one_round() -> None:
+        for name, times in interleaved(runs, 1, first_round=len(samples["accel"])).items():
+            samples[name] += times
 
-    run(benchmark, gradients, unscale_and_clip)
-
-
-@needs_native
-def test_accel_unscale(benchmark, gradients):
-    grads, scaler = gradients[1], FusedGradScaler("cpu")
-    run(benchmark, gradients, lambda: unscale(scaler, grads))
-
-
-def test_limit(benchmark, gradients):
-    run(benchmark, gradients, gradients[1].stream)
+    benchmark.group = f"unscale+clip {set_name}-{dtype_name}"
+    benchmark.pedantic(one_round, rounds=ROUNDS[set_name], iterations=1)
+    norms = [run.norm for run in runs.values() if isinstance(run, TrainingStep)]
+    assert max(norms) < 1.01 * min(norms), f"the variants measured different norms: {norms}"
+    assert min(norms) > MAX_NORM, "the clip must scale"
+    stats = summary(samples)
+    benchmark.extra_info.update(set=set_name, dtype=dtype_name, bytes=nbytes, samples=samples, notice=notice,
+                                **stats)  # fmt: skip
+    print(f"\n{set_name}-{dtype_name}: " + ", ".join(
+        f"{k}={v * 1e3:.2f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items()))  # fmt: skip
