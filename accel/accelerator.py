@@ -22,8 +22,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from accel import collectives
-from accel.checkpoint import save_file, save_state_dict
+from accel.checkpoint import background as checkpoint_background
+from accel.checkpoint import save_file
 from accel.checkpoint import state as checkpoint_state
+from accel.checkpoint.background import SaveMode
+from accel.checkpoint.model_io import save_model_files
 from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
 from accel.module_tree import extract_model_from_parallel
 from accel.precision import precision_for
@@ -692,24 +695,36 @@ class Accelerator:
         return (self.unwrap_model(model) if unwrap else model).state_dict()
 
     def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> None:  # fmt: skip
+                   safe_serialization: bool = True, *, async_save: bool | None = None,
+                   durable: bool | None = None) -> None:  # fmt: skip
         """Saves the weights in Hugging Face's layout (`model.safetensors`, or shards + index), on the main process.
 
-        Shards are split as huggingface_hub splits them; tied weights are saved once; every file is written
-        under a temporary name and renamed, the index last. See accel.checkpoint.model_io.
+        Shards are split as huggingface_hub splits them; tied weights are saved once; the files are written under
+        temporary names and published together (a kill leaves the old or the new checkpoint). `async_save` /
+        `durable` (accel's; default: the ProjectConfiguration's fields) pick the save mode, see
+        accel.checkpoint.background. See accel.checkpoint.model_io.
         """
         state_dict = self.get_state_dict(model)
         if self._saves_here():
-            save_state_dict(state_dict, save_directory, max_shard_size=max_shard_size,
-                            safe_serialization=safe_serialization)  # fmt: skip
+            mode = SaveMode.resolve(self.project_configuration, async_save, durable)
+            save_model_files(state_dict, save_directory, max_shard_size, safe_serialization, mode)
 
     # --- checkpoints: accel.checkpoint.state ------------------------------------------------------------------
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,
+                   async_save: bool | None = None, durable: bool | None = None, **save_model_func_kwargs: Any
                    ) -> str:  # fmt: skip
         """Saves models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects into
-        `output_dir` (or the next `checkpoints/checkpoint_N` with automatic naming), atomically; returns the folder."""
-        return checkpoint_state.save_state(self, output_dir, safe_serialization, list(self._save_state_pre_hooks.values()))
+        `output_dir` (or the next `checkpoints/checkpoint_N` with automatic naming), atomically; returns the folder.
+        `async_save` / `durable`: the save mode (accel's; see save_model)."""
+        mode = SaveMode.resolve(self.project_configuration, async_save, durable)
+        return checkpoint_state.save_state(self, output_dir, safe_serialization, list(self._save_state_pre_hooks.values()),
+                                           mode)  # fmt: skip
+
+    def wait_for_checkpoint(self) -> None:
+        """Waits until every save of this process is written, published and durable; raises a failure of one
+        that ran in the background (accel's; see accel.checkpoint.background)."""
+        checkpoint_background.saves.join()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
                    ) -> str:  # fmt: skip
@@ -825,11 +840,15 @@ class Accelerator:
         self._tracking.log(values, step, log_kwargs, self.is_main_process)
 
     def end_training(self) -> None:
-        """Finishes every tracker (all of them, even if one fails), then destroys the process group."""
+        """Waits for this process's checkpoints (wait_for_checkpoint), finishes every tracker (all of them, even if
+        one fails), then destroys the process group."""
         try:
-            self._tracking.finish()
+            checkpoint_background.finish()
         finally:
-            self.state.destroy_process_group()
+            try:
+                self._tracking.finish()
+            finally:
+                self.state.destroy_process_group()
 
 
 def _run_only_where(owner: Any, function: Callable | None, name: str,

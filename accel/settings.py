@@ -280,7 +280,13 @@ class DataLoaderConfiguration:
 
 @dataclasses.dataclass
 class ProjectConfiguration:
-    """Where a project saves checkpoints and logs."""
+    """Where a project saves checkpoints and logs, and how saves wait (accel's fields, not HF's):
+
+    `async_save`: `save_state` / `save_model` return after an in-memory snapshot and write in the background
+    (joined by the next save, `load_state`, `end_training` and `Accelerator.wait_for_checkpoint()`, which raise a
+    failure). `durable_save`: they return only once the files are fsync'd. Neither (the default): they return once
+    the files are complete, and fsync follows in the background. See accel.checkpoint.background.
+    """
 
     project_dir: str | None = None
     logging_dir: str | None = None
@@ -288,6 +294,8 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+    async_save: bool = False
+    durable_save: bool = False
 
     def set_directories(self, project_dir: str | None = None) -> None:
         self.project_dir = project_dir

@@ -26,6 +26,19 @@ def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *
         durable: fsync the file and the folder (False: the bytes may still be in the page cache on return; a
             process kill cannot lose them, a power loss can).
     """
+    temporary = write_temporary(path, write, mode, durable=durable)
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        remove_quietly(temporary)
+        raise
+    if durable:
+        fsync_directory(os.path.dirname(path) or ".")
+
+
+def write_temporary(path: str, write: Callable[[IO], None], mode: str = "wb", *, durable: bool = True) -> str:
+    """`write_atomically` without the rename: returns the complete temporary file's name, for a caller that
+    publishes several files together (accel.checkpoint.model_io's journal)."""
     temporary = temporary_name(path)
     fd = create_exclusive(temporary)
     try:
@@ -34,10 +47,15 @@ def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.replace(temporary, path)
     except BaseException:
-        if os.path.lexists(temporary):
-            os.remove(temporary)
+        remove_quietly(temporary)
         raise
-    if durable:
-        fsync_directory(os.path.dirname(path) or ".")
+    return temporary
+
+
+def remove_quietly(path: str) -> None:
+    """Removes `path` if it is there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

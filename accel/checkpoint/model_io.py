@@ -4,7 +4,10 @@ One file `model.safetensors`, or shards `model-00001-of-0000N.safetensors` with 
 (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`), split greedily in state-dict order as
 huggingface_hub's `split_torch_state_dict_into_shards` does; `.bin` files (`pytorch_model*.bin`) when
 `safe_serialization=False`. Tensors that share memory (tied weights) are saved once, under their first name,
-as transformers does. The index is written last, so a reader that finds it finds every shard.
+as transformers does. Every file is written under a temporary name, then all are published together through a
+journal (the index renamed last), so a save killed at any moment leaves the previous checkpoint or the new one:
+accel's next save or load of the folder replays an interrupted journal (other readers may meet the few files
+renamed so far, in the microseconds between the renames). Saves come in three modes (accel.checkpoint.background).
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ from collections.abc import Mapping
 
 import torch
 
-from accel.checkpoint.atomic_files import write_atomically
-from accel.checkpoint.names import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from accel.checkpoint import background, snapshot
+from accel.checkpoint.atomic_files import remove_quietly, write_atomically, write_temporary
+from accel.checkpoint.background import SaveMode
+from accel.checkpoint.names import (
+    PUBLISH_JOURNAL,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, fsync_directory
+from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -88,56 +100,139 @@ def split_into_shards(state_dict: Mapping[str, torch.Tensor], max_shard_size: in
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
                     max_shard_size: int | str = "10GB", safe_serialization: bool = True,
-                    progress: bool | None = None) -> list[str]:  # fmt: skip
+                    progress: bool | None = None, *, durable: bool = True) -> list[str]:  # fmt: skip
     """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
 
-    Weight files of an earlier save that this one does not overwrite (either format) are removed once the new
-    files are in place, so the folder holds one consistent checkpoint. With several shards the index is written
-    after them. `progress`: see accel.checkpoint.progress.
+    Every file is written under a temporary name first; then they are published together through a journal
+    (`.accel-publish.json`, renames with the index last, then removal of the weight files of an earlier save that
+    this one does not overwrite, in either format), so a process killed at any moment leaves the previous
+    checkpoint or the new one: the next save or load replays an interrupted journal. `durable`: fsync every file
+    and the folder before returning; without it the files are complete in the page cache (a kill cannot lose
+    them, a power loss can) and `sync_files` makes them durable later. `progress`: see accel.checkpoint.progress.
     """
     folder = os.fspath(save_directory)
     if os.path.isfile(folder):
         raise ValueError(f"save_directory '{folder}' is a file, expected a folder")
     os.makedirs(folder, exist_ok=True)
+    replay_journal(folder)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     state_dict = without_shared_tensors(state_dict)
     stem, extension = os.path.splitext(weights_name)
     shards, total = split_into_shards(state_dict, max_shard_size, stem + "{suffix}" + extension)
-    with progress_bar(total, f"saving {folder}", progress) as bar:
-        for filename, names in shards.items():
-            shard = {name: state_dict[name].detach() for name in names}
-            path = os.path.join(folder, filename)
-            if safe_serialization:
-                save_file(shard, path, metadata={"format": "pt"})
-            else:
-                tensors = {name: t.contiguous().cpu() for name, t in shard.items()}
-                write_atomically(path, lambda f, tensors=tensors: torch.save(tensors, f))
-            bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
-    written = [os.path.join(folder, filename) for filename in shards]
-    if len(shards) > 1:
-        index_path = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        write_atomically(index_path, lambda f: f.write(text), mode="w")
-        written.append(index_path)
-    _remove_stale_weights(folder, keep={os.path.basename(path) for path in written})
-    return written
+    staged: list[tuple[str, str]] = []  # (temporary, final name)
+    try:
+        with progress_bar(total, f"saving {folder}", progress) as bar:
+            for filename, names in shards.items():
+                shard = {name: state_dict[name].detach() for name in names}
+                staged.append((_write_shard(shard, os.path.join(folder, filename), safe_serialization, durable), filename))
+                bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
+        if len(shards) > 1:
+            index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
+            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+            staged.append((write_temporary(os.path.join(folder, index_name), lambda f: f.write(text), "w", durable=durable),
+                           index_name))  # fmt: skip
+        new = {name for _, name in staged}
+        stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in new]
+    except BaseException:
+        for temporary, _ in staged:
+            remove_quietly(temporary)
+        raise
+    # Once its journal is written, the publish is decided: an interruption from here on is completed by a replay.
+    publish_files(folder, staged, sorted(stale, key=lambda name: not name.endswith(".index.json")), durable)
+    _remove_orphan_temporaries(folder)
+    return [os.path.join(folder, name) for _, name in staged]
 
 
-_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+def _write_shard(shard: dict[str, torch.Tensor], path: str, safe_serialization: bool, durable: bool) -> str:
+    if safe_serialization:
+        return write_temporary_safetensors(shard, path, metadata={"format": "pt"}, durable=durable)
+    tensors = {name: t.contiguous().cpu() for name, t in shard.items()}
+    return write_temporary(path, lambda f: torch.save(tensors, f), durable=durable)
 
 
-def _remove_stale_weights(folder: str, keep: set[str]) -> None:
-    """Removes weight files and indexes of earlier saves (both formats): indexes first, so that no index ever
-    names a removed shard. Also the temporary files of saves killed midway (their process is gone)."""
-    stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in keep]
-    for name in sorted(stale, key=lambda name: not name.endswith(".index.json")):
-        os.remove(os.path.join(folder, name))
+def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> None:
+    """Moves the complete temporary files `renames` ((temporary path, final name), in order) into place and
+    removes the files named in `remove`, as one step for readers that replay the journal (see save_state_dict)."""
+    plan = {"rename": [[os.path.basename(temporary), name] for temporary, name in renames], "remove": remove}
+    text = json.dumps(plan)
+    try:
+        write_atomically(os.path.join(folder, PUBLISH_JOURNAL), lambda f: f.write(text), mode="w", durable=durable)
+    except BaseException:
+        for temporary, _ in renames:
+            remove_quietly(temporary)
+        raise
+    replay_journal(folder)
+    if durable:
+        fsync_directory(folder)
+
+
+def replay_journal(folder: str) -> None:
+    """Completes the publish a killed save left in `folder` (its journal), if any; the renames and removals are
+    idempotent, so a reader and the writer may both replay it."""
+    journal = os.path.join(folder, PUBLISH_JOURNAL)
+    try:
+        with open(journal) as f:
+            plan = json.load(f)
+    except FileNotFoundError:
+        return
+    except ValueError:  # written atomically, so never partial: not ours
+        raise CheckpointError(f"'{journal}' is not a journal accel wrote; remove it") from None
+    for temporary, name in plan["rename"]:
+        try:
+            os.replace(os.path.join(folder, temporary), os.path.join(folder, name))
+        except FileNotFoundError:  # already renamed
+            pass
+    for name in plan["remove"]:
+        remove_quietly(os.path.join(folder, name))
+    remove_quietly(journal)
+
+
+def sync_files(paths: list[str]) -> None:
+    """fsyncs `paths` and their folders: the durability a non-durable `save_state_dict` left for later."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # replaced or removed by a later save, which syncs its own
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for folder in dict.fromkeys(os.path.dirname(path) or "." for path in paths):
+        fsync_directory(folder)
+
+
+def save_model_files(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
+                     max_shard_size: int | str, safe_serialization: bool, mode: SaveMode) -> None:  # fmt: skip
+    """`Accelerator.save_model` in the three save modes (accel.checkpoint.background): the files complete when it
+    returns and durable in the background (default), durable when it returns, or written in the background from
+    a snapshot (asynchronous). An earlier asynchronous save is joined (and its failure raised) first."""
+    background.saves.join(asynchronous_only=True)
+    folder = os.fspath(save_directory)
+    if mode.asynchronous:
+        state = snapshot.buffers.take(without_shared_tensors(state_dict))
+
+        def write_and_sync() -> None:
+            sync_files(save_state_dict(state, folder, max_shard_size, safe_serialization, progress=False, durable=False))
+
+        background.saves.submit(write_and_sync, f"save_model into '{folder}'", asynchronous=True)
+        return
+    written = save_state_dict(state_dict, folder, max_shard_size, safe_serialization, durable=mode.durable)
+    if not mode.durable:
+        background.saves.submit(lambda: sync_files(written), f"fsync of '{folder}'")
+
+
+def _remove_orphan_temporaries(folder: str) -> None:
+    """The temporary files of saves killed midway (their process is gone)."""
     for name in os.listdir(folder):
         match = _ORPHAN_TEMPORARY.fullmatch(name)
         if match and not _process_alive(int(match.group(1))):
             os.remove(os.path.join(folder, name))
+
+
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
 
 _ORPHAN_TEMPORARY = re.compile(r"\.(?:model|pytorch_model)[^/]*\.tmp-(\d+)-[0-9a-f]+")
@@ -159,6 +254,7 @@ def _process_alive(pid: int) -> bool:
 def checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
     """The weight files of `checkpoint`: one file, the files an index names, or what a folder holds."""
     path = os.fspath(checkpoint)
+    _complete_interrupted_save(path if os.path.isdir(path) else os.path.dirname(path) or ".")
     if os.path.isdir(path):
         for name in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME):
             if os.path.isfile(os.path.join(path, name)):
@@ -179,6 +275,15 @@ def checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
             raise CheckpointError(f"'{path}' names shards that do not exist: {', '.join(missing)}")
         return files
     return [path]
+
+
+def _complete_interrupted_save(folder: str) -> None:
+    if not os.path.exists(os.path.join(folder, PUBLISH_JOURNAL)):
+        return
+    if not os.access(folder, os.W_OK):
+        raise CheckpointError(f"a save into '{folder}' was interrupted while publishing its files, and this process "
+                              "cannot complete it (the folder is read-only to it): load it once with write access")  # fmt: skip
+    replay_journal(folder)
 
 
 def load_checkpoint_in_model(

@@ -17,9 +17,14 @@ What HF gets wrong and accel does not:
     once every process's files are in it (an existing folder of that name is swapped out atomically with
     renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous checkpoint intact and never a partial
     one that load_state would pick;
+  - saves come in three modes (accel.checkpoint.background): by default the call returns once the files are
+    complete and published from the page cache, as fast as HF's save, and durability (fsync, then the marker
+    `.accel-durable`) follows in the background; `durable_save` waits for it; `async_save` returns after an
+    in-memory snapshot and writes in the background;
   - with automatic_checkpoint_naming, old checkpoints are rotated out by checkpoint number (not string order),
-    after the new one is in place; `load_state()` loads the latest and sets the iteration so the next save gets
-    the next number;
+    after the new one is in place (the newest durable one stays until the new one is durable too);
+    `load_state()` loads the latest durable one (see latest_checkpoint) and sets the iteration so the next save
+    gets the next number;
   - nothing is unpickled beyond weights_only=True (numpy's RNG arrays are allowlisted for the RNG files); pass
     `load_kwargs={"weights_only": False}` for custom objects whose state dicts hold arbitrary Python objects;
   - a failure on one process (a full disk, a hook raising) raises on every process, and nothing is published.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import random
@@ -43,12 +49,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from accel.checkpoint import background, snapshot
+from accel.checkpoint.atomic_files import remove_quietly, write_atomically
+from accel.checkpoint.background import SaveMode, durability_of, make_durable, mark_unsynced
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
     CHECKPOINT_FILE,
     CHECKPOINT_PATTERN,
     CUSTOM_CHECKPOINT_NAME,
     DATALOADER_STATE_NAME,
+    DURABLE_MARKER,
     MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
@@ -56,6 +66,7 @@ from accel.checkpoint.names import (
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    UNSYNCED_MARKER,
     custom_checkpoint_name,
     numbered,
 )
@@ -106,20 +117,24 @@ def foreign_entries(final: str, staged: str) -> list[str]:
     return sorted(n for n in os.listdir(final) if n not in new and not CHECKPOINT_FILE.fullmatch(n))
 
 
-def publish(partial: str, final: str) -> None:
+def publish(partial: str, final: str, durable: bool = True) -> None:
     """Moves the complete `partial` folder to `final`; an existing `final` is swapped out in one step.
 
     When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
-    moved in one by one instead (each file atomically, the folder as a whole not).
+    moved in one by one instead (each file atomically, the folder as a whole not). `durable`: fsync the folders
+    (else accel.checkpoint.background.make_durable does it later).
     """
-    fsync_directory(partial)  # every entry of the folder is durable before it is renamed into place
+    sync = fsync_directory if durable else (lambda folder: None)
+    sync(partial)  # every entry of the folder is durable before it is renamed into place
     foreign = foreign_entries(final, partial)
     if foreign:
         logger.warning("'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
                        "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
+        for marker in (DURABLE_MARKER, UNSYNCED_MARKER):  # the old checkpoint's: they no longer hold
+            remove_quietly(os.path.join(final, marker))
         for name in os.listdir(partial):
             os.replace(os.path.join(partial, name), os.path.join(final, name))
-        fsync_directory(final)  # the renames into it, not only its own entry in the parent
+        sync(final)  # the renames into it, not only its own entry in the parent
         os.rmdir(partial)
     elif not os.path.exists(final):
         os.rename(partial, final)
@@ -131,7 +146,7 @@ def publish(partial: str, final: str) -> None:
         os.rename(final, old)
         os.rename(partial, final)
         shutil.rmtree(old)
-    fsync_directory(os.path.dirname(os.path.normpath(final)) or ".")
+    sync(os.path.dirname(os.path.normpath(final)) or ".")
 
 
 def recover_interrupted_publish(final: str) -> None:
@@ -168,11 +183,14 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def save_state(accelerator: Any, output_dir: str | None, safe_serialization: bool,
-               pre_hooks: list[Callable]) -> str:  # fmt: skip
-    """Writes the state of everything `accelerator` prepared into `output_dir` (see the module docstring).
+               pre_hooks: list[Callable], mode: SaveMode = SaveMode(durable=True)) -> str:  # fmt: skip
+    """Writes the state of everything `accelerator` prepared into `output_dir` (see the module docstring), in one
+    of the three save modes of accel.checkpoint.background.
 
     Every process calls it (it synchronizes them three times: the staging folder exists, every file is in place,
-    the checkpoint is published); a failure on any process raises on all of them and publishes nothing.
+    the checkpoint is published); a failure on any process raises on all of them and publishes nothing. With
+    `mode.asynchronous`, the saving process snapshots its files' contents and writes and publishes them in the
+    background; the others return once their own files are written.
     """
     config = accelerator.project_configuration
     root, output_dir = _target(accelerator, output_dir)
@@ -188,37 +206,85 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
                        "not atomically", output_dir)  # fmt: skip
     failure = None
     try:
+        background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises) first
         if writes_shared_files:
-            recover_interrupted_publish(output_dir)
-            if staged:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-            os.makedirs(staging, exist_ok=True)
+            _prepare_staging(output_dir, staging, staged)
     except Exception as error:  # noqa: BLE001 - reported on every process below
         failure = error
     _agree_or_raise(accelerator, failure, "preparing")  # the staging folder exists for every process
 
+    files: dict[str, Any] = {}
     try:
         os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
         weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
         for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
             hook(list(accelerator._models), weights, staging)
         if writes_shared_files:
-            _save_shared_files(accelerator, staging, weights, safe_serialization)
-        save_rng_state(staging, accelerator.process_index, accelerator.step)
+            files = shared_files(accelerator, weights, safe_serialization)
+            if not mode.asynchronous:
+                write_files(staging, files, durable=mode.durable)
+        save_rng_state(staging, accelerator.process_index, accelerator.step, durable=mode.durable)
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(accelerator, failure, "writing", cleanup=staging if staged and writes_shared_files else None)
 
     try:
-        if writes_shared_files and staged:
-            publish(staging, output_dir)
-        if writes_shared_files and root is not None and config.total_limit is not None:
-            rotate(root, keep=config.total_limit, newest=output_dir)
+        if writes_shared_files:
+            finish = functools.partial(_publish_and_rotate, staging if staged else None, output_dir, root,
+                                       config.total_limit, mode)  # fmt: skip
+            if mode.asynchronous:
+                snapshot_of_files = snapshot.buffers.take(files)
+                background.saves.submit(lambda: (write_files(staging, snapshot_of_files, durable=False), finish()),
+                                        f"save_state into '{output_dir}'", asynchronous=True)  # fmt: skip
+            else:
+                finish()
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(accelerator, failure, "publishing")  # nobody returns before the checkpoint is visible
     config.iteration += 1
     return output_dir
+
+
+def _prepare_staging(output_dir: str, staging: str, staged: bool) -> None:
+    recover_interrupted_publish(output_dir)
+    if staged:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+    else:  # written in place: the markers of the checkpoint being overwritten no longer hold
+        for marker in (DURABLE_MARKER, UNSYNCED_MARKER):
+            remove_quietly(os.path.join(staging, marker))
+    os.makedirs(staging, exist_ok=True)
+
+
+_newest_saved: dict[str, str] = {}  # checkpoints root -> the folder this process published there last
+
+
+def _publish_and_rotate(staging: str | None, output_dir: str, root: str | None, total_limit: int | None,
+                        mode: SaveMode) -> None:  # fmt: skip
+    """Marks the complete staging folder (durable, or unsynced with this boot's id), renames it into place, then
+    rotates numbered checkpoints; without durability yet, the newest durable checkpoint is kept until the new one
+    is made durable in the background, which then rotates again."""
+    folder = staging or output_dir
+    durable = mode.durable and not mode.asynchronous
+    if durable:
+        make_durable(folder)
+    else:
+        mark_unsynced(folder)
+    if staging is not None:
+        publish(staging, output_dir, durable=durable)
+    if root is not None:
+        _newest_saved[root] = output_dir
+    if root is not None and total_limit is not None:
+        rotate(root, keep=total_limit, newest=output_dir)
+    if not durable:
+        def complete() -> None:
+            make_durable(output_dir)
+            if root is not None and total_limit is not None:  # protecting this process's newest save, not this one
+                rotate(root, keep=total_limit, newest=_newest_saved.get(root, output_dir))
+
+        if mode.asynchronous:  # already on the background thread
+            complete()
+        else:
+            background.saves.submit(complete, f"durability of '{output_dir}'")
 
 
 def _node_index(accelerator: Any) -> int:
@@ -278,42 +344,52 @@ def _agree_or_raise(accelerator: Any, failure: BaseException | None, stage: str,
 
 def rotate(root: str, keep: int, newest: str) -> None:
     """Removes the lowest-numbered checkpoints under `root` so that `keep` remain, never `newest` (the one just
-    written: it may be numbered below older runs' checkpoints in the same folder)."""
+    written: it may be numbered below older runs' checkpoints in the same folder), and, while `newest` is not
+    durable yet, never the newest checkpoint that is (a power loss now must leave one to load)."""
     others = [f for f in numbered_checkpoints(root) if os.path.normpath(f) != os.path.normpath(newest)]
-    for old in others[: max(0, len(others) + 1 - keep)]:
+    doomed = others[: max(0, len(others) + 1 - keep)]
+    if durability_of(newest) not in ("durable", "unknown"):
+        safe = [f for f in others if durability_of(f) in ("durable", "unknown")]
+        doomed = [f for f in doomed if not safe or f != safe[-1]]
+    for old in doomed:
         logger.warning("removing checkpoint '%s' (total_limit=%d)", old, keep)
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def _save_shared_files(accelerator: Any, folder: str, weights: list[dict], safe_serialization: bool) -> None:
+def shared_files(accelerator: Any, weights: list[dict], safe_serialization: bool) -> dict[str, Any]:
+    """{file name: what goes in it} for the files one process writes for all: weights (a state dict per model,
+    `.safetensors` or `.bin`), optimizers, schedulers, dataloaders, scaler, registered objects. The objects'
+    state dicts are taken now; an asynchronous save copies them before it returns."""
+    files: dict[str, Any] = {}
     for i, state_dict in enumerate(weights):
         if safe_serialization:
-            save_file(without_shared_tensors(state_dict), os.path.join(folder, numbered(SAFE_MODEL_NAME, i, ".safetensors")),
-                      metadata={"format": "pt"})  # fmt: skip
+            files[numbered(SAFE_MODEL_NAME, i, ".safetensors")] = without_shared_tensors(state_dict)
         else:
-            torch.save(state_dict, os.path.join(folder, numbered(MODEL_NAME, i, ".bin")))
+            files[numbered(MODEL_NAME, i, ".bin")] = state_dict
     for i, optimizer in enumerate(accelerator._optimizers):
-        torch.save(optimizer.state_dict(), os.path.join(folder, numbered(OPTIMIZER_NAME, i, ".bin")))
+        files[numbered(OPTIMIZER_NAME, i, ".bin")] = optimizer.state_dict()
     for i, scheduler in enumerate(accelerator._schedulers):
-        torch.save(scheduler.state_dict(), os.path.join(folder, numbered(SCHEDULER_NAME, i, ".bin")))
+        files[numbered(SCHEDULER_NAME, i, ".bin")] = scheduler.state_dict()
     for i, loader in enumerate(accelerator._dataloaders):
-        torch.save(loader_state(loader), os.path.join(folder, numbered(SAMPLER_NAME, i, ".bin")))
+        files[numbered(SAMPLER_NAME, i, ".bin")] = loader_state(loader)
         if getattr(loader, "use_stateful_dataloader", False):
-            torch.save(loader.state_dict(), os.path.join(folder, numbered(DATALOADER_STATE_NAME, i, ".bin")))
+            files[numbered(DATALOADER_STATE_NAME, i, ".bin")] = loader.state_dict()
     if accelerator.scaler is not None:
-        torch.save(accelerator.scaler.state_dict(), os.path.join(folder, SCALER_NAME))
+        files[SCALER_NAME] = accelerator.scaler.state_dict()
     for i, obj in enumerate(accelerator._custom_objects):
-        torch.save(obj.state_dict(), os.path.join(folder, custom_checkpoint_name(i)))
-    for name in os.listdir(folder):  # the data is on disk before the folder is renamed into place
-        _fsync_file(os.path.join(folder, name))
+        files[custom_checkpoint_name(i)] = obj.state_dict()
+    return files
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_files(folder: str, files: dict[str, Any], durable: bool) -> None:
+    """Writes `files` (see shared_files) into `folder`: safetensors for `.safetensors` names, torch.save for the
+    rest; fsync'd when `durable` (the folder is renamed into place only after)."""
+    for name, content in files.items():
+        path = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            save_file(content, path, metadata={"format": "pt"}, durable=durable)
+        else:
+            write_atomically(path, lambda f, content=content: torch.save(content, f), durable=durable)
 
 
 def loader_state(loader: Any) -> dict:
@@ -324,9 +400,9 @@ def loader_state(loader: Any) -> dict:
     return {"iteration": getattr(loader, "iteration", 0), "initial_seed": getattr(sampler, "initial_seed", None)}
 
 
-def save_rng_state(folder: str, process_index: int, step: int) -> None:
+def save_rng_state(folder: str, process_index: int, step: int, durable: bool = True) -> None:
     """Writes this process's python / numpy / torch (/ CUDA) RNG states and `step` to
-    `folder/random_states_{process_index}.pkl`."""
+    `folder/random_states_{process_index}.pkl` (fsync'd when `durable`)."""
     states = {
         "step": step,
         "random_state": random.getstate(),
@@ -336,18 +412,31 @@ def save_rng_state(folder: str, process_index: int, step: int) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
     path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
-    torch.save(states, path)
-    _fsync_file(path)
+    write_atomically(path, lambda f: torch.save(states, f), durable=durable)
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
 
 
 def latest_checkpoint(accelerator: Any) -> str:
+    """The newest `checkpoints/checkpoint_N` that is durable (or unmarked: HF's, an older accel's). One published
+    without fsync during this boot is made durable now (its bytes are in the page cache); one published without
+    fsync before the machine restarted is passed over for an older durable one (its bytes may be lost)."""
     root = os.path.join(accelerator.project_dir or ".", "checkpoints")
     folders = numbered_checkpoints(root)
     if not folders:
         raise FileNotFoundError(f"no checkpoint_N folder in '{root}' to load")
+    for folder in reversed(folders):
+        state = durability_of(folder)
+        if state == "this-boot":
+            make_durable(folder)
+        if state != "lost-boot":
+            if folder != folders[-1]:
+                logger.warning("loading '%s': the newer checkpoints were saved without fsync before this machine "
+                               "restarted, so their files may be incomplete", folder)  # fmt: skip
+            return folder
+    logger.warning("every checkpoint in '%s' was saved without fsync before this machine restarted; loading the "
+                   "newest, '%s', whose files may be incomplete", root, folders[-1])  # fmt: skip
     return folders[-1]
 
 
@@ -358,6 +447,7 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
     Every file it needs is checked to be there before anything is restored, so a wrong folder changes nothing.
     """
     config = accelerator.project_configuration
+    background.saves.join(asynchronous_only=True)  # this process's asynchronous save is published first
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
             raise ValueError("load_state needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
@@ -366,6 +456,9 @@ def load_state(accelerator: Any, input_dir: str | None, load_kwargs: dict | None
     recover_interrupted_publish(input_dir)
     if not os.path.isdir(input_dir):
         raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
+    if durability_of(input_dir) == "lost-boot":
+        logger.warning("'%s' was saved without fsync before this machine restarted: its files may be incomplete",
+                       input_dir)  # fmt: skip
     load_kwargs = {"weights_only": True, **(load_kwargs or {})}
     models = list(accelerator._models)  # a hook may pop the models it loads itself (HF's diffusers pattern)
     for hook in pre_hooks:

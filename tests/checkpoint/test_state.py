@@ -111,7 +111,9 @@ def test_the_folder_has_hf_accelerates_layout(tmp_path):
     accelerator.prepare(torch.nn.Linear(2, 2))
     accelerator.register_for_checkpointing(Counter())
     folder = accelerator.save_state(str(tmp_path / "state"))
+    accelerator.wait_for_checkpoint()
     assert sorted(os.listdir(folder)) == [
+        ".accel-durable",  # accel's marker (hidden): fsync'd in the background, then marked
         "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "random_states_0.pkl",
         "sampler.bin", "scaler.pt", "scheduler.bin",
     ]  # fmt: skip
@@ -140,6 +142,7 @@ def test_automatic_naming_rotates_by_number_and_load_state_takes_the_latest(tmp_
     for i in range(12):  # checkpoint_10 and _11 sort before checkpoint_2 as strings
         counter.count = i
         accelerator.save_state()
+    accelerator.wait_for_checkpoint()  # the newest durable checkpoint is kept until the new ones are durable
     root = tmp_path / "checkpoints"
     assert sorted(os.listdir(root), key=lambda n: int(n.split("_")[1])) == ["checkpoint_9", "checkpoint_10", "checkpoint_11"]
     accelerator = fresh_accelerator(project_config=ProjectConfiguration(
