@@ -16,6 +16,7 @@ import os
 import signal
 import tempfile
 import threading
+import uuid
 from contextlib import contextmanager
 from functools import wraps
 from typing import Callable, Iterator
@@ -112,12 +113,21 @@ def _check_mixed_precision(mixed_precision: str) -> str:
     return value
 
 
-def _rendezvous_port(use_port: str | int, master_addr: str, num_nodes: int) -> int:
+def _rendezvous(use_port: str | int, master_addr: str, num_nodes: int, rdzv_backend: str, rdzv_endpoint: str,
+                rdzv_id: str) -> tuple[str, str, str]:  # fmt: skip
+    """(backend, endpoint, id) of the rendezvous.
+
+    use_port="0" (one machine) lets the rendezvous store bind port 0 itself: the c10d rendezvous at
+    `master_addr:0`, whose store the ranks then share, with a fresh id. Picking a free port first and
+    binding it later (HF's way) leaves a window in which another process can take the port.
+    """
+    if rdzv_endpoint:
+        return rdzv_backend, rdzv_endpoint, rdzv_id
     if str(use_port) != "0":
-        return int(use_port)
+        return rdzv_backend, f"{master_addr}:{int(use_port)}", rdzv_id
     if num_nodes > 1:
         raise ValueError("use_port='0' picks a port on this machine only; give the port all machines use.")
-    return get_free_port(master_addr)
+    return "c10d", f"{master_addr}:0", uuid.uuid4().hex if rdzv_id == "none" else rdzv_id
 
 
 # --- What the forked processes run -------------------------------------------------------------------------------
@@ -244,7 +254,8 @@ def notebook_launcher(
         args: The positional arguments `function` receives.
         num_processes: Processes on this machine; None means one per GPU (or one process without GPUs).
         mixed_precision: "no", "fp16", "bf16" or "fp8", exported as ACCEL_MIXED_PRECISION.
-        use_port: The rendezvous port on node 0; "0" picks a free one (single machine only).
+        use_port: The rendezvous port on node 0; "0" lets the rendezvous bind a free one (single machine only;
+            it then runs the c10d rendezvous whatever `rdzv_backend` says).
         master_addr: The address of node 0.
         node_rank: This machine's index, below `num_nodes`.
         num_nodes: The number of machines.
@@ -282,7 +293,8 @@ def notebook_launcher(
     if num_processes == 1 and num_nodes == 1:
         return _run_in_process(function, args, mixed_precision)
     _check_can_fork()
-    rdzv_endpoint = rdzv_endpoint or f"{master_addr}:{_rendezvous_port(use_port, master_addr, num_nodes)}"
+    rdzv_backend, rdzv_endpoint, rdzv_id = _rendezvous(use_port, master_addr, num_nodes, rdzv_backend, rdzv_endpoint,
+                                                       rdzv_id)  # fmt: skip
     child_env = {"ACCEL_MIXED_PRECISION": mixed_precision, "ACCEL_FORK_LAUNCHED": "1"}
     if gpus == 0:
         child_env["ACCEL_USE_CPU"] = "1"

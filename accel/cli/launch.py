@@ -281,9 +281,8 @@ def rendezvous_args(config: LaunchConfig) -> list[str]:
 
 
 def _worker_target(config: LaunchConfig) -> list[str]:
-    """What torchrun starts per rank: accel.cli.worker (tracebacks, affinity), or the executable itself."""
-    if config.no_python and not config.enable_cpu_affinity:
-        return ["--no_python", config.training_script, *config.training_script_args]
+    """What torchrun starts per rank: accel.cli.worker (death with the launcher, tracebacks, affinity), which
+    replaces itself with the executable under --no_python, once it has made sure it dies with the launcher."""
     prefix = ["--exec"] if config.no_python else []
     if config.main_training_function is not None:
         prefix = ["--call", config.main_training_function]
@@ -357,7 +356,8 @@ def launch(config: LaunchConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    os.environ.update(child_env(config))
+    # ACCEL_LAUNCHER_PID: the ranks' expected parent (the elastic agent runs here); see accel.cli.worker.
+    os.environ.update(child_env(config), ACCEL_LAUNCHER_PID=str(os.getpid()))
     if config.quiet:
         _silence_launcher_logs()
     # torchrun keeps error files and logs under a fresh /tmp/torchelastic_* per run; ours goes once we are done.

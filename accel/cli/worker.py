@@ -6,28 +6,44 @@ the failing rank's traceback, not just an exit code.
 Arguments (from accel.cli.launch.torchrun_argv): `[--call FUNCTION] [--exec] [-m] TARGET [ARGS...]`.
 `--call` imports the script (or module) instead of running it as __main__ and calls FUNCTION() (HF's
 `--main_training_function`); `--exec` replaces this process with the executable TARGET (`--no_python`), after
-the pinning below, which the executable keeps.
+the pinning below, which the executable keeps, as it keeps the death signal.
+
+A rank must not outlive its launcher: the elastic agent starts ranks in sessions of their own
+(start_new_session), so a launcher killed with SIGKILL signals nobody. Before importing anything slow (torch
+takes seconds), the rank asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), then checks that
+its parent is still the launcher (ACCEL_LAUNCHER_PID): a launcher that died before the request leaves the rank
+with another parent, and the rank exits at once. `--exec` does the same before it runs the executable, and
+imports nothing heavy on the way.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
-import runpy
 import signal
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from accel._env import get_flag
+_PR_SET_PDEATHSIG = 1
 
 
 def die_with_launcher() -> None:
-    """A launcher killed with SIGKILL cannot stop its ranks; the kernel does it for us (Linux only)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    """SIGKILL this rank when its parent dies (Linux), and exit now if that happened already."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    launcher = os.environ.get("ACCEL_LAUNCHER_PID")
+    if launcher and os.getppid() != int(launcher):
+        sys.stderr.write(f"accel: the launcher (pid {launcher}) exited before this rank started; exiting\n")
+        os._exit(1)
+
+
+if __name__ == "__main__":  # first, before the imports below (torch) take their seconds
+    die_with_launcher()
+
+import importlib  # noqa: E402
+import runpy  # noqa: E402
+
+from accel._env import get_flag  # noqa: E402
 
 
 def pin_to_cpus() -> None:
@@ -70,16 +86,25 @@ def run_target(target: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-@record
+def run_python(argv: list[str]) -> None:
+    """The script, module or function, its traceback recorded for the launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def run() -> None:
+        if argv[0] == "--call":
+            call_function(argv[2:], argv[1])
+        else:
+            run_target(argv)
+
+    run()
+
+
 def main(argv: list[str]) -> None:
-    die_with_launcher()
     pin_to_cpus()
     if argv[0] == "--exec":
         os.execvp(argv[1], argv[1:])
-    if argv[0] == "--call":
-        call_function(argv[2:], argv[1])
-        return
-    run_target(argv)
+    run_python(argv)
 
 
 if __name__ == "__main__":
