@@ -38,35 +38,77 @@ def read_tensors_(path: str, offsets: list[int], outs: list[torch.Tensor]) -> No
     torch.ops.accel.read_tensors_.default(path, offsets, outs)
 
 
-def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float) -> int:
-    """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm)."""
-    return torch.ops.accel.shm_group_create.default(rank, world, token, slot_bytes, timeout_s)
+def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float,
+                     oversubscribed: bool = False) -> int:
+    """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm_transport).
+
+    `oversubscribed`: more ranks on this host than CPUs, so waits sleep early instead of spinning.
+    """
+    return torch.ops.accel.shm_group_create.default(rank, world, token, slot_bytes, timeout_s, oversubscribed)
 
 
-def shm_group_attach(group: int) -> None:
-    """Maps every peer's segment: once every rank has created its own."""
-    torch.ops.accel.shm_group_attach.default(group)
+def shm_group_locator(group: int) -> list[int]:
+    """[pid, fd]: where peers open this rank's segment (until `shm_group_finish_setup`)."""
+    return torch.ops.accel.shm_group_locator.default(group)
 
 
-def shm_group_unlink(group: int) -> None:
-    """Removes this rank's segment name from /dev/shm: once every rank has attached."""
-    torch.ops.accel.shm_group_unlink.default(group)
+def shm_group_attach(group: int, locators: list[int]) -> None:
+    """Maps every peer's segment, given every rank's locator concatenated in rank order."""
+    torch.ops.accel.shm_group_attach.default(group, locators)
+
+
+def shm_group_finish_setup(group: int) -> None:
+    """Closes this rank's descriptor of its segment: once every rank has attached."""
+    torch.ops.accel.shm_group_finish_setup.default(group)
 
 
 def shm_group_destroy(group: int) -> None:
-    """Unmaps the group's segments; the handle is invalid afterwards."""
+    """Unmaps the group's segments; peers still waiting on this rank fail at once. The handle is invalid after."""
     torch.ops.accel.shm_group_destroy.default(group)
 
 
+# Starts the message of a native error raised because the ranks' calls disagree (csrc/cpu/shm_transport.cpp).
+_MISMATCH = "accel collective mismatch: "
+
+
+def _collective_error(error: RuntimeError) -> Exception:
+    """`error`, or the DistributedOperationException it stands for when the ranks' calls disagree."""
+    message = str(error)
+    if not message.startswith(_MISMATCH):
+        return error
+    from accel.collectives.errors import DistributedOperationException
+
+    return DistributedOperationException(message[len(_MISMATCH):].split("\nException raised from", 1)[0])
+
+
 def shm_all_gather(group: int, leaves: list[torch.Tensor], pad_dim: int | None = None,
-                   pad_value: float | int | bool = 0, pad_first: bool = False) -> list[torch.Tensor]:
-    """Every rank's leaves concatenated along dim 0 (padded along `pad_dim` first), in one rendezvous."""
-    return torch.ops.accel.shm_all_gather.default(group, leaves, pad_dim, pad_value, pad_first)
+                   pad_value: float | int | bool = 0, pad_first: bool = False, call: str = "gather") -> list[torch.Tensor]:
+    """Every rank's leaves concatenated along dim 0 (padded along `pad_dim` first), in one rendezvous.
+
+    `call` names the collective in the DistributedOperationException raised when ranks run different ones.
+    """
+    try:
+        return torch.ops.accel.shm_all_gather.default(group, leaves, pad_dim, pad_value, pad_first, call)
+    except RuntimeError as error:
+        raise _collective_error(error) from None
 
 
-def shm_all_gather_bytes(group: int, data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shm_all_gather_bytes(group: int, data: torch.Tensor, call: str = "gather_object") -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's 1-d uint8 `data` concatenated in rank order, and each rank's length (int64)."""
-    return torch.ops.accel.shm_all_gather_bytes.default(group, data)
+    try:
+        return torch.ops.accel.shm_all_gather_bytes.default(group, data, call)
+    except RuntimeError as error:
+        raise _collective_error(error) from None
+
+
+def shm_pad_across_processes(group: int, leaves: list[torch.Tensor], dim: int, pad_value: float | int | bool,
+                             pad_first: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """One exchange of shapes: the padded copies of the leaves smaller along `dim` than on some rank, and their
+    indices in `leaves` (HF's pad_across_processes semantics; leaves without `dim` stay as they are)."""
+    try:
+        return torch.ops.accel.shm_pad_across_processes.default(group, leaves, dim, pad_value, pad_first)
+    except RuntimeError as error:
+        raise _collective_error(error) from None
 
 
 def _register_fakes() -> None:
@@ -120,7 +162,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake("accel::shm_all_gather")
-    def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first):
+    def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first, call):
         # The gathered sizes depend on what the other ranks send: unknown until the call.
         ctx = torch.library.get_ctx()
         outputs = []
@@ -132,9 +174,14 @@ def _register_fakes() -> None:
         return outputs
 
     @torch.library.register_fake("accel::shm_all_gather_bytes")
-    def _shm_all_gather_bytes_fake(group, data):
+    def _shm_all_gather_bytes_fake(group, data, call):
         ctx = torch.library.get_ctx()
         return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
+
+    @torch.library.register_fake("accel::shm_pad_across_processes")
+    def _shm_pad_across_processes_fake(group, leaves, dim, pad_value, pad_first):
+        # Which leaves come back padded depends on the other ranks' shapes: not even the count is known.
+        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(torch.ops.accel.shm_pad_across_processes.default)
 
 
 if _ext.status().loaded:

@@ -1,35 +1,50 @@
-"""The padded all-gather: accel's shared-memory transport against its torch.distributed reference and HF Accelerate.
+"""The padded all-gather through the public API, side by side with HF Accelerate, interleaved in one run.
 
 Runs inside every rank of a real job, so that the collectives are the ones users get:
 
     accel launch --cpu --num_processes 2 benchmarks/ranked_pytest.py benchmarks/bench_gather.py --benchmark-only
 
-(`make bench-gather` runs it on 2 and 4 ranks and writes docs/benchmarks/gather.md and gather.png.) Every test
-uses fixed rounds and iterations (`benchmark.pedantic`) so that all ranks make the same calls; rank 0 reports.
+(`make bench-gather` runs it on 2 and 4 ranks, installing HF Accelerate first, and writes
+docs/benchmarks/gather.md and gather.png.) Every rank makes the same calls in the same order; rank 0 reports.
 
-Groups, per payload (bytes per rank; rank r sends r*64 bytes fewer, so there is padding to do):
-- `limit`: a memcpy of the gathered bytes (world_size * payload) into a fresh buffer, the floor.
-- `shm`: `pad_across_processes` then `gather`, as a user writes it (two rendezvous, shared memory).
-- `shm_fused`: the same result in one call (`accel::shm_all_gather` with `pad_dim=0`).
-- `reference`: the same two calls through accel's torch.distributed transport (gloo).
-- `hf`: HF Accelerate's `pad_across_processes` then `gather` (skipped with a notice when not installed).
-And one group timing a whole `gather_for_metrics` evaluation pass over an uneven dataset.
+Per payload (bytes per rank; rank r sends r*64 bytes fewer, so there is padding to do), each round times, in
+an order that alternates between rounds, the same number of calls of:
+- `limit`: a memcpy of the gathered bytes (world_size * payload) into a fresh buffer, the floor;
+- `accel`: `pad_across_processes` then `gather`, as a user writes it (accel's public API);
+- `hf`: HF Accelerate's `pad_across_processes` then `gather` (its public API, same process group);
+- `fused`: the same result in one op call (`accel::shm_all_gather` with `pad_dim=0`), the op-level column;
+- `reference`: accel's two calls through its torch.distributed transport (gloo).
+The ratio HF/accel is the median over rounds of each round's ratio (interleaved pairs), so drifts of a busy
+machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way.
+Everything lands in each benchmark's `extra_info` (tools/bench_gather_report.py reads it); pytest-benchmark's
+own statistics are those of one whole round.
 """
 
+from __future__ import annotations
+
 import os
+import statistics
+import time
+from typing import Callable
 
 import pytest
 import torch
 
-from accel.collectives import gather, pad_across_processes
+from accel.collectives import gather, gather_object, pad_across_processes
 from accel.collectives.transport import TorchDistributedTransport, select_transport, using_transport
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 pytestmark = pytest.mark.skipif(WORLD_SIZE < 2, reason="run under `accel launch --num_processes N` (see docstring)")
 
 PAYLOADS = {"64B": 64, "4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "32MiB": 32 << 20}
-# (rounds, iterations): the same on every rank, so every rank runs the same number of collectives.
-REPEATS = {"64B": (15, 200), "4KiB": (15, 200), "256KiB": (10, 20), "4MiB": (7, 3), "32MiB": (5, 1)}
+# (rounds, calls per contender and round): the same on every rank, so every rank runs the same collectives.
+REPEATS = {"64B": (21, 100), "4KiB": (21, 100), "256KiB": (15, 10), "4MiB": (11, 2), "32MiB": (7, 1)}
+EVAL_ROWS, EVAL_BATCH, EVAL_ROUNDS = 1003, 16, 7
+
+
+def hf_accelerate():
+    """HF Accelerate (the comparison), or a skip naming how to get it."""
+    return pytest.importorskip("accelerate", reason="HF Accelerate is not installed: `pip install accelerate`")
 
 
 @pytest.fixture(scope="module")
@@ -39,112 +54,123 @@ def state():
     return PartialState()
 
 
-@pytest.fixture(params=list(PAYLOADS), ids=list(PAYLOADS))
-def payload(request, state):
-    name = request.param
-    size = PAYLOADS[name] - 64 * state.process_index if PAYLOADS[name] > 64 else PAYLOADS[name] - state.process_index
-    return name, torch.ones(size, dtype=torch.uint8) * state.process_index
+def timed(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of `fn`, over `calls` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
-def measure(benchmark, state, name, fn, *args):
-    rounds, iterations = REPEATS[name]
-    benchmark.group = f"gather {name}/rank x {WORLD_SIZE} ranks"
-    benchmark.extra_info.update(world_size=WORLD_SIZE, payload=name)
-    return benchmark.pedantic(fn, args=args, rounds=rounds, iterations=iterations, warmup_rounds=2)
+class Interleaved:
+    """Times contenders round after round, alternating their order; the same calls on every rank."""
+
+    def __init__(self, contenders: dict[str, Callable[[], object]], calls: int):
+        self.contenders, self.calls = contenders, calls
+        self.times: dict[str, list[float]] = {name: [] for name in contenders}
+        self.rounds = 0
+
+    def round(self) -> None:
+        names = list(self.contenders)
+        for name in names if self.rounds % 2 == 0 else reversed(names):
+            self.times[name].append(timed(self.contenders[name], self.calls))
+        self.rounds += 1
+
+    def summary(self, versus: str, against: list[str]) -> dict:
+        """Medians per contender (s), and for each of `against` the median of its per-round ratio to `versus`
+        with the ratio's quartiles (the run-to-run spread)."""
+        info = {"median_s": {name: statistics.median(times) for name, times in self.times.items()}}
+        for other in against:
+            ratios = sorted(o / v for o, v in zip(self.times[other], self.times[versus]))
+            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            info[f"{other}/{versus}"] = {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[-1]}
+        return info
 
 
-def test_limit(benchmark, state, payload):
-    name, tensor = payload
-    source = torch.ones(PAYLOADS[name] * WORLD_SIZE, dtype=torch.uint8)
-    measure(benchmark, state, name, lambda: torch.empty_like(source).copy_(source))
+def _payload(state, name: str) -> torch.Tensor:
+    size = PAYLOADS[name] - (64 if PAYLOADS[name] > 64 else 1) * state.process_index
+    return torch.ones(size, dtype=torch.uint8) * state.process_index
 
 
-def test_shm(benchmark, state, payload):
-    name, tensor = payload
-    assert type(select_transport([])).__name__ == "SharedMemoryTransport"
-    measure(benchmark, state, name, lambda: gather(pad_across_processes(tensor)))
+def _gathers_match(state, tensor, hf) -> None:
+    """accel's public path gives HF's result, bit for bit (checked once before timing)."""
+    ours = gather(pad_across_processes(tensor))
+    theirs = hf.utils.gather(hf.utils.pad_across_processes(tensor))
+    assert torch.equal(ours, theirs.to(ours.dtype)) and ours.dtype == tensor.dtype
 
 
-def test_shm_fused(benchmark, state, payload):
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_pad_then_gather(benchmark, state, name):
     from accel import ops
 
-    name, tensor = payload
-    handle = select_transport([]).handle
-    measure(benchmark, state, name, lambda: ops.shm_all_gather(handle, [tensor], 0, 0, False))
+    hf = hf_accelerate()
+    hf.PartialState(cpu=True)  # joins the process group accel created
+    assert type(select_transport([])).__name__ == "SharedMemoryTransport"
+    tensor = _payload(state, name)
+    _gathers_match(state, tensor, hf)
+    handle, reference = select_transport([]).handle, TorchDistributedTransport()
+    source = torch.ones(PAYLOADS[name] * WORLD_SIZE, dtype=torch.uint8)
 
+    def through_reference():
+        with using_transport(reference):
+            return gather(pad_across_processes(tensor))
 
-def test_reference(benchmark, state, payload):
-    name, tensor = payload
-    with using_transport(TorchDistributedTransport()):
-        measure(benchmark, state, name, lambda: gather(pad_across_processes(tensor)))
-
-
-def test_hf(benchmark, state, payload):
-    hf = pytest.importorskip("accelerate", reason="HF Accelerate is not installed: `pip install accelerate`")
-    hf.PartialState(cpu=True)
-    name, tensor = payload
-    measure(benchmark, state, name, lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)))
+    rounds, calls = REPEATS[name]
+    runs = Interleaved({
+        "limit": lambda: torch.empty_like(source).copy_(source),
+        "accel": lambda: gather(pad_across_processes(tensor)),
+        "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
+        "fused": lambda: ops.shm_all_gather(handle, [tensor], 0, 0, False),
+        "reference": through_reference,
+    }, calls)  # fmt: skip
+    runs.round()  # warm-up (first-call costs of both libraries), not recorded
+    runs.times = {contender: [] for contender in runs.times}
+    benchmark.group = f"pad_across_processes + gather, {WORLD_SIZE} ranks"
+    benchmark.pedantic(runs.round, rounds=rounds, iterations=1)
+    benchmark.extra_info.update(world_size=WORLD_SIZE, payload=name, calls_per_round=calls,
+                                **runs.summary("accel", ["hf", "fused", "reference", "limit"]),
+                                per_rank_accel_median_s=gather_object([statistics.median(runs.times["accel"])]))
 
 
 # --- a whole evaluation pass -------------------------------------------------------------------------------------
 
 
 def _eval_loader(prepare):
-    """1001 samples of 256 floats in batches of 16: the last batch is uneven and partly duplicated."""
-    dataset = torch.utils.data.TensorDataset(torch.randn(1001, 256), torch.arange(1001))
-    return prepare(torch.utils.data.DataLoader(dataset, batch_size=16))
+    """EVAL_ROWS samples of 256 floats in batches of EVAL_BATCH: the last batch is uneven and partly duplicated."""
+    generator = torch.Generator().manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(EVAL_ROWS, 256, generator=generator), torch.arange(EVAL_ROWS))
+    return prepare(torch.utils.data.DataLoader(dataset, batch_size=EVAL_BATCH))
 
 
-def _eval_pass(loader, gather_for_metrics):
-    seen = 0
-    for features, labels in loader:
-        predictions = features.sum(dim=1)
-        gathered, gathered_labels = gather_for_metrics((predictions, labels))
-        seen += len(gathered_labels)
-    assert seen == 1001
+def _eval_pass(loader, gather_for_metrics) -> torch.Tensor:
+    labels = [gather_for_metrics((features.sum(dim=1), batch_labels))[1] for features, batch_labels in loader]
+    return torch.cat(labels)
 
 
-def _eval(benchmark, state, prepare, gather_for_metrics):
-    benchmark.group = f"gather_for_metrics eval pass, {WORLD_SIZE} ranks"
-    loader = _eval_loader(prepare)
-    benchmark.pedantic(_eval_pass, args=(loader, gather_for_metrics), rounds=5, iterations=1, warmup_rounds=1)
+def test_gather_for_metrics_eval_pass(benchmark, state):
+    import accel
 
-
-def test_eval_pass_limit(benchmark, state):
-    """The same loop with no gather: what the evaluation costs without communication."""
-    from accel import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    benchmark.group = f"gather_for_metrics eval pass, {WORLD_SIZE} ranks"
-    loader = _eval_loader(accelerator.prepare)
+    hf = hf_accelerate()
+    ours, theirs = accel.Accelerator(cpu=True), hf.Accelerator(cpu=True)
+    our_loader, their_loader = _eval_loader(ours.prepare), _eval_loader(theirs.prepare)
+    seen = _eval_pass(our_loader, ours.gather_for_metrics)
+    assert torch.equal(seen, _eval_pass(their_loader, theirs.gather_for_metrics))
+    assert torch.equal(seen, torch.arange(EVAL_ROWS))  # every sample once, in order
 
     def no_gather(data):
         return tuple(torch.cat([part] * WORLD_SIZE) for part in data)
 
-    benchmark.pedantic(_loop_without_assert, args=(loader, no_gather), rounds=5, iterations=1, warmup_rounds=1)
+    def through_reference():
+        with using_transport(TorchDistributedTransport()):
+            return _eval_pass(our_loader, ours.gather_for_metrics)
 
-
-def _loop_without_assert(loader, gather_for_metrics):
-    for features, labels in loader:
-        gather_for_metrics((features.sum(dim=1), labels))
-
-
-def test_eval_pass_shm(benchmark, state):
-    from accel import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    _eval(benchmark, state, accelerator.prepare, accelerator.gather_for_metrics)
-
-
-def test_eval_pass_reference(benchmark, state):
-    from accel import Accelerator
-
-    accelerator = Accelerator(cpu=True)
-    with using_transport(TorchDistributedTransport()):
-        _eval(benchmark, state, accelerator.prepare, accelerator.gather_for_metrics)
-
-
-def test_eval_pass_hf(benchmark, state):
-    hf = pytest.importorskip("accelerate", reason="HF Accelerate is not installed: `pip install accelerate`")
-    accelerator = hf.Accelerator(cpu=True)
-    _eval(benchmark, state, accelerator.prepare, accelerator.gather_for_metrics)
+    runs = Interleaved({
+        "limit": lambda: _eval_pass(our_loader, no_gather),
+        "accel": lambda: _eval_pass(our_loader, ours.gather_for_metrics),
+        "hf": lambda: _eval_pass(their_loader, theirs.gather_for_metrics),
+        "reference": through_reference,
+    }, 1)  # fmt: skip
+    benchmark.group = f"gather_for_metrics eval pass, {WORLD_SIZE} ranks"
+    benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
+    benchmark.extra_info.update(world_size=WORLD_SIZE, rows=EVAL_ROWS, batch_size=EVAL_BATCH,
+                                **runs.summary("accel", ["hf", "reference", "limit"]))

@@ -33,15 +33,22 @@ TORCH_LIBRARY(accel, m) {
   m.def("read_tensors_(str path, int[] offsets, Tensor(a!)[] outs) -> ()");
 
   // The same-host shared-memory transport (csrc/shm/, binding in cpu/shm_transport.cpp). A group is an integer
-  // handle: created on every rank with the same token, attached once all exist, unlinked once all attached.
-  m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s) -> int");
-  m.def("shm_group_attach(int group) -> ()");
-  m.def("shm_group_unlink(int group) -> ()");
+  // handle: created on every rank with the same token, attached once every rank knows every locator (the
+  // [pid, fd] where a peer opens a rank's segment), set up once every rank has attached.
+  m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s, bool oversubscribed) -> int");
+  m.def("shm_group_locator(int group) -> int[]");
+  m.def("shm_group_attach(int group, int[] locators) -> ()");
+  m.def("shm_group_finish_setup(int group) -> ()");
   m.def("shm_group_destroy(int group) -> ()");
   // One rendezvous for a whole pytree: every rank's leaves concatenated along dim 0 in rank order; with
   // pad_dim, each rank's leaf is first padded along it to the largest size (pad_value, before the data when
-  // pad_first). Without pad_dim, dim 0 may differ between ranks and every other dim must agree.
-  m.def("shm_all_gather(int group, Tensor[] leaves, int? pad_dim, Scalar pad_value, bool pad_first) -> Tensor[]");
+  // pad_first). Without pad_dim, dim 0 may differ between ranks and every other dim must agree. `call` names
+  // the collective for the error raised when ranks run different ones (so do the two ops below).
+  m.def("shm_all_gather(int group, Tensor[] leaves, int? pad_dim, Scalar pad_value, bool pad_first, str call) -> Tensor[]");
   // Every rank's 1-d uint8 tensor (any length) concatenated in rank order, and each rank's length (int64).
-  m.def("shm_all_gather_bytes(int group, Tensor data) -> (Tensor, Tensor)");
+  m.def("shm_all_gather_bytes(int group, Tensor data, str call) -> (Tensor, Tensor)");
+  // pad_across_processes in one rendezvous of shapes: the padded copies of the leaves that are smaller along
+  // dim than on some rank (HF's semantics), and their indices in `leaves`.
+  m.def("shm_pad_across_processes(int group, Tensor[] leaves, int dim, Scalar pad_value, bool pad_first) -> (Tensor[], int[])",
+        {at::Tag::dynamic_output_shape});
 }

@@ -80,20 +80,26 @@ class CannotPadNestedTensorWarning(UserWarning):
     """`pad_across_processes` met a nested tensor (torch.nested), which it leaves as it is."""
 
 
-def _pad_leaves(tensor: Any, shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any, pad_first: bool) -> Any:
-    """`tensor` with each leaf padded to the largest of its shapes in `shapes` (every process's shapes of its
-    leaves that are not nested tensors; those stay as they are)."""
-    leaves = tensor_leaves(tensor, "pad_across_processes")
-    regular = [i for i, leaf in enumerate(leaves) if not leaf.is_nested]
+def pad_to_largest_shapes(leaves: list[torch.Tensor], shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any,
+                          pad_first: bool) -> list[torch.Tensor]:  # fmt: skip
+    """`leaves` each padded to the largest of its shapes in `shapes` (every process's shapes of its leaves)."""
     counts = [len(rank_shapes) for rank_shapes in shapes]
     if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
         raise DistributedOperationException(
             f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
-    padded = list(leaves)
-    for position, i in enumerate(regular):
-        leaf_shapes = [rank_shapes[position] for rank_shapes in shapes]
-        padded[i] = _pad_to_largest(leaves[i], leaf_shapes, dim, pad_index, pad_first)
-    return replace_tensor_leaves(tensor, padded)
+    return [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
+            for i, leaf in enumerate(leaves)]  # fmt: skip
+
+
+def _with_padded(tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Tensor], padded: list[torch.Tensor]
+                 ) -> Any:  # fmt: skip
+    """`tensor` with each of its `regular` leaves (those of `leaves` that are not nested) replaced by `padded`."""
+    if all(new is old for new, old in zip(padded, regular)):
+        return tensor if isinstance(tensor, torch.Tensor) else replace_tensor_leaves(tensor, leaves)
+    if len(regular) == len(leaves):
+        return replace_tensor_leaves(tensor, padded)
+    replacements = iter(padded)
+    return replace_tensor_leaves(tensor, [leaf if leaf.is_nested else next(replacements) for leaf in leaves])
 
 
 def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -106,16 +112,19 @@ def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    regular = _paddable(tensor_leaves(tensor, "pad_across_processes"))
+    leaves = tensor_leaves(tensor, "pad_across_processes")
+    regular = _paddable(leaves)
     parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in regular])
-    return _pad_leaves(tensor, [part for part in parts if part is not None], dim, pad_index, pad_first)
+    shapes = [part for part in parts if part is not None]
+    return _with_padded(tensor, leaves, regular, pad_to_largest_shapes(regular, shapes, dim, pad_index, pad_first))
 
 
 @uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
 
-    One exchange of shapes for the whole structure, then each tensor is padded where it is. Nested tensors
+    One exchange of shapes for the whole structure (on one host: through shared memory, nothing pickled, the
+    padding done in the same native call), then each tensor is padded where it is. Nested tensors
     (torch.nested) are left as they are, with a `CannotPadNestedTensorWarning`, as in HF Accelerate.
 
     Args:
@@ -129,20 +138,22 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
 
     Raises:
         TypeError: a leaf is not a tensor.
-        ValueError: the processes hold tensors with different numbers of dims.
+        DistributedOperationException: the processes pass different numbers of tensors, or tensors with
+            different numbers of dims (raised on every process).
 
     Example (2 ranks)::
 
         t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
         pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
     """
-    regular = _paddable(tensor_leaves(tensor, "pad_across_processes"))
+    leaves = tensor_leaves(tensor, "pad_across_processes")
+    regular = _paddable(leaves)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
     # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
     # returning early on its own would leave the others waiting in the collective).
-    shapes = select_transport(regular).all_gather_shapes(regular)
-    return _pad_leaves(tensor, shapes, dim, pad_index, pad_first)
+    padded = select_transport(regular).pad_to_largest(regular, dim, pad_index, pad_first)
+    return _with_padded(tensor, leaves, regular, padded)
 
 
 def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:

@@ -94,6 +94,8 @@ def recursively_apply(
 
 def tensor_leaves(data: Any, operation: str) -> list[torch.Tensor]:
     """The tensors of `data` in `recursively_apply`'s order; `TypeError` naming `operation` on any other leaf."""
+    if isinstance(data, torch.Tensor):  # the common case, on every collective's path
+        return [data]
     leaves: list[torch.Tensor] = []
 
     def collect(item):
@@ -117,6 +119,8 @@ def tensor_leaves(data: Any, operation: str) -> list[torch.Tensor]:
 
 def replace_tensor_leaves(data: Any, leaves: Iterable[torch.Tensor]) -> Any:
     """`data` rebuilt with `leaves` in place of its tensors, in `tensor_leaves`'s order."""
+    if isinstance(data, torch.Tensor):
+        return next(iter(leaves))
     remaining = iter(leaves)
     return recursively_apply(lambda _: next(remaining), data)
 

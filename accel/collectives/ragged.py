@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from accel.collectives.errors import DistributedOperationException
+
 # Stable indices for the header (any order works if every rank runs the same accel).
 _DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
@@ -108,7 +110,7 @@ def _leaves_of(words: list[int]) -> list[tuple[torch.dtype, list[int]]]:
 def _check_leaf_counts(counts: list[int]) -> None:
     if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
         listing = ", ".join(f"process {rank}: {count}" for rank, count in enumerate(counts))
-        raise RuntimeError(f"gather: the processes send different numbers of tensors ({listing})")
+        raise DistributedOperationException(f"gather: the processes send different numbers of tensors ({listing})")
 
 
 def _numel(shape: list[int]) -> int:
@@ -123,8 +125,8 @@ def _check_agreement(index: int, shapes: list[tuple[torch.dtype, list[int]]]) ->
     dtype, shape = shapes[0]
     if any(d != dtype or len(s) != len(shape) or s[1:] != shape[1:] for d, s in shapes):
         listing = ", ".join(f"process {rank}: {d} {s}" for rank, (d, s) in enumerate(shapes))
-        raise RuntimeError(f"gather: tensor {index} must have the same dtype and sizes apart from dim 0 on every "
-                           f"process; got {listing}")
+        raise DistributedOperationException(
+            f"gather: tensor {index} must have the same dtype and sizes apart from dim 0 on every process; got {listing}")
 
 
 def all_gather_ragged(leaves: list[torch.Tensor], state: dict[str, Any], world_size: int,

@@ -55,6 +55,18 @@ class Transport(abc.ABC):
     def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
         """Every rank's list of leaf shapes, in rank order."""
 
+    def pad_to_largest(self, leaves: list[torch.Tensor], dim: int, pad_index: Any, pad_first: bool
+                       ) -> list[torch.Tensor]:  # fmt: skip
+        """Each leaf padded along `dim` to the largest size the ranks' corresponding leaves have there (HF's
+        `pad_across_processes`); a leaf already that large, or without `dim`, is returned as it is.
+
+        Raises `DistributedOperationException` on every rank when the ranks pass different numbers of leaves or
+        leaves with different numbers of dims. This implementation exchanges shapes with `all_gather_shapes`.
+        """
+        from accel.collectives.padding import pad_to_largest_shapes  # padding builds on this module
+
+        return pad_to_largest_shapes(leaves, self.all_gather_shapes(leaves), dim, pad_index, pad_first)
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Returns once every rank has called it."""
@@ -212,13 +224,14 @@ def using_transport(transport: Transport):
 def select_transport(leaves: list[torch.Tensor]) -> Transport:
     """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank.
 
-    The same-host shared-memory transport for CPU tensors when the group can use it (decided once, together,
-    see `accel.collectives.shm_transport`), else torch.distributed.
+    The same-host shared-memory transport for CPU tensors when the group can use it (decided once per process
+    group, together, and cached: see `accel.collectives.shm_transport`), else torch.distributed.
     """
     if _forced is not None:
         return _forced
-    if any(leaf.device.type != "cpu" for leaf in leaves):
-        return _TORCH_DISTRIBUTED
+    for leaf in leaves:
+        if not leaf.is_cpu:
+            return _TORCH_DISTRIBUTED
     from accel.collectives.shm_transport import shared_memory_transport
 
     return shared_memory_transport() or _TORCH_DISTRIBUTED

@@ -1,6 +1,8 @@
 // Tests 4 and 5, ranks as threads: a rank that stops calling exchange makes the others time out naming it;
-// a callback that throws, or an explicit abort(), makes the others fail fast with PeerAborted naming the
-// culprit; after any failure the group is poisoned. Runs under TSan.
+// a callback that throws, an explicit abort() or a destroyed Group makes the others fail fast with
+// PeerAborted naming the culprit; a peer publishing impossible sizes is reported as corrupt, naming it; after
+// any failure the group is poisoned. Runs under TSan.
+#include "control_block.h"
 #include "thread_ranks.h"
 
 #include <atomic>
@@ -149,6 +151,61 @@ void oversized_meta_aborts() {
   CHECK_NO_SHM_LEFT(token);
 }
 
+// Rank 0 destroys its Group (the process goes on) while the others wait for it: they must not wait until
+// their deadline (30 s here).
+void destroyed_group_fails_peers_fast() {
+  const std::string token = random_token();
+  const int world = 3;
+  Groups groups = make_thread_groups(world, token, kSlot);
+  run_ranks(world, [&](int rank) {
+    if (rank == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      groups[0].reset();
+      return;
+    }
+    const auto start = Clock::now();
+    const Error error = expect_error(ErrorKind::PeerAborted, "waiting on a destroyed group",
+                                     [&] { exchange_bytes(*groups[rank], 2 * kSlot, no_hook); });
+    CHECK(error.peer() == 0);
+    CHECK_MSG(contains(error.what(), "rank 0 left the group"), error.what());
+    CHECK_MSG(ms_since(start) < 5000, "took " << ms_since(start) << " ms");
+  });
+  groups.clear();
+  CHECK_NO_SHM_LEFT(token);
+}
+
+// Rank 1 is a fake: its round 1 is written straight into its segment with sizes no real rank can send. Rank 0
+// must refuse them before sizing or copying anything (Corrupt, naming rank 1), and its group is poisoned.
+void corrupt_peer_header(uint64_t meta_size, uint64_t data_size) {
+  namespace detail = accel::shm::detail;
+  const std::string token = random_token();
+  {
+    accel::shm::Options options;
+    options.world = 2;
+    options.token = token;
+    options.slot_bytes = kSlot;
+    Groups groups;
+    for (options.rank = 0; options.rank < 2; ++options.rank) groups.push_back(std::make_unique<Group>(options));
+    const std::vector<accel::shm::Locator> locators{groups[0]->locator(), groups[1]->locator()};
+    for (auto& group : groups) group->attach_peers(locators);
+    accel::shm::Segment fake =
+        accel::shm::Segment::open(locators[1], accel::shm::segment_name(token, 1), detail::segment_bytes(kSlot));
+    for (auto& group : groups) group->finish_setup();
+    auto* block = reinterpret_cast<detail::ControlBlock*>(fake.data());
+    const uint64_t prefix[2] = {meta_size, data_size};
+    std::memcpy(fake.data() + detail::kDataOffset + detail::slot_stride(kSlot), prefix, sizeof prefix);  // round 1
+    block->published.store(1, std::memory_order_release);
+    bool planned = false;
+    const Error error = expect_error(ErrorKind::Corrupt, "a fake peer's sizes", [&] {
+      exchange_bytes(*groups[0], 10, [&](const std::string& at) { planned = planned || at == "meta"; });
+    });
+    CHECK(!planned && error.peer() == 1);
+    CHECK_MSG(contains(error.what(), "corrupt header from rank 1"), error.what());
+    expect_poisoned(*groups[0], "corrupt header from rank 1");
+  }
+  CHECK_NO_SHM_LEFT(token);
+}
+
 }  // namespace
 
 int main() {
@@ -160,5 +217,8 @@ int main() {
       {"on_data throws", [] { throwing_callback("data"); }},
       {"abort() fails waiting peers fast", explicit_abort},
       {"oversized meta aborts the rank", oversized_meta_aborts},
+      {"a destroyed group fails its peers fast", destroyed_group_fails_peers_fast},
+      {"a peer's impossible meta size is corrupt", [] { corrupt_peer_header(1ull << 40, 0); }},
+      {"a peer's impossible data size is corrupt", [] { corrupt_peer_header(8, ~0ull - 100); }},
   });
 }

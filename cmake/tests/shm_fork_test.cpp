@@ -1,6 +1,7 @@
-// Tests 2 and 3: ranks as forked processes, set up as in production (create, barrier, attach, barrier,
-// unlink). Randomized exchanges checked byte for byte while /dev/shm holds nothing of the group; and a rank
-// SIGKILLed inside an exchange, which the others must report (PeerDied, or PeerAborted naming it) fast.
+// Tests 2 and 3: ranks as forked processes, set up as in production (create, share locators, attach,
+// barrier, finish). Randomized exchanges checked byte for byte while /dev/shm holds nothing of the group; a
+// rank SIGKILLed inside an exchange, which the others must report (PeerDied, or PeerAborted naming it) fast;
+// and what a process forked from a rank (a DataLoader worker) gets: no mapping, and an error if it tries.
 // Every child _exits; the parent reaps all of them under a deadline and kills leftovers.
 // Not built under TSan (see cmake/CMakeLists.txt).
 #include "exchange_check.h"
@@ -37,6 +38,7 @@ struct RankReport {
 struct SharedState {
   std::atomic<int> arrivals{0};  // barrier arrivals so far, over all phases
   std::atomic<int64_t> killed_at_ns{0};
+  accel::shm::Locator locators[kMaxRanks];  // each written by its rank before barrier 1
   RankReport reports[kMaxRanks];
 };
 static_assert(std::atomic<int>::is_always_lock_free && std::atomic<int64_t>::is_always_lock_free);
@@ -153,15 +155,14 @@ std::unique_ptr<Group> setup_rank(SharedState& shared, const std::string& token,
   options.slot_bytes = kSlot;
   options.timeout = timeout;
   auto group = std::make_unique<Group>(options);
+  shared.locators[rank] = group->locator();
   struct stat st {};
-  const int fd = ::shm_open(group->own_segment_name().c_str(), O_RDONLY, 0);
-  CHECK(fd >= 0 && ::fstat(fd, &st) == 0);
-  ::close(fd);
+  CHECK(::fstat(static_cast<int>(shared.locators[rank].fd), &st) == 0);
   CHECK_MSG((st.st_mode & 0777) == 0600 && st.st_uid == ::geteuid(), "mode " << (st.st_mode & 0777));
   barrier(shared, world, 1);
-  group->attach_peers();
+  group->attach_peers({shared.locators, shared.locators + world});
   barrier(shared, world, 2);
-  group->unlink_own();
+  group->finish_setup();
   barrier(shared, world, 3);
   return group;
 }
@@ -177,7 +178,8 @@ void forked_exchanges(int world, int exchanges) {
       shared->reports[rank].rounds = ExchangeChecker(*group, workload).run_all();
     });
   }
-  // Once every rank has unlinked (barrier 3), the group must be invisible in /dev/shm while it runs.
+  // Nothing of the group is ever in /dev/shm; once every rank has finished setting up (barrier 3), checked
+  // while it runs.
   const auto deadline = Clock::now() + std::chrono::seconds(20);
   while (shared->arrivals.load() < 3 * world && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -251,22 +253,34 @@ void killed_peer(int world, int victim, int kill_at, bool victim_stays_zombie) {
   CHECK_NO_SHM_LEFT(token);
 }
 
-// A child that inherits a creator's Segment (a DataLoader worker, say) and destroys its copy must not remove
-// the name under the parent.
-void forked_copy_does_not_unlink() {
+// A process forked from a rank (a DataLoader worker, say) inherits no mapping of any segment (MADV_DONTFORK):
+// it can neither write into the slots nor keep them alive. Using the inherited Group is an error, not a crash,
+// and destroying it does not disturb the parent's group.
+void forked_child_gets_no_mapping() {
   const std::string token = random_token();
   {
-    accel::shm::Segment segment = accel::shm::Segment::create(accel::shm::segment_name(token, 0), 4096);
+    accel::shm::Options options;
+    options.token = token;
+    options.slot_bytes = kSlot;
+    auto group = std::make_unique<Group>(options);
+    group->attach_peers({group->locator()});
+    group->finish_setup();
+    CHECK(mappings(token).size() == 1);  // the parent's
     Children children;
-    children.spawn(0, [&] { accel::shm::Segment inherited = std::move(segment); });
+    children.spawn(0, [&] {
+      CHECK_MSG(mappings(token).empty(), "the child inherited " << joined(mappings(token)));
+      expect_error(ErrorKind::Usage, "an exchange in a forked child", [&] { group->exchange(nullptr, 0, 0, {}, {}, {}); });
+      group.reset();
+    });
     CHECK(exited_cleanly(children.reap_all(std::chrono::seconds(10))[0]));
-    CHECK_MSG(shm_entries(token).size() == 1, "the child's copy removed the parent's segment");
+    const uint64_t tag = 1;
+    group->exchange(&tag, sizeof tag, 0, {}, {}, {});  // the parent's group is intact
   }
   CHECK_NO_SHM_LEFT(token);
 }
 
 // A rank whose process is gone by the time the others attach (or whose pid this process cannot see) is a
-// setup error naming it, not a death reported later from the middle of an exchange.
+// setup error naming it, not a death reported later from the middle of an exchange. It leaves nothing behind.
 void attach_to_exited_rank() {
   const std::string token = random_token();
   auto options = [&](int rank) {
@@ -277,10 +291,12 @@ void attach_to_exited_rank() {
     result.slot_bytes = kSlot;
     return result;
   };
-  // _exit skips the destructor, so the child's segment stays behind as if it had crashed after creating it.
+  // _exit skips the destructor, as if the child had crashed right after creating its segment.
+  SharedMapping shared;
   Children children;
   children.spawn(1, [&] {
     Group group(options(1));
+    shared->locators[1] = group.locator();
     ::_exit(0);
   });
   const bool exited = exited_cleanly(children.reap_all(std::chrono::seconds(10))[0]);
@@ -288,13 +304,12 @@ void attach_to_exited_rank() {
   int peer = -1;
   try {
     Group group(options(0));
-    group.attach_peers();
+    group.attach_peers({group.locator(), shared->locators[1]});
   } catch (const Error& error) {
     CHECK_MSG(error.kind() == ErrorKind::Setup, error.what());
     message = error.what();
     peer = error.peer();
   }
-  ::shm_unlink(accel::shm::segment_name(token, 1).c_str());  // the crashed rank's leftover, before any CHECK
   CHECK(exited);
   CHECK_MSG(peer == 1 && contains(message, "rank 1") && contains(message, "not running"), message);
   CHECK_NO_SHM_LEFT(token);
@@ -309,7 +324,7 @@ int main() {
       {"forked world 3: rank 1 killed mid-exchange", [] { killed_peer(3, 1, 7, false); }},
       {"forked world 4: rank 3 killed mid-exchange", [] { killed_peer(4, 3, 20, false); }},
       {"forked world 3: killed rank 0 left a zombie", [] { killed_peer(3, 0, 5, true); }},
-      {"a forked copy of a segment does not unlink it", forked_copy_does_not_unlink},
+      {"a forked child gets no mapping and cannot use the group", forked_child_gets_no_mapping},
       {"attach to a rank whose process exited", attach_to_exited_rank},
   });
 }

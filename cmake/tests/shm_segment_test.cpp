@@ -1,6 +1,6 @@
-// Test 6 and the segment itself: names, owner-only mode whatever the umask, sizes, unlink, the free-space
-// check, and the setup errors of a group (bad options, missing or mismatched peers). Nothing may be left in
-// /dev/shm by any case.
+// Test 6 and the segment itself: names, owner-only mode whatever the umask, sizes, locators, seals, the
+// free-memory check, and the setup errors of a group (bad options, missing or mismatched peers). Nothing may be
+// left in /dev/shm or mapped by any case.
 #include "test_util.h"
 
 #include <fcntl.h>
@@ -26,25 +26,21 @@ Options options_for(const std::string& token, int rank, int world, size_t slot_b
   return options;
 }
 
-struct stat stat_of(const std::string& name) {
-  const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
-  CHECK_MSG(fd >= 0, "cannot open " << name);
+struct stat stat_of(const accel::shm::Locator& locator) {
   struct stat st {};
-  const int rc = ::fstat(fd, &st);
-  ::close(fd);
-  CHECK(rc == 0);
+  CHECK_MSG(::fstat(static_cast<int>(locator.fd), &st) == 0, "fd " << locator.fd);
   return st;
 }
 
 void names() {
   const std::string hex16 = "0123456789abcdef";
-  CHECK(accel::shm::segment_name(hex16, 7) == "/accel-" + hex16 + "-r7");
-  CHECK(accel::shm::is_segment_name("/accel-" + hex16 + "-r0"));
-  CHECK(accel::shm::is_segment_name("/accel-" + hex16 + hex16 + hex16 + hex16 + "-r255"));
+  CHECK(accel::shm::segment_name(hex16, 7) == "accel-" + hex16 + "-r7");
+  CHECK(accel::shm::is_segment_name("accel-" + hex16 + "-r0"));
+  CHECK(accel::shm::is_segment_name("accel-" + hex16 + hex16 + hex16 + hex16 + "-r255"));
   const std::vector<std::string> bad = {
-      "accel-" + hex16 + "-r0",       "/accel-" + hex16.substr(1) + "-r0", "/accel-" + std::string(65, 'a') + "-r0",
-      "/accel-0123456789ABCDEF-r0",   "/accel-" + hex16 + "-r",            "/accel-" + hex16 + "-r1000",
-      "/accel-" + hex16 + "-r1x",     "/accel-" + hex16 + "/../x-r1",      "/accel-" + hex16 + "-r-1",
+      "/accel-" + hex16 + "-r0",     "accel-" + hex16.substr(1) + "-r0", "accel-" + std::string(65, 'a') + "-r0",
+      "accel-0123456789ABCDEF-r0",   "accel-" + hex16 + "-r",            "accel-" + hex16 + "-r1000",
+      "accel-" + hex16 + "-r1x",     "accel-" + hex16 + "/../x-r1",      "accel-" + hex16 + "-r-1",
   };
   for (const std::string& name : bad) {
     CHECK_MSG(!accel::shm::is_segment_name(name), name);
@@ -57,66 +53,87 @@ void names() {
   }
 }
 
-// shm_open applies the umask; whatever it is, the segment must end up exactly 0600.
+// Whatever the umask, the segment is exactly 0600, and it never appears in /dev/shm.
 void owner_only_whatever_the_umask() {
   const std::string token = random_token();
   for (mode_t mask : {mode_t{0}, mode_t{022}, mode_t{077}, mode_t{0277}}) {
     const mode_t previous = ::umask(mask);
     Segment segment = Segment::create(accel::shm::segment_name(token, 0), 8192);
     ::umask(previous);
-    const struct stat st = stat_of(segment.name());
+    const struct stat st = stat_of(segment.locator());
     CHECK_MSG((st.st_mode & 0777) == 0600, "umask " << mask << " gave mode " << (st.st_mode & 0777));
     CHECK(st.st_uid == ::geteuid());
     CHECK(static_cast<size_t>(st.st_size) == 8192 && segment.size() == 8192);
+    CHECK(mappings(token).size() == 1 && dev_shm_entries(token).empty());
   }
   CHECK_NO_SHM_LEFT(token);
 }
 
-void create_open_unlink() {
+void create_open_close() {
   const std::string token = random_token();
   const std::string name = accel::shm::segment_name(token, 3);
   {
     Segment created = Segment::create(name, 4096 * 3);
     CHECK(created.name() == name);
     created.data()[100] = std::byte{42};
-    expect_error(ErrorKind::Setup, "creating an existing name", [&] { Segment::create(name, 4096); });
-    Segment opened = Segment::open(name, 4096 * 3);
+    const accel::shm::Locator locator = created.locator();
+    CHECK(locator.pid == ::getpid() && locator.fd >= 0);
+    Segment opened = Segment::open(locator, name, 4096 * 3);
     CHECK(opened.data()[100] == std::byte{42});
-    const Error wrong = expect_error(ErrorKind::Setup, "wrong size", [&] { Segment::open(name, 4096); });
+    const Error wrong = expect_error(ErrorKind::Setup, "wrong size", [&] { Segment::open(locator, name, 4096); });
     CHECK_MSG(contains(wrong.what(), "12288") && contains(wrong.what(), "4096"), wrong.what());
-    expect_error(ErrorKind::Usage, "unlink by a non-creator", [&] { opened.unlink(); });
-    created.unlink();
-    created.unlink();  // idempotent
-    CHECK(shm_entries(token).empty());
-    opened.data()[200] = std::byte{7};  // the mappings outlive the name
+    const Error other = expect_error(ErrorKind::Setup, "another rank's name", [&] {
+      Segment::open(locator, accel::shm::segment_name(token, 4), 4096 * 3);
+    });
+    CHECK_MSG(contains(other.what(), "not the shared-memory segment"), other.what());
+    expect_error(ErrorKind::Usage, "the locator of an opened segment", [&] { opened.locator(); });
+    created.close_descriptor();
+    created.close_descriptor();  // idempotent
+    expect_error(ErrorKind::Usage, "the locator after closing", [&] { created.locator(); });
+    const Error gone = expect_error(ErrorKind::Setup, "opening through a closed descriptor",
+                                    [&] { Segment::open(locator, name, 4096 * 3); });
+    CHECK_MSG(contains(gone.what(), "no longer holds it"), gone.what());
+    opened.data()[200] = std::byte{7};  // the mappings outlive the descriptor
     CHECK(created.data()[200] == std::byte{7});
-    expect_error(ErrorKind::Setup, "opening an unlinked name", [&] { Segment::open(name, 4096 * 3); });
   }
   CHECK_NO_SHM_LEFT(token);
 }
 
-// A creator that never unlinked (setup failed half-way) removes the name when it goes away; a moved-from
-// segment owns nothing.
+// A file at the locator that is not a sealed segment (another program's memfd of the same name) is refused.
+void unsealed_segment_is_refused() {
+  const std::string token = random_token();
+  const std::string name = accel::shm::segment_name(token, 1);
+  const int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+  CHECK(fd >= 0 && ::fchmod(fd, 0600) == 0 && ::ftruncate(fd, 4096) == 0);
+  const Error error = expect_error(ErrorKind::Setup, "an unsealed memfd",
+                                   [&] { Segment::open({::getpid(), fd}, name, 4096); });
+  ::close(fd);
+  CHECK_MSG(contains(error.what(), "not sealed"), error.what());
+  CHECK_NO_SHM_LEFT(token);
+}
+
+// A moved-from segment owns nothing; assigning over a segment releases it.
 void destructor_and_move() {
   const std::string token = random_token();
   {
     Segment first = Segment::create(accel::shm::segment_name(token, 0), 4096);
     Segment moved(std::move(first));
     CHECK(first.data() == nullptr && moved.data() != nullptr);
+    expect_error(ErrorKind::Usage, "the locator of a moved-from segment", [&] { first.locator(); });
     Segment assigned = Segment::create(accel::shm::segment_name(token, 1), 4096);
-    assigned = std::move(moved);  // releases (and unlinks) r1
-    CHECK(shm_entries(token).size() == 1);
+    assigned = std::move(moved);  // releases r1
+    CHECK(mappings(token).size() == 1);
     CHECK(assigned.name() == accel::shm::segment_name(token, 0));
   }
   CHECK_NO_SHM_LEFT(token);
 }
 
-void free_space_check() {
+void free_memory_check() {
   const std::string token = random_token();
   const Error direct = expect_error(ErrorKind::Setup, "a 1 TiB segment",
                                     [&] { Segment::create(accel::shm::segment_name(token, 0), kTiB); });
-  CHECK_MSG(contains(direct.what(), "/dev/shm") && contains(direct.what(), "ACCEL_TRANSPORT=torch") &&
-                contains(direct.what(), "MiB free"),
+  CHECK_MSG(contains(direct.what(), "MiB of memory") && contains(direct.what(), "ACCEL_TRANSPORT=torch") &&
+                contains(direct.what(), "available"),
             direct.what());
   const Error group = expect_error(ErrorKind::Setup, "a group with 1 TiB slots",
                                    [&] { Group group(options_for(token, 0, 2, kTiB)); });
@@ -139,19 +156,22 @@ void bad_options() {
   expect_error(ErrorKind::Usage, "slot below 4096", [&] { Group group(options_for(token, 0, 1, 4095)); });
   Group group(options_for(token, 0, 1));
   expect_error(ErrorKind::Usage, "negative timeout", [&] { group.set_timeout(std::chrono::milliseconds(-1)); });
-  group.unlink_own();
-  CHECK_NO_SHM_LEFT(token);
+  expect_error(ErrorKind::Usage, "one locator per rank", [&] { group.attach_peers({}); });
+  group.finish_setup();
 }
 
 void group_segment_is_owner_only() {
   const std::string token = random_token();
-  Group group(options_for(token, 0, 2, 5000));
-  const struct stat st = stat_of(group.own_segment_name());
-  CHECK((st.st_mode & 0777) == 0600 && st.st_uid == ::geteuid());
-  CHECK(static_cast<size_t>(st.st_size) >= 4096 + 2 * 5000);
-  CHECK(group.max_meta_bytes() == 5000 - 16 && group.slot_bytes() == 5000);
-  CHECK(group.world() == 2 && group.rank() == 0 && group.rounds() == 0);
-  group.unlink_own();
+  {
+    Group group(options_for(token, 0, 2, 5000));
+    const struct stat st = stat_of(group.locator());
+    CHECK((st.st_mode & 0777) == 0600 && st.st_uid == ::geteuid());
+    CHECK(static_cast<size_t>(st.st_size) >= 4096 + 2 * 5000);
+    CHECK(group.max_meta_bytes() == 5000 - 16 && group.slot_bytes() == 5000);
+    CHECK(group.world() == 2 && group.rank() == 0 && group.rounds() == 0);
+    CHECK(group.own_segment_name() == accel::shm::segment_name(token, 0));
+    group.finish_setup();
+  }
   CHECK_NO_SHM_LEFT(token);
 }
 
@@ -159,10 +179,11 @@ void missing_peer() {
   const std::string token = random_token();
   {
     Group group(options_for(token, 0, 2));
+    const accel::shm::Locator nowhere{group.locator().pid, 1000000};  // no such descriptor
     const Error error = expect_error(ErrorKind::Setup, "attaching to a rank that never started",
-                                     [&] { group.attach_peers(); });
+                                     [&] { group.attach_peers({group.locator(), nowhere}); });
     CHECK(error.peer() == 1);
-    CHECK_MSG(contains(error.what(), "rank 1") && contains(error.what(), "does not exist"), error.what());
+    CHECK_MSG(contains(error.what(), "rank 1") && contains(error.what(), "not running"), error.what());
     expect_error(ErrorKind::Poisoned, "exchange after a failed attach",
                  [&] { group.exchange(nullptr, 0, 0, {}, {}, {}); });
   }
@@ -175,8 +196,8 @@ void mismatched_peer() {
   {
     Group rank0(options_for(token, 0, 2, 4096));
     Group rank1(options_for(token, 1, 2, 8192));
-    const Error size =
-        expect_error(ErrorKind::Setup, "a peer with another slot size", [&] { rank0.attach_peers(); });
+    const Error size = expect_error(ErrorKind::Setup, "a peer with another slot size",
+                                    [&] { rank0.attach_peers({rank0.locator(), rank1.locator()}); });
     CHECK(size.peer() == 1);
     CHECK_MSG(contains(size.what(), "rank 1") && contains(size.what(), "bytes, expected"), size.what());
   }
@@ -184,7 +205,8 @@ void mismatched_peer() {
   {
     Group rank0(options_for(token2, 0, 2));
     Group rank1(options_for(token2, 1, 3));
-    const Error world = expect_error(ErrorKind::Setup, "a peer of another world", [&] { rank0.attach_peers(); });
+    const Error world = expect_error(ErrorKind::Setup, "a peer of another world",
+                                     [&] { rank0.attach_peers({rank0.locator(), rank1.locator()}); });
     CHECK(world.peer() == 1);
     CHECK_MSG(contains(world.what(), "world is 3, expected 2"), world.what());
   }
@@ -209,9 +231,10 @@ int main() {
   return run_cases({
       {"segment names", names},
       {"segment is 0600 whatever the umask", owner_only_whatever_the_umask},
-      {"create, open, unlink", create_open_unlink},
-      {"destructor unlinks, move transfers", destructor_and_move},
-      {"free-space check", free_space_check},
+      {"create, open, close the descriptor", create_open_close},
+      {"an unsealed segment is refused", unsealed_segment_is_refused},
+      {"destructor releases, move transfers", destructor_and_move},
+      {"free-memory check", free_memory_check},
       {"bad group options", bad_options},
       {"group segment is owner-only", group_segment_is_owner_only},
       {"attach to a missing peer", missing_peer},

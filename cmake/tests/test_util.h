@@ -60,6 +60,7 @@ inline const char* kind_name(ErrorKind kind) {
     case ErrorKind::Poisoned: return "Poisoned";
     case ErrorKind::Setup: return "Setup";
     case ErrorKind::Usage: return "Usage";
+    case ErrorKind::Corrupt: return "Corrupt";
   }
   return "?";
 }
@@ -112,16 +113,36 @@ inline std::string random_token() {
   return token;
 }
 
-// The /dev/shm entries of the group `token` (segment names without the leading '/').
-inline std::vector<std::string> shm_entries(const std::string& token) {
+// Entries of /dev/shm named for the group `token`: there must never be any (segments are memfds).
+inline std::vector<std::string> dev_shm_entries(const std::string& token) {
   std::vector<std::string> found;
   const std::string prefix = "accel-" + token;
-  DIR* dir = ::opendir("/dev/shm");
-  if (dir == nullptr) return found;
-  while (const dirent* entry = ::readdir(dir)) {
-    if (std::strncmp(entry->d_name, prefix.c_str(), prefix.size()) == 0) found.emplace_back(entry->d_name);
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (const dirent* entry = ::readdir(dir)) {
+      if (std::strncmp(entry->d_name, prefix.c_str(), prefix.size()) == 0) found.emplace_back(entry->d_name);
+    }
+    ::closedir(dir);
   }
-  ::closedir(dir);
+  return found;
+}
+
+// Lines of /proc/self/maps mapping the group's segments: none once every Group and Segment of it is gone.
+inline std::vector<std::string> mappings(const std::string& token) {
+  std::vector<std::string> found;
+  if (std::FILE* maps = std::fopen("/proc/self/maps", "re")) {
+    const std::string needle = "/memfd:accel-" + token;
+    char line[1024];
+    while (std::fgets(line, sizeof line, maps) != nullptr) {
+      if (std::strstr(line, needle.c_str()) != nullptr) found.emplace_back(line);
+    }
+    std::fclose(maps);
+  }
+  return found;
+}
+
+inline std::vector<std::string> shm_entries(const std::string& token) {
+  std::vector<std::string> found = dev_shm_entries(token);
+  for (std::string& line : mappings(token)) found.push_back(std::move(line));
   return found;
 }
 
@@ -133,7 +154,7 @@ inline std::string joined(const std::vector<std::string>& names) {
 
 #define CHECK_NO_SHM_LEFT(token)                          \
   CHECK_MSG(::shm_test::shm_entries(token).empty(), \
-            "left in /dev/shm: " << ::shm_test::joined(::shm_test::shm_entries(token)))
+            "left in /dev/shm or mapped: " << ::shm_test::joined(::shm_test::shm_entries(token)))
 
 // Exchanged bytes are windows of one fixed random table, starting at a position picked by a seed: any byte
 // that lands at the wrong offset, from the wrong rank or the wrong exchange shows. Written and compared with

@@ -1,5 +1,5 @@
 // Ranks as threads of one process, set up the way callers set them up across processes: every rank
-// creates its segment, then every rank attaches, then every rank unlinks.
+// creates its segment, then every rank attaches through every rank's locator, then every rank finishes.
 #pragma once
 
 #include "test_util.h"
@@ -23,8 +23,10 @@ inline Groups make_thread_groups(int world, const std::string& token, size_t slo
     options.timeout = timeout;
     groups.push_back(std::make_unique<accel::shm::Group>(options));
   }
-  for (auto& group : groups) group->attach_peers();
-  for (auto& group : groups) group->unlink_own();
+  std::vector<accel::shm::Locator> locators;
+  for (auto& group : groups) locators.push_back(group->locator());
+  for (auto& group : groups) group->attach_peers(locators);
+  for (auto& group : groups) group->finish_setup();
   return groups;
 }
 

@@ -12,7 +12,7 @@ namespace accel::shm::detail {
 constexpr uint64_t kMagic = 0x6d6873'6c65636361ull;
 // Bump whenever the layout below or the round protocol changes: ranks of different builds then refuse to
 // attach instead of misreading each other.
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kReasonBytes = 512;
 // Slots start on their own page, so a slot's hot lines never share a line with the control block.

@@ -12,7 +12,8 @@ enum class ErrorKind {
   PeerAborted,  // a peer gave up (its own error, or one it saw) and said why
   Poisoned,     // this group failed earlier and can no longer be used
   Setup,        // creating, sizing or mapping a segment failed, or a peer's segment does not match
-  Usage,        // invalid arguments (bad token, rank, sizes)
+  Usage,        // invalid arguments (bad token, rank, sizes), or a group used in a forked child
+  Corrupt,      // a peer published a header that cannot be valid (sizes out of bounds); names the peer
 };
 
 // what() is a complete sentence a user can act on. peer() is the rank the error is about: the one that

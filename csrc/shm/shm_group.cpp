@@ -131,7 +131,7 @@ std::string reason_of(const ControlBlock& block) {
 }  // namespace
 
 std::string segment_name(const std::string& token, int rank) {
-  return "/accel-" + token + "-r" + std::to_string(rank);
+  return "accel-" + token + "-r" + std::to_string(rank);
 }
 
 Group::Group(const Options& options)
@@ -140,15 +140,17 @@ Group::Group(const Options& options)
                                    detail::segment_bytes(options_.slot_bytes))),
       own_(init_control_block(own_segment_, options_)),
       blocks_(options_.world, nullptr),
-      metas_(options_.world) {
+      metas_(options_.world),
+      pid_(::getpid()) {
   blocks_[options_.rank] = own_;
   peer_segments_.reserve(options_.world - 1);
   chunks_.reserve(options_.world);
 }
 
-Group::~Group() = default;
+Group::~Group() { mark_aborted("rank " + std::to_string(options_.rank) + " left the group", options_.rank); }
 
 const std::string& Group::own_segment_name() const { return own_segment_.name(); }
+Locator Group::locator() const { return own_segment_.locator(); }
 size_t Group::max_meta_bytes() const { return options_.slot_bytes - kPrefixBytes; }
 int Group::rank() const { return options_.rank; }
 int Group::world() const { return options_.world; }
@@ -160,12 +162,17 @@ void Group::set_timeout(std::chrono::milliseconds timeout) {
   options_.timeout = timeout;
 }
 
-void Group::attach_peers() {
+void Group::attach_peers(const std::vector<Locator>& locators) {
+  check_usable_here();
   throw_if_poisoned();
   if (!peer_segments_.empty()) throw_usage("shared-memory group: attach_peers() was already called");
+  if (locators.size() != static_cast<size_t>(options_.world)) {
+    throw_usage("shared-memory group: attach_peers() needs one locator per rank (" + std::to_string(options_.world) +
+                "), got " + std::to_string(locators.size()));
+  }
   try {
     for (int peer = 0; peer < options_.world; ++peer) {
-      if (peer != options_.rank) attach_peer(peer);
+      if (peer != options_.rank) attach_peer(peer, locators[peer]);
     }
   } catch (...) {
     fail_from_current_exception();
@@ -173,12 +180,12 @@ void Group::attach_peers() {
   }
 }
 
-void Group::attach_peer(int peer) {
+void Group::attach_peer(int peer, const Locator& locator) {
   const std::string prefix = "rank " + std::to_string(options_.rank) + " cannot attach to rank " +
                              std::to_string(peer) + "'s shared-memory segment: ";
   Segment segment = [&] {
     try {
-      return Segment::open(segment_name(options_.token, peer), detail::segment_bytes(options_.slot_bytes));
+      return Segment::open(locator, segment_name(options_.token, peer), detail::segment_bytes(options_.slot_bytes));
     } catch (const Error& error) {
       throw Error(ErrorKind::Setup, peer, prefix + error.what());
     }
@@ -197,16 +204,21 @@ void Group::attach_peer(int peer) {
   peer_segments_.push_back(std::move(segment));
 }
 
-void Group::unlink_own() { own_segment_.unlink(); }
+void Group::finish_setup() { own_segment_.close_descriptor(); }
 
 void Group::exchange(const void* meta, size_t meta_size, uint64_t data_size, const Fill& fill,
                      const OnMeta& on_meta, const OnData& on_data) {
+  check_usable_here();
   throw_if_poisoned();
   try {
     check_attached();
     if (meta_size > max_meta_bytes()) {
       throw_usage("rank " + std::to_string(options_.rank) + ": meta of " + std::to_string(meta_size) +
                   " bytes exceeds max_meta_bytes() = " + std::to_string(max_meta_bytes()));
+    }
+    if (data_size > max_data_bytes()) {
+      throw_usage("rank " + std::to_string(options_.rank) + ": " + std::to_string(data_size) +
+                  " bytes exceed max_data_bytes() = " + std::to_string(max_data_bytes()));
     }
     if (data_size > 0 && !fill) {
       throw_usage("rank " + std::to_string(options_.rank) + ": data to send but no fill function");
@@ -273,7 +285,7 @@ void Group::wait_for_all(Counter counter, uint64_t target) {
     if (peer == options_.rank) continue;
     ControlBlock& block = *blocks_[peer];
     const detail::Await wait{block, block.*counter, target};
-    const WaitOutcome outcome = detail::wait_until(wait, deadline_, yields_paused_until_);
+    const WaitOutcome outcome = detail::wait_until(wait, deadline_, yields_paused_until_, options_.oversubscribed);
     if (outcome != WaitOutcome::Reached) give_up(outcome, peer, counter, target);
   }
 }
@@ -305,17 +317,19 @@ void Group::give_up(WaitOutcome outcome, int peer, Counter counter, uint64_t tar
   throw Error(ErrorKind::Timeout, peer, message);
 }
 
-// The peers' round-1 prefixes, checked before anything trusts them to stay inside the slot.
+// The peers' round-1 prefixes, checked before anything trusts them: the meta must stay inside the slot, and
+// the data size bounds the round count and every offset computed from it.
 void Group::read_headers() {
   for (int peer = 0; peer < options_.world; ++peer) {
     const std::byte* src = slot(peer, round_ + 1);
     RoundOnePrefix prefix;
     std::memcpy(&prefix, src, kPrefixBytes);
-    if (prefix.meta_size > max_meta_bytes()) {
-      throw Error(ErrorKind::Setup, peer,
+    if (prefix.meta_size > max_meta_bytes() || prefix.data_size > max_data_bytes()) {
+      throw Error(ErrorKind::Corrupt, peer,
                   "rank " + std::to_string(options_.rank) + " read a corrupt header from rank " +
                       std::to_string(peer) + " (meta of " + std::to_string(prefix.meta_size) + " bytes in a " +
-                      std::to_string(options_.slot_bytes) + "-byte slot)");
+                      std::to_string(options_.slot_bytes) + "-byte slot, data of " +
+                      std::to_string(prefix.data_size) + " bytes)");
     }
     metas_[peer] = PeerMeta{peer, src + kPrefixBytes, static_cast<size_t>(prefix.meta_size), prefix.data_size};
   }
@@ -341,6 +355,13 @@ void Group::deliver_chunks(uint64_t index, const OnData& on_data) {
 std::byte* Group::slot(int rank, uint64_t round) const {
   auto* base = reinterpret_cast<std::byte*>(blocks_[rank]);
   return base + detail::kDataOffset + (round % 2) * detail::slot_stride(options_.slot_bytes);
+}
+
+void Group::check_usable_here() const {
+  if (::getpid() != pid_) {
+    throw_usage("rank " + std::to_string(options_.rank) + ": a shared-memory group cannot be used in a process " +
+                "forked from the one that created it (pid " + std::to_string(pid_) + ")");
+  }
 }
 
 void Group::check_attached() const {
@@ -387,7 +408,7 @@ void Group::fail_from_current_exception() noexcept {
 // The reason goes in before the release store of `aborted`, and only once: peers read it without a lock as
 // soon as they see the flag.
 void Group::mark_aborted(const std::string& reason, int culprit) noexcept {
-  if (aborted_) return;
+  if (aborted_ || ::getpid() != pid_) return;  // a forked child has no mapping of the segment to write to
   aborted_ = true;
   const size_t length = std::min(reason.size(), detail::kReasonBytes - 1);
   std::memcpy(own_->reason, reason.data(), length);

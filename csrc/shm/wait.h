@@ -30,6 +30,9 @@ constexpr std::chrono::microseconds kSpinTime{4};
 // A peer a few tens of microseconds behind (Python work between collectives, uneven padding) is the common
 // case; a futex sleep costs a wake-up latency of that order too, so yield for about as long before sleeping.
 constexpr std::chrono::microseconds kYieldTime{100};
+// With more ranks than CPUs (Options::oversubscribed): long enough for a peer sharing this core to run and
+// publish, short enough not to keep a core from a peer queued on another one.
+constexpr std::chrono::microseconds kOversubscribedYieldTime{20};
 // A yield that returns this late means another task (not a peer about to publish) had the core for a
 // scheduler slice. With the cores oversubscribed (DataLoader workers, other jobs) every yield costs such a
 // slice, while a futex sleeper is back within microseconds of its wake-up (the kernel preempts in its
@@ -145,9 +148,10 @@ inline bool spin_until(const Await& wait) noexcept {
 
 // Lets a peer that shares this core run, which is cheaper than a futex round trip when it is about to store.
 // `paused_until` belongs to the waiting rank and carries a slow-yield pause from one wait to the next.
-inline bool yield_until(const Await& wait, Clock::time_point deadline, Clock::time_point& paused_until) noexcept {
+inline bool yield_until(const Await& wait, Clock::time_point deadline, Clock::time_point& paused_until,
+                        std::chrono::microseconds yield_time) noexcept {
   auto now = Clock::now();
-  const auto stop = std::min(deadline, now + kYieldTime);
+  const auto stop = std::min(deadline, now + yield_time);
   while (now < stop && now >= paused_until && !wait.aborted()) {
     if (wait.reached()) return true;
     ::sched_yield();
@@ -187,9 +191,15 @@ inline WaitOutcome sleep_until(const Await& wait, Clock::time_point deadline) no
   }
 }
 
-inline WaitOutcome wait_until(const Await& wait, Clock::time_point deadline,
-                              Clock::time_point& yields_paused_until) noexcept {
-  if (wait.reached() || spin_until(wait) || yield_until(wait, deadline, yields_paused_until)) {
+// `oversubscribed`: more ranks than CPUs, so the peer waited for may need this very core. No spinning then,
+// and a yield phase cut to kOversubscribedYieldTime: a peer queued on this CPU runs at the first yield, while
+// one queued elsewhere gets this CPU once the futex sleep frees it.
+inline WaitOutcome wait_until(const Await& wait, Clock::time_point deadline, Clock::time_point& yields_paused_until,
+                              bool oversubscribed) noexcept {
+  if (wait.reached()) return WaitOutcome::Reached;
+  if (oversubscribed) {
+    if (yield_until(wait, deadline, yields_paused_until, kOversubscribedYieldTime)) return WaitOutcome::Reached;
+  } else if (spin_until(wait) || yield_until(wait, deadline, yields_paused_until, kYieldTime)) {
     return WaitOutcome::Reached;
   }
   return sleep_until(wait, deadline);

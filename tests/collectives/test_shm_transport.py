@@ -15,6 +15,7 @@ import torch
 from spawn_pool import free_port, run_on_ranks
 
 from accel import _ext
+from accel.collectives import DistributedOperationException
 from accel.collectives.padding import pad_reference
 from accel.collectives.transport import TorchDistributedTransport, select_transport
 from accel.state import PartialState
@@ -135,7 +136,7 @@ def _mismatch_on_rank(kind):
     leaves = [torch.zeros(2)] * (rank + 1) if kind == "count" else [leaf]
     try:
         shm.all_gather(leaves)
-    except RuntimeError as error:
+    except DistributedOperationException as error:  # HF's type for ranks that disagree
         return str(error).splitlines()[0]
     return None
 
@@ -232,7 +233,7 @@ def _gather_then_barrier():
     _shm()
     try:
         gather_ragged(torch.zeros(2, 3 + rank))
-    except RuntimeError as error:
+    except DistributedOperationException as error:
         message = str(error).splitlines()[0]
     else:
         message = None

@@ -23,8 +23,8 @@ def group():
     from accel import ops
 
     handle = ops.shm_group_create(0, 1, secrets.token_hex(16), 4096, 10.0)
-    ops.shm_group_attach(handle)
-    ops.shm_group_unlink(handle)
+    ops.shm_group_attach(handle, ops.shm_group_locator(handle))
+    ops.shm_group_finish_setup(handle)
     yield handle
     ops.shm_group_destroy(handle)
 
@@ -48,15 +48,26 @@ def test_a_group_of_one_gathers_itself(group, leaves):
 
 @pytest.mark.parametrize("leaves", SAMPLES)
 def test_opcheck_shm_all_gather(group, leaves):
-    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, None, 0, False))
-    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, -1, 1.5, True))
+    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, None, 0, False, "gather"))
+    torch.library.opcheck(torch.ops.accel.shm_all_gather.default, (group, leaves, -1, 1.5, True, "gather"))
 
 
 def test_opcheck_shm_all_gather_bytes(group):
     data = torch.arange(10000, dtype=torch.int64).to(torch.uint8)
-    torch.library.opcheck(torch.ops.accel.shm_all_gather_bytes.default, (group, data))
-    gathered, lengths = torch.ops.accel.shm_all_gather_bytes.default(group, data)
+    torch.library.opcheck(torch.ops.accel.shm_all_gather_bytes.default, (group, data, "gather_object"))
+    gathered, lengths = torch.ops.accel.shm_all_gather_bytes.default(group, data, "gather_object")
     assert torch.equal(gathered, data) and lengths.tolist() == [10000]
+
+
+@pytest.mark.parametrize("leaves", SAMPLES)
+def test_a_group_of_one_pads_nothing(group, leaves):
+    from accel import ops
+
+    assert ops.shm_pad_across_processes(group, leaves, 0, 1, False) == ([], [])
+    # Which leaves come back padded depends on the other ranks: the fake kernel says so and the op is tagged
+    # dynamic_output_shape (opcheck's fake-tensor comparison skips it); it cannot be traced, so no AOT check.
+    torch.library.opcheck(torch.ops.accel.shm_pad_across_processes.default, (group, leaves, 0, 1, False),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_bad_arguments_name_the_problem(group):
@@ -74,16 +85,29 @@ def test_bad_arguments_name_the_problem(group):
         ops.shm_group_create(0, 1, secrets.token_hex(16), 4096, 0.0)
 
 
-def test_a_segment_is_private_and_gone_once_unlinked():
+def _mapped(name: str) -> list[str]:
+    """The lines of /proc/self/maps that map the memfd `name`."""
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if f"/memfd:{name} " in line]
+
+
+def test_a_segment_is_private_sealed_and_never_in_dev_shm():
     from accel import ops
 
     token = secrets.token_hex(16)
     handle = ops.shm_group_create(0, 1, token, 4096, 1.0)
     try:
-        path = f"/dev/shm/accel-{token}-r0"
-        assert os.stat(path).st_mode & 0o777 == 0o600
-        ops.shm_group_attach(handle)
-        ops.shm_group_unlink(handle)
-        assert not os.path.exists(path)
+        pid, fd = ops.shm_group_locator(handle)
+        assert pid == os.getpid()
+        info = os.stat(f"/proc/self/fd/{fd}")
+        assert info.st_mode & 0o777 == 0o600 and info.st_uid == os.getuid()
+        assert not [name for name in os.listdir("/dev/shm") if token in name]
+        assert len(_mapped(f"accel-{token}-r0")) == 1
+        ops.shm_group_attach(handle, [pid, fd])
+        ops.shm_group_finish_setup(handle)
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or token not in os.readlink(f"/proc/self/fd/{fd}")
+        with pytest.raises(RuntimeError, match="no locator"):
+            ops.shm_group_locator(handle)
     finally:
         ops.shm_group_destroy(handle)
+    assert not _mapped(f"accel-{token}-r0")
