@@ -11,6 +11,8 @@ Variants, all measured in every round, in a rotating order (interleaved), each r
     `accelerator.clip_grad_norm_`, then `optimizer.step()`):
     - `accel`: `accel.Accelerator(mixed_precision="fp16", cpu=True)`: a GradScaler for the CPU whose unscale
       is accel's fused kernel (the norm measured in the same pass), then the fused clip;
+    - `accel_fallback`: the same with accel's kernels turned off (its pure-torch fallback: torch's unscale and
+      clip_grad_norm_ under accel's Python);
     - `hf`: HF Accelerate 1.15's `Accelerator(mixed_precision="fp16", cpu=True)` running its loss-scaling code
       as it does on a GPU. HF turns fp16 off on the CPU (no autocast, no scaler: it trains in fp32 there), so the
       benchmark hands it the scaler it would make for a GPU, torch's `GradScaler`, for the CPU device
@@ -41,14 +43,17 @@ Report: tools/bench_unscale_report.py OUT_DIR results.json (`make bench-unscale`
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+import unittest.mock
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from accel import _ext, ops
+from accel.precision import grads as grad_ops
 
 SCALE = 65536.0  # torch's GradScaler's initial scale
 MAX_NORM = 0.1
@@ -59,8 +64,6 @@ SETS = {
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ROUNDS = {"small": 40, "large": 40}
 WARMUP_ROUNDS = 2
-PUBLIC = ("accel", "hf", "hf_cpu")
-OP_LEVEL = ("op_accel", "op_torch", "limit")
 needs_native = pytest.mark.skipif(not _ext.status().loaded, reason="native extension not loaded")
 
 
@@ -91,24 +94,37 @@ class HFScalerAllowingFp16(torch.amp.GradScaler):
 
 
 class TrainingStep:
-    """A prepared model + SGD; calling it runs one step and returns how long clip_grad_norm_ took."""
+    """A prepared model + SGD; calling it runs one step and returns how long clip_grad_norm_ took.
 
-    def __init__(self, accelerator, sizes: list[int], values: torch.Tensor):
+    `native=False`: accel's clip_grad_norm_ with its kernels turned off (its pure-torch fallback, what
+    ACCEL_DISABLE_NATIVE=1 runs), for accel's own accelerators.
+    """
+
+    def __init__(self, accelerator, sizes: list[int], values: torch.Tensor, native: bool = True):
         model = FixedGradientModel(sizes, values)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.accelerator = accelerator
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.kernels = contextlib.nullcontext if native else kernels_off
         self.norm: float | None = None  # the last step's, to check that every variant did the same job
 
     def __call__(self) -> float:
         self.optimizer.zero_grad()
         self.accelerator.backward(self.model())
-        start = time.perf_counter()
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), MAX_NORM)
-        elapsed = time.perf_counter() - start
+        with self.kernels():
+            start = time.perf_counter()
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+            elapsed = time.perf_counter() - start
         self.optimizer.step()
         self.norm = norm.item()
         return elapsed
+
+
+@contextlib.contextmanager
+def kernels_off():
+    """accel's gradient ops as without the extension: every call site asks grads.native_on first."""
+    with unittest.mock.patch.object(grad_ops, "native_on", lambda device_type: False):
+        yield
 
 
 def hf_accelerator(loss_scaling: bool, dtype: torch.dtype):
@@ -164,7 +180,9 @@ def variants(set_name: str, dtype: torch.dtype) -> tuple[dict[str, Callable[[], 
     import accel
 
     sizes, values = gradient_values(set_name, dtype)
-    runs = {"accel": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values)}
+    runs = {"accel": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values),
+            "accel_fallback": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values,
+                                           native=False)}  # fmt: skip
     try:
         import accelerate  # noqa: F401
     except ImportError:
@@ -197,7 +215,7 @@ def summary(samples: dict[str, list[float]]) -> dict[str, float]:
     return result
 
 
-RATIOS = (("hf", "accel"), ("hf_cpu", "accel"), ("op_torch", "op_accel"))
+RATIOS = (("hf", "accel"), ("hf_cpu", "accel"), ("accel_fallback", "accel"), ("op_torch", "op_accel"))
 CASES = [(s, d) for s in SETS for d in DTYPES]
 
 
