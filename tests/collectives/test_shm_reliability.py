@@ -17,7 +17,8 @@ import time
 
 import pytest
 import torch
-from spawn_pool import free_port, run_on_ranks
+from separate_ranks import run_separate_ranks
+from spawn_pool import run_on_ranks
 
 from accel import _ext
 from accel.collectives import DistributedOperationException, gather, gather_object, pad_across_processes
@@ -272,11 +273,12 @@ def test_a_forked_child_cannot_use_the_group(group_of_one):
 # --- a rank killed while the transport is being set up -----------------------------------------------------------
 
 
-def _dies_in_setup(rank: int, port: int, sig: int, report_dir: str) -> None:
+def _dies_in_setup(rank: int, world_size: int, port: int, sig: int, report_dir: str) -> None:
     """One rank of a 2-rank job; rank 1 records the group's token and kills itself with `sig` right after
     creating its segment, inside the set-up window (before every peer has attached)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCEL_PROCESS_GROUP_TIMEOUT="30")  # fmt: skip
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      ACCEL_PROCESS_GROUP_TIMEOUT="30")  # fmt: skip
     from accel import ops
 
     if rank == 1:
@@ -300,20 +302,7 @@ def _dies_in_setup(rank: int, port: int, sig: int, report_dir: str) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_a_rank_killed_during_transport_setup_leaves_nothing_in_dev_shm(tmp_path, sig):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=_dies_in_setup, args=(rank, port, sig, str(tmp_path)), daemon=True)
-             for rank in range(2)]  # fmt: skip
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + 90
-    for process in ranks:
-        process.join(max(0.0, deadline - time.monotonic()))
-    hung = [process.pid for process in ranks if process.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
+    ranks, hung = run_separate_ranks(_dies_in_setup, 2, sig, str(tmp_path))
     token = (tmp_path / "token").read_text()
     left = [name for name in os.listdir("/dev/shm") if token in name]
     for name in left:  # before the check fails: leave the machine clean

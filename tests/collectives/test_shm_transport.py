@@ -4,7 +4,6 @@ Parity is bit for bit: every rank runs each collective through both transports a
 Stress and failure tests bound every wait and check that /dev/shm is left empty (the conftest guard does too).
 """
 
-import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +11,8 @@ import time
 
 import pytest
 import torch
-from spawn_pool import free_port, run_on_ranks
+from separate_ranks import run_separate_ranks
+from spawn_pool import run_on_ranks
 
 from accel import _ext
 from accel.collectives import DistributedOperationException
@@ -203,20 +203,8 @@ def _killed_mid_call(rank, world_size, port, report_dir):
 
 
 def test_a_rank_killed_mid_call_makes_the_others_raise_naming_it(tmp_path):
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=_killed_mid_call, args=(rank, 3, port, str(tmp_path)), daemon=True)
-             for rank in range(3)]  # fmt: skip
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + 90
-    for process in ranks:
-        process.join(max(0.0, deadline - time.monotonic()))
-    leftovers = [process for process in ranks if process.is_alive()]
-    for process in leftovers:
-        process.kill()
-        process.join()
-    assert not leftovers, "a surviving rank did not return within 90 s"
+    _, hung = run_separate_ranks(_killed_mid_call, 3, str(tmp_path))
+    assert not hung, "a surviving rank did not return within 90 s"
     reports = {path.name: path.read_text() for path in tmp_path.iterdir()}
     assert set(reports) == {"rank0", "rank2"}, reports
     for report in reports.values():
