@@ -9,8 +9,8 @@ from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead-peer detection u
 extension loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. The decision and the segments'
 setup are collective and run once per process group, at its first collective; every rank reaches the same
 decision, or they would wait in different transports. `ACCEL_TRANSPORT=shm` makes ineligibility an error
-(benchmarks, debugging). `ACCEL_SHM_SLOT_BYTES` sizes each of a rank's two slots (default 4 MiB); larger
-payloads go in rounds.
+(benchmarks, debugging). `ACCEL_SHM_SLOT_BYTES` is the data one round carries per rank (default 4 MiB; each of
+a rank's two slots has HEADER_ROOM more for the call's header); larger payloads go in rounds.
 
 Every wait is bounded by the process group's timeout, and a rank that dies mid-call makes the others raise
 an error naming it. A segment never has a name in /dev/shm (a sealed memfd that peers open through its
@@ -50,12 +50,17 @@ def requested_transport() -> str:
     return choice
 
 
+# Room in each slot for a call's header on top of the data: a payload of exactly ACCEL_SHM_SLOT_BYTES (4 MiB,
+# say) then travels in one round, not in one round plus a second one for its last header's worth of bytes.
+HEADER_ROOM = 4096
+
+
 def _slot_bytes() -> int:
     value = get_setting("SHM_SLOT_BYTES")
     slot = int(value) if value else DEFAULT_SLOT_BYTES
     if slot < 4096:
         raise ValueError(f"ACCEL_SHM_SLOT_BYTES={value}: a slot holds at least 4096 bytes")
-    return slot
+    return slot + HEADER_ROOM
 
 
 def _inode(path: str) -> tuple[int, int] | None:
