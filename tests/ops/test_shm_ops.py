@@ -111,3 +111,23 @@ def test_a_segment_is_private_sealed_and_never_in_dev_shm():
     finally:
         ops.shm_group_destroy(handle)
     assert not _mapped(f"accel-{token}-r0")
+
+
+def test_recycled_output_buffers_never_alias_live_tensors(group):
+    """Outputs of >= 64 KiB come from a pool of buffers that freed outputs return to: a live output is never
+    handed out again, a recycled one holds the new call's data, and pooled storage still resizes."""
+    from accel import ops
+
+    kept = []
+    for step in range(6):
+        leaf = torch.full((40_000,), step, dtype=torch.int32)  # 160 KB
+        out = ops.shm_all_gather(group, [leaf])[0]
+        assert torch.equal(out, leaf)
+        if step % 2 == 0:
+            kept.append((step, out))  # alive across the next calls; the odd steps' outputs are freed at once
+    for step, out in kept:
+        assert torch.equal(out, torch.full((40_000,), step, dtype=torch.int32))
+    assert len({out.data_ptr() for _, out in kept}) == len(kept)
+    grown = ops.shm_all_gather(group, [torch.ones(70_000)])[0]
+    grown.resize_(200_000)
+    assert torch.equal(grown[:70_000], torch.ones(70_000))
