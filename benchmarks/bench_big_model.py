@@ -1,131 +1,210 @@
-"""load_checkpoint_and_dispatch of a ~1 GiB sharded checkpoint: accel against HF Accelerate, same run.
+"""load_checkpoint_and_dispatch on the CPU through the public API: accel side by side with HF Accelerate, with the
+limit measured in the same run.
 
-Each benchmark loads the checkpoint (256MB shards, written once per session) into a model built under
-`init_empty_weights`, all on the CPU (device_map={"": "cpu"}). The time is measured in this process (the page
-cache holds the files, for both alike); the peak memory of one load is measured in a fresh process and stored in
-`extra_info["peak_rss_growth"]` (RSS peak minus RSS before the load). HF Accelerate's benchmark is skipped when it
-is not installed.
+Each case loads a checkpoint of fp32 Linear layers (written once per session) into a model built under
+`init_empty_weights`, with `device_map={"": "cpu"}`:
+  - `251MiB`: four 4096x4016 layers with biases, max_shard_size 150MB (two shards), as issue 13's row;
+  - `1GiB`: sixteen 4096x4096 layers without biases, 256MB shards.
+Variants, one of each per round in a rotated order (interleaved), the previous model freed (untimed) before each:
+  - `accel`: accel's default, the weights served zero-copy from the page cache through a read-leased private
+    mapping (accel.checkpoint.leased_mapping: a writer that rewrites the file in place gets the weights copied
+    first, so they never change underneath);
+  - `accel_copy`: `ACCEL_MAP_CHECKPOINTS=0`, the weights read into fresh memory (what a copying loader costs);
+  - `hf`: HF Accelerate 1.15's `load_checkpoint_and_dispatch` (left out, with a notice, when not installed);
+  - `read_limit`: the shard files read once into one buffer already faulted in (the floor of any copying loader).
+Medians over rounds; ratios are medians of per-round ratios. The peak memory of one load is measured in a fresh
+process per loader (`peak_rss_growth_*` in extra_info: RSS peak minus RSS before the load).
 
-Run: .venv/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider
-(`make bench-big-model` also writes docs/benchmarks/big_model.md.)
+Run: .venv/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider -s
+(`make bench-big-model` also writes docs/benchmarks/big_model.md.) ACCEL_BENCH_ROUNDS: rounds (default 7).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import torch
 
-LAYERS = 16  # 16 x 64 MiB
+CASES = {  # name: (layers, in features, out features, bias, max_shard_size)
+    "251MiB": (4, 4096, 4016, True, "150MB"),
+    "1GiB": (16, 4096, 4096, False, "256MB"),
+}
+ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "7"))
+CHUNK = 64 << 20
 
 
-def make_model():
-    return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(LAYERS)])
+def make_model(case: str) -> torch.nn.Module:
+    layers, fan_in, fan_out, bias, _ = CASES[case]
+    return torch.nn.Sequential(*[torch.nn.Linear(fan_in, fan_out, bias=bias) for _ in range(layers)])
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request):
     from accel.checkpoint import save_state_dict
 
-    root = os.path.join(os.path.dirname(__file__), "..", "build")
+    root = os.environ.get("ACCEL_BENCH_DIR") or os.path.join(os.path.dirname(__file__), "..", "build")
     os.makedirs(root, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="bench-big-model-", dir=root)
-    save_state_dict(make_model().state_dict(), folder, max_shard_size="256MB", progress=False)
-    yield folder
+    save_state_dict(make_model(request.param).state_dict(), folder, max_shard_size=CASES[request.param][4],
+                    progress=False)  # fmt: skip
+    yield request.param, folder
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def load_with(library: str, case: str, folder: str) -> torch.nn.Module:
+    if library == "hf":
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    else:
+        from accel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+    with init_empty_weights():
+        model = make_model(case)
+    return load_checkpoint_and_dispatch(model, folder, device_map={"": "cpu"})
+
+
+# VmHWM, not getrusage's ru_maxrss: a child started by vfork + exec inherits its parent's peak in ru_maxrss.
 PEAK = textwrap.dedent(
     """
-    import json, resource, sys, torch
+    import json, os, sys
     sys.path.insert(0, {here!r})
-    from bench_big_model import make_model, load_with
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-    before = rss()
-    load_with({library!r}, {folder!r})
-    print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before))
+    from bench_big_model import load_with
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    before = status("VmRSS")
+    load_with({library!r}, {case!r}, {folder!r})
+    print(json.dumps(status("VmHWM") - before))
     """
 )
 
 
-def load_with(library: str, folder: str) -> torch.nn.Module:
-    if library == "accel":
-        from accel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
-    else:
-        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-    with init_empty_weights():
-        model = make_model()
-    return load_checkpoint_and_dispatch(model, folder, device_map={"": "cpu"})
-
-
-def peak_growth(library: str, folder: str) -> int:
-    script = PEAK.format(here=os.path.dirname(os.path.abspath(__file__)), library=library, folder=folder)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
+def peak_growth(library: str, case: str, folder: str) -> int:
+    script = PEAK.format(here=os.path.dirname(os.path.abspath(__file__)), library=library.removesuffix("_copy"),
+                         case=case, folder=folder)  # fmt: skip
+    env = dict(os.environ, ACCEL_MAP_CHECKPOINTS="0" if library == "accel_copy" else "1")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True,
+                            env=env)  # fmt: skip
     return int(result.stdout.strip().splitlines()[-1])
 
 
-def run(benchmark, checkpoint, library):
-    benchmark.group = "load_checkpoint_and_dispatch 1GiB"
-    benchmark.extra_info["bytes"] = LAYERS * 4096 * 4096 * 4
-    benchmark.extra_info["peak_rss_growth"] = peak_growth(library, checkpoint)
-    benchmark.pedantic(lambda: load_with(library, checkpoint), rounds=5, warmup_rounds=1)
+class Loads:
+    """The variants; each call frees the model the previous one loaded (untimed), then times one load."""
+
+    def __init__(self, case: str, folder: str) -> None:
+        self.case, self.folder, self.loaded = case, folder, None
+        self.files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        self.buffer = torch.empty(sum(os.path.getsize(f) for f in self.files), dtype=torch.uint8)
+        self.buffer.fill_(0)  # faulted in: the floor of reading, without the cost of fresh memory
+
+    def timed(self, load) -> float:
+        self.loaded = None
+        gc.collect()
+        start = time.perf_counter()
+        self.loaded = load()
+        return time.perf_counter() - start
+
+    def accel(self) -> float:
+        return self.timed(lambda: load_with("accel", self.case, self.folder))
+
+    def accel_copy(self) -> float:
+        os.environ["ACCEL_MAP_CHECKPOINTS"] = "0"
+        try:
+            return self.timed(lambda: load_with("accel", self.case, self.folder))
+        finally:
+            del os.environ["ACCEL_MAP_CHECKPOINTS"]
+
+    def hf(self) -> float:
+        return self.timed(lambda: load_with("hf", self.case, self.folder))
+
+    def read_limit(self) -> float:
+        def read_all():
+            view, done = memoryview(self.buffer.numpy()), 0
+            for path in self.files:
+                with open(path, "rb", buffering=0) as f:
+                    while (n := f.readinto(view[done : done + CHUNK])) > 0:
+                        done += n
+
+        return self.timed(read_all)
 
 
-def test_accel(benchmark, checkpoint):
-    run(benchmark, checkpoint, "accel")
+def test_load_checkpoint_and_dispatch(benchmark, checkpoint):
+    case, folder = checkpoint
+    loads = Loads(case, folder)
+    names = ["accel", "accel_copy", "read_limit"]
+    notice = None
+    try:
+        import accelerate  # noqa: F401
 
+        names.append("hf")
+    except ImportError:
+        notice = "HF Accelerate is not installed: its variant is left out"
+    samples = {name: [] for name in names}
+    for name in names:  # warm-up: imports, thread pools, the page cache
+        getattr(loads, name)()
+    rounds = [0]
 
-def test_hf_accelerate(benchmark, checkpoint):
-    pytest.importorskip("accelerate")
-    run(benchmark, checkpoint, "hf_accelerate")
+    def one_round() -> None:
+        shift = rounds[0] % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(getattr(loads, name)())
+        rounds[0] += 1
 
-
-def test_limit(benchmark, checkpoint):
-    """Reading the shard files' bytes once into one preallocated buffer: the floor for any loader."""
-    benchmark.group = "load_checkpoint_and_dispatch 1GiB"
-    files = sorted(os.path.join(checkpoint, f) for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
-    size = sum(os.path.getsize(f) for f in files)
-    buffer = torch.empty(size, dtype=torch.uint8)
-
-    def read_all():
-        view, done = memoryview(buffer.numpy()), 0
-        for path in files:
-            with open(path, "rb", buffering=0) as f:
-                while (n := f.readinto(view[done : done + (64 << 20)])) > 0:
-                    done += n
-
-    benchmark.extra_info["bytes"] = size
-    benchmark.pedantic(read_all, rounds=5, warmup_rounds=1)
+    benchmark.group = f"load_checkpoint_and_dispatch {case}"
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    loads.loaded = None
+    stats = {f"{name}_s": statistics.median(times) for name, times in samples.items()}
+    for other in ("hf", "accel_copy", "read_limit"):
+        if other in samples:
+            stats[f"{other}/accel"] = statistics.median(o / a for o, a in zip(samples[other], samples["accel"]))
+    if "hf" in samples:
+        stats["hf/accel_copy"] = statistics.median(h / c for h, c in zip(samples["hf"], samples["accel_copy"]))
+    peaks = {f"peak_rss_growth_{name}": peak_growth(name, case, folder) for name in names if name != "read_limit"}
+    benchmark.extra_info.update(case=case, bytes=loads.buffer.numel(), samples=samples, notice=notice, **stats, **peaks)
+    print(f"\n{case}: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
+                                   for k, v in stats.items()))  # fmt: skip
 
 
 def write_report(out_dir: str, path: str) -> None:
+    """docs/benchmarks/big_model.md from the benchmark's JSON."""
     data = json.loads(open(path).read())
-    rows = {b["name"].split("[")[0].removeprefix("test_"): b for b in data["benchmarks"]}
-    accel, hf, limit = (rows.get(k) for k in ("accel", "hf_accelerate", "limit"))
-    def ms(b):
-        return "—" if b is None else f"{b['stats']['median'] * 1e3:,.0f} ms"
-    def mib(b):
-        return "—" if b is None or "peak_rss_growth" not in b["extra_info"] else f"{b['extra_info']['peak_rss_growth'] / 2**20:,.0f} MiB"
-    speedup = "—" if accel is None or hf is None else f"{hf['stats']['median'] / accel['stats']['median']:.1f}×"
+    rows = sorted((b["extra_info"] for b in data["benchmarks"]), key=lambda info: info["bytes"])
+
+    def ms(info, name):
+        return "—" if f"{name}_s" not in info else f"{info[f'{name}_s'] * 1e3:,.0f} ms"
+
+    def mib(info, name):
+        key = f"peak_rss_growth_{name}"
+        return "—" if key not in info else f"{info[key] / 2**20:,.0f} MiB"
+
+    def ratio(info, key):
+        return "—" if key not in info else f"{info[key]:.1f}×"
+
     lines = [
         "# load_checkpoint_and_dispatch: measured results", "",
-        "Generated by `make bench-big-model`: a 1 GiB fp32 checkpoint in 256MB safetensors shards loaded into a",
-        "model built under `init_empty_weights`, on the CPU; medians of 5 loads (files in the page cache); peak",
-        "memory of one load in a fresh process (RSS peak minus RSS before the load; the model is 1024 MiB).", "",
-        "| loader | median time | peak RSS growth |", "|---|---|---|",
-        f"| accel | {ms(accel)} | {mib(accel)} |", f"| HF Accelerate | {ms(hf)} | {mib(hf)} |",
-        f"| reading the files once (limit) | {ms(limit)} | — |", "",
-        f"accel is {speedup} faster than HF Accelerate (target: ≥ 2×, peak memory no higher).", "",
-    ]
+        "Generated by `make bench-big-model` (benchmarks/bench_big_model.py): fp32 checkpoints loaded into a model",
+        "built under `init_empty_weights`, `device_map={\"\": \"cpu\"}`, files in the page cache; accel and HF",
+        "Accelerate 1.15 in the same run, interleaved; medians; peak memory of one load in a fresh process (RSS",
+        "peak minus RSS before). `accel`: the default (weights served from a read-leased private mapping of the",
+        "file); `accel (copy)`: ACCEL_MAP_CHECKPOINTS=0; `read limit`: the files read once into memory already",
+        "faulted in.", "",
+        "| checkpoint | accel | accel (copy) | HF Accelerate | read limit | HF / accel | HF / accel (copy) | "
+        "peak growth accel / copy / HF |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for info in rows:
+        lines.append(f"| {info['case']} | {ms(info, 'accel')} | {ms(info, 'accel_copy')} | {ms(info, 'hf')} | "
+                     f"{ms(info, 'read_limit')} | {ratio(info, 'hf/accel')} | {ratio(info, 'hf/accel_copy')} | "
+                     f"{mib(info, 'accel')} / {mib(info, 'accel_copy')} / {mib(info, 'hf')} |")  # fmt: skip
+    lines += ["", "Target (issue 13): the default ≥ 5× faster than HF Accelerate on the CPU.", ""]
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "big_model.md"), "w") as f:
         f.write("\n".join(lines))

@@ -1,46 +1,59 @@
-"""Saving and loading model weights: accel's native writer/reader against HF Accelerate, torch.save/load, and the
-disk itself.
+"""Saving and loading model weights through the public API, accel side by side with HF Accelerate, with the disk's
+and the memory's limits measured in the same run.
 
-Groups: `save 256MiB`, `save 1GiB`, `load 256MiB`, `load 1GiB` (fp32 state dicts of 64 MiB tensors plus small
-ones, as a model has them; max_shard_size 512MB, so the 1 GiB one is sharded). Benchmarks in a group:
-  - `accel`: `accel.checkpoint.save_state_dict` / `load_checkpoint_in_model`;
-  - `hf_accelerate`: HF Accelerate's `Accelerator.save_model` / `accelerate.utils.load_checkpoint_in_model`
-    (skipped when accelerate is not installed);
-  - `torch`: `torch.save` of the whole state dict / `torch.load(weights_only=True)` + `load_state_dict`;
-  - `limit`: one sequential write (then fsync) of the same number of bytes from one buffer / one sequential read.
-Before every timed save the page cache is flushed with `sync` (not timed). A save counts as done when its bytes
-are on disk: accel's and the limit's fsync their files; HF's and torch's do not, so their timings include an
-`os.sync()` after the save (without it they would be measured writing into the page cache). Loads read files
-that were just written, i.e. mostly from the page cache, for every contender alike.
+`save_model 251MiB`: `accelerator.save_model(model, folder, max_shard_size="150MB")` of a 251 MiB fp32 model (four
+4096x4016 Linear layers: two shards). What is timed is what the training loop waits for, the call itself:
+  - `accel`: accel's default mode (the files complete in the page cache on return; fsync, in the background);
+  - `accel_async`: `async_save=True` (returns after an in-memory snapshot; written in the background);
+  - `accel_durable`: `durable=True` (returns once the files are fsync'd);
+  - `hf`: HF Accelerate 1.15's `Accelerator.save_model` (safetensors files, no fsync);
+  - limits: `memcpy` (copying the same bytes into memory already faulted in: the floor of a snapshot),
+    `raw_write` (one sequential write of the bytes to a new file, no fsync: what a page-cache save costs with
+    one writer), `raw_write_fsync` (the same, then fsync: the floor of a durable save).
+  Each round runs every variant once, in an order rotated by one each round (interleaved); between variants
+  (untimed) the background work of accel's save is joined and `os.sync()` empties the dirty page cache, so each
+  variant starts from the same state. For accel's modes the time until the checkpoint is durable (call plus
+  background work) is recorded too (`*_durable_after_s`).
+`load 251MiB`: `load_checkpoint_in_model` (accel; HF's from accelerate.utils) into an existing model, and `raw_read`
+  (the files read once into one buffer), from the page cache.
 
-Run: .venv/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider
-(`make bench-checkpoint` also writes docs/benchmarks/checkpoint.md and its plot.)
+Medians over rounds; a ratio is the median of the per-round ratios. pytest-benchmark's own column is the length of
+a whole round; the per-variant samples and medians are in each benchmark's `extra_info`
+(`tools/bench_checkpoint_report.py` turns the JSON into docs/benchmarks/checkpoint.md and its plot).
+
+Run:  .venv/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -s
+      (HF's variants need `pip install accelerate==1.15.0`; without it they are left out, with a notice).
+      ACCEL_BENCH_DIR: where the files go (default: build/ in the repository); ACCEL_BENCH_ROUNDS: rounds.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from accel.checkpoint import load_checkpoint_in_model, save_state_dict
+from accel.checkpoint import background, load_checkpoint_in_model
 
-SIZES = {"256MiB": 256 << 20, "1GiB": 1 << 30}
-SHARD = "512MB"
-ROUNDS = {"256MiB": 9, "1GiB": 5}
+LAYERS, IN_FEATURES, OUT_FEATURES = 4, 4096, 4016  # 251 MiB of fp32 weights and biases
+SHARD = "150MB"  # two shards
+ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "11"))
+WARMUP_ROUNDS = 1
+CHUNK = 64 << 20
 
 
-def make_model(nbytes: int) -> torch.nn.Module:
-    """Linear layers of 64 MiB weights with small biases, `nbytes` in all."""
-    layers = max(1, nbytes // (64 << 20))
-    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(layers)])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_()
-    return model
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(IN_FEATURES, OUT_FEATURES) for _ in range(LAYERS)])
+
+
+def nbytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 @pytest.fixture(scope="module")
@@ -52,138 +65,167 @@ def workdir():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-_models: dict[str, torch.nn.Module] = {}
+def hf_accelerate():
+    try:
+        import accelerate
+    except ImportError:
+        return None
+    return accelerate
 
 
-@pytest.fixture(params=list(SIZES))
-def case(request, workdir):
-    name = request.param
-    if name not in _models:
-        _models.clear()
-        _models[name] = make_model(SIZES[name])
-    return name, _models[name], workdir
+def interleaved(runs: dict[str, Callable[[], dict[str, float]]], rounds: int, first_round: int = 0
+                ) -> dict[str, list[float]]:  # fmt: skip
+    """Every variant once per round, the order rotated by one each round; each run returns {sample name: s}."""
+    names = list(runs)
+    samples: dict[str, list[float]] = {}
+    for r in range(first_round, first_round + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            for key, seconds in runs[name]().items():
+                samples.setdefault(key, []).append(seconds)
+    return samples
 
 
-def nbytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+def summary(samples: dict[str, list[float]], ratios: tuple) -> dict[str, float]:
+    """Median seconds per sample name, and `a/b` ratios as medians of per-round ratios."""
+    result = {f"{name}_s": statistics.median(times) for name, times in samples.items()}
+    for a, b in ratios:
+        if a in samples and b in samples:
+            result[f"{a}/{b}"] = statistics.median(x / y for x, y in zip(samples[a], samples[b]))
+    return result
 
 
-def timed_save(benchmark, case, kind, save):
-    name, model, workdir = case
-    benchmark.group = f"save {name}"
-    benchmark.extra_info["bytes"] = nbytes(model)
-    target = os.path.join(workdir, f"{kind}-{name}")
+def run_rounds(benchmark, group: str, runs: dict, ratios: tuple, **info) -> dict[str, float]:
+    interleaved(runs, WARMUP_ROUNDS)  # first-call costs (the snapshot's buffers, thread pools) out of the samples
+    samples: dict[str, list[float]] = {}
+    rounds_done = [0]
 
-    def setup():
-        shutil.rmtree(target, ignore_errors=True)
-        os.sync()
+    def one_round() -> None:
+        for key, times in interleaved(runs, 1, first_round=rounds_done[0]).items():
+            samples.setdefault(key, []).extend(times)
+        rounds_done[0] += 1
 
-    benchmark.pedantic(lambda: save(model, target), setup=setup, rounds=ROUNDS[name], warmup_rounds=0)
-
-
-def timed_load(benchmark, case, kind, save, load):
-    name, model, workdir = case
-    benchmark.group = f"load {name}"
-    benchmark.extra_info["bytes"] = nbytes(model)
-    target = os.path.join(workdir, f"{kind}-{name}-load")
-    shutil.rmtree(target, ignore_errors=True)
-    save(model, target)
-    # Every contender loads into the same module's existing tensors: allocation is not what is measured.
-    benchmark.pedantic(lambda: load(model, target), rounds=ROUNDS[name], warmup_rounds=1)
-    shutil.rmtree(target, ignore_errors=True)
+    benchmark.group = group
+    benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
+    stats = summary(samples, ratios)
+    benchmark.extra_info.update(samples=samples, **stats, **info)
+    print(f"\n{group}: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
+                                    for k, v in stats.items()))  # fmt: skip
+    return stats
 
 
-def accel_save(model, target):
-    save_state_dict(model.state_dict(), target, max_shard_size=SHARD, progress=False)
+# --- save_model -------------------------------------------------------------------------------------------------
 
 
-def accel_load(model, target):
-    load_checkpoint_in_model(model, target, strict=True, progress=False)
+def settle() -> None:
+    """Untimed, between variants: accel's background work done, the dirty page cache written out."""
+    background.saves.join()
+    os.sync()
 
 
-def hf_save(model, target):
-    accelerate = pytest.importorskip("accelerate")
-    accelerate.Accelerator(cpu=True).save_model(model, target, max_shard_size=SHARD)
-    os.sync()  # durable, like the others
+def timed(call: Callable[[], None], name: str, until_durable: bool = False, fresh: str | None = None
+          ) -> dict[str, float]:  # fmt: skip
+    """Times `call` after `settle()` (and, with `fresh`, after removing that file: a new file is what a save
+    writes, and truncating an old one costs extra), untimed."""
+    if fresh is not None and os.path.exists(fresh):
+        os.unlink(fresh)
+    settle()
+    start = time.perf_counter()
+    call()
+    waited = time.perf_counter() - start
+    result = {name: waited}
+    if until_durable:
+        background.saves.join()
+        result[f"{name}_durable_after"] = time.perf_counter() - start
+    return result
 
 
-def hf_load(model, target):
-    from accelerate.utils import load_checkpoint_in_model as hf_load_checkpoint_in_model
-
-    hf_load_checkpoint_in_model(model, target, strict=True)
-
-
-def torch_save(model, target):
-    os.makedirs(target, exist_ok=True)
-    torch.save(model.state_dict(), os.path.join(target, "pytorch_model.bin"))
-    os.sync()  # durable, like the others
-
-
-def torch_load(model, target):
-    model.load_state_dict(torch.load(os.path.join(target, "pytorch_model.bin"), weights_only=True))
-
-
-def limit_save(model, target):
-    """The same number of bytes written sequentially from one buffer, then fsync'd: what the disk allows."""
-    os.makedirs(target, exist_ok=True)
-    buffer = _buffer(nbytes(model))
-    fd = os.open(os.path.join(target, "raw"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def raw_write(path: str, buffer: torch.Tensor, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view, done = memoryview(buffer.numpy()), 0
         while done < len(view):
-            done += os.write(fd, view[done : done + (64 << 20)])
-        os.fsync(fd)
+            done += os.write(fd, view[done : done + CHUNK])
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def limit_load(model, target):
-    buffer = _buffer(nbytes(model))
-    with open(os.path.join(target, "raw"), "rb", buffering=0) as f:
+def save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | None]:
+    from accel.accelerator import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    source = torch.cat([t.reshape(-1) for t in model.state_dict().values()]).view(torch.uint8)
+    copy = torch.empty_like(source)
+    copy.fill_(0)  # faulted in, as the snapshot's reused buffers are
+    out = {name: os.path.join(folder, name) for name in ("accel", "async", "durable", "hf", "raw")}
+    runs = {
+        "accel": lambda: timed(lambda: accelerator.save_model(model, out["accel"], SHARD), "accel", True),
+        "accel_async": lambda: timed(lambda: accelerator.save_model(model, out["async"], SHARD, async_save=True),
+                                     "accel_async", True),  # fmt: skip
+        "accel_durable": lambda: timed(lambda: accelerator.save_model(model, out["durable"], SHARD, durable=True),
+                                       "accel_durable"),  # fmt: skip
+        "memcpy": lambda: timed(lambda: copy.copy_(source), "memcpy"),
+        "raw_write": lambda: timed(lambda: raw_write(out["raw"], source, sync=False), "raw_write", fresh=out["raw"]),
+        "raw_write_fsync": lambda: timed(lambda: raw_write(out["raw"], source, sync=True), "raw_write_fsync",
+                                         fresh=out["raw"]),  # fmt: skip
+    }
+    accelerate = hf_accelerate()
+    if accelerate is None:
+        return runs, "HF Accelerate is not installed: its variant is left out"
+    hf = accelerate.Accelerator(cpu=True)
+    runs["hf"] = lambda: timed(lambda: hf.save_model(model, out["hf"], max_shard_size=SHARD), "hf")
+    return runs, None
+
+
+SAVE_RATIOS = (("hf", "accel"), ("hf", "accel_async"), ("hf", "accel_durable"), ("raw_write_fsync", "accel_durable"),
+               ("raw_write", "accel"), ("memcpy", "accel_async"))  # fmt: skip
+
+
+def test_save_model(benchmark, workdir):
+    model = make_model()
+    runs, notice = save_variants(model, workdir)
+    try:
+        run_rounds(benchmark, "save_model 251MiB", runs, SAVE_RATIOS, bytes=nbytes(model), shards=2, notice=notice)
+    finally:
+        settle()
+
+
+# --- load -------------------------------------------------------------------------------------------------------
+
+
+def test_load_checkpoint_in_model(benchmark, workdir):
+    from accel.checkpoint import save_state_dict
+
+    model = make_model()
+    folder = os.path.join(workdir, "load")
+    save_state_dict(model.state_dict(), folder, max_shard_size=SHARD, progress=False)
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    buffer = torch.empty(sum(os.path.getsize(f) for f in files), dtype=torch.uint8)
+    buffer.fill_(0)
+
+    def read_all() -> None:
         view, done = memoryview(buffer.numpy()), 0
-        while done < len(view):
-            done += f.readinto(view[done : done + (64 << 20)])
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while (n := f.readinto(view[done : done + CHUNK])) > 0:
+                    done += n
 
+    def measure(call, name):
+        start = time.perf_counter()
+        call()
+        return {name: time.perf_counter() - start}
 
-_buffers: dict[int, torch.Tensor] = {}
+    runs = {
+        "accel": lambda: measure(lambda: load_checkpoint_in_model(model, folder, strict=True, progress=False), "accel"),
+        "raw_read": lambda: measure(read_all, "raw_read"),
+    }
+    notice = "HF Accelerate is not installed: its variant is left out"
+    if hf_accelerate() is not None:
+        from accelerate.utils import load_checkpoint_in_model as hf_load
 
-
-def _buffer(size: int) -> torch.Tensor:
-    if size not in _buffers:
-        _buffers.clear()
-        _buffers[size] = torch.ones(size, dtype=torch.uint8)
-    return _buffers[size]
-
-
-def test_save_accel(benchmark, case):
-    timed_save(benchmark, case, "accel", accel_save)
-
-
-def test_save_hf_accelerate(benchmark, case):
-    pytest.importorskip("accelerate")
-    timed_save(benchmark, case, "hf", hf_save)
-
-
-def test_save_torch(benchmark, case):
-    timed_save(benchmark, case, "torch", torch_save)
-
-
-def test_save_limit(benchmark, case):
-    timed_save(benchmark, case, "limit", limit_save)
-
-
-def test_load_accel(benchmark, case):
-    timed_load(benchmark, case, "accel", accel_save, accel_load)
-
-
-def test_load_hf_accelerate(benchmark, case):
-    pytest.importorskip("accelerate")
-    timed_load(benchmark, case, "hf", hf_save, hf_load)
-
-
-def test_load_torch(benchmark, case):
-    timed_load(benchmark, case, "torch", torch_save, torch_load)
-
-
-def test_load_limit(benchmark, case):
-    timed_load(benchmark, case, "limit", limit_save, limit_load)
+        runs["hf"] = lambda: measure(lambda: hf_load(model, folder, strict=True), "hf")
+        notice = None
+    run_rounds(benchmark, "load 251MiB", runs, (("hf", "accel"), ("raw_read", "accel")), bytes=nbytes(model),
+               notice=notice)  # fmt: skip

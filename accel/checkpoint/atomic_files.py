@@ -1,10 +1,13 @@
-"""Files that appear complete or not at all: written under a temporary name, fsync'd, renamed into place.
+"""Files that appear complete or not at all: written under a temporary name, fsync'd, renamed (or swapped) into
+place.
 
 (`temporary_name` and `fsync_directory` still live in safetensors_io.py, whose native writer uses them too.)
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from collections.abc import Callable
 from typing import IO
@@ -51,6 +54,27 @@ def write_temporary(path: str, write: Callable[[IO], None], mode: str = "wb", *,
         remove_quietly(temporary)
         raise
     return temporary
+
+
+def exchange(a: str, b: str) -> bool:
+    """renameat2(a, b, RENAME_EXCHANGE): atomically swaps two existing paths (files or folders); False where the
+    system cannot (no renameat2, or a filesystem without it: NFS, CIFS, FUSE, older kernels).
+
+    Cheaper than a rename over an existing file, too: ext4 starts writing the new file back inside such a rename
+    (auto_da_alloc), ~40 ms per 100 MiB on the critical path, and the old file's removal can then happen later."""
+    function = getattr(_libc, "renameat2", None)
+    if function is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if function(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, f"cannot swap '{a}' and '{b}': {os.strerror(code)}")
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def remove_quietly(path: str) -> None:

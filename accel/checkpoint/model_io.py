@@ -12,6 +12,7 @@ renamed so far, in the microseconds between the renames). Saves come in three mo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from accel.checkpoint import background, snapshot
-from accel.checkpoint.atomic_files import remove_quietly, write_atomically, write_temporary
+from accel.checkpoint.atomic_files import exchange, remove_quietly, write_atomically, write_temporary
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import (
     PUBLISH_JOURNAL,
@@ -104,9 +105,11 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
 
     Every file is written under a temporary name first; then they are published together through a journal
-    (`.accel-publish.json`, renames with the index last, then removal of the weight files of an earlier save that
-    this one does not overwrite, in either format), so a process killed at any moment leaves the previous
-    checkpoint or the new one: the next save or load replays an interrupted journal. `durable`: fsync every file
+    (`.accel-publish.json`: renames, or swaps with the files they replace, the index last; then removal of the
+    indexes of an earlier save that this one does not overwrite, in either format), so a process killed at any
+    moment leaves the previous checkpoint or the new one: the next save or load replays an interrupted journal.
+    The replaced files and the earlier save's other weight files, which nothing names any more, are unlinked in
+    the background (accel.checkpoint.background; an unlink costs ~30 ms per 100 MiB). `durable`: fsync every file
     and the folder before returning; without it the files are complete in the page cache (a kill cannot lose
     them, a power loss can) and `sync_files` makes them durable later. `progress`: see accel.checkpoint.progress.
     """
@@ -140,7 +143,10 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
             remove_quietly(temporary)
         raise
     # Once its journal is written, the publish is decided: an interruption from here on is completed by a replay.
-    publish_files(folder, staged, sorted(stale, key=lambda name: not name.endswith(".index.json")), durable)
+    leftovers = publish_files(folder, staged, stale, durable)
+    # Unlinking a large file costs ~30 ms per 100 MiB: not on the caller's time (a kill first leaves them to the
+    # next save's clean-up of dead processes' temporary files, or to a replay).
+    background.saves.submit(functools.partial(remove_files, leftovers), f"old files of '{folder}'")
     _remove_orphan_temporaries(folder)
     return [os.path.join(folder, name) for _, name in staged]
 
@@ -152,10 +158,14 @@ def _write_shard(shard: dict[str, torch.Tensor], path: str, safe_serialization: 
     return write_temporary(path, lambda f: torch.save(tensors, f), durable=durable)
 
 
-def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> None:
+def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> list[str]:
     """Moves the complete temporary files `renames` ((temporary path, final name), in order) into place and
-    removes the files named in `remove`, as one step for readers that replay the journal (see save_state_dict)."""
-    plan = {"rename": [[os.path.basename(temporary), name] for temporary, name in renames], "remove": remove}
+    removes the indexes named in `remove`, as one step for readers that replay the journal (see save_state_dict).
+
+    An existing file is swapped with its replacement (renameat2 RENAME_EXCHANGE: cheaper than a rename over it)
+    and left at the temporary name. Returns what is left to remove (those old files, the stale shards in
+    `remove`): nothing reads them any more, so the caller may remove them later (`remove_files`)."""
+    plan = {"rename": [[os.path.basename(t), name, os.stat(t).st_ino] for t, name in renames], "remove": remove}
     text = json.dumps(plan)
     try:
         write_atomically(os.path.join(folder, PUBLISH_JOURNAL), lambda f: f.write(text), mode="w", durable=durable)
@@ -163,14 +173,37 @@ def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str]
         for temporary, _ in renames:
             remove_quietly(temporary)
         raise
-    replay_journal(folder)
+    leftovers = _move_into_place(folder, plan)
+    for name in remove:
+        if name.endswith(".index.json"):  # no index may name a shard once its own shards are gone
+            remove_quietly(os.path.join(folder, name))
     if durable:
         fsync_directory(folder)
+    remove_quietly(os.path.join(folder, PUBLISH_JOURNAL))
+    return leftovers + [os.path.join(folder, name) for name in remove if not name.endswith(".index.json")]
+
+
+def _move_into_place(folder: str, plan: dict) -> list[str]:
+    """Renames (or swaps) each journaled file into place unless done already: a temporary name that holds the
+    journaled inode still has the new file, another inode there is the old file a swap left. Returns the old
+    files left at temporary names."""
+    leftovers = []
+    for temporary, name, inode in plan["rename"]:
+        source, target = os.path.join(folder, temporary), os.path.join(folder, name)
+        try:
+            moved = os.lstat(source).st_ino != inode
+        except FileNotFoundError:
+            continue  # renamed already
+        if not moved and not (os.path.lexists(target) and exchange(source, target)):
+            os.replace(source, target)
+            continue
+        leftovers.append(source)
+    return leftovers
 
 
 def replay_journal(folder: str) -> None:
-    """Completes the publish a killed save left in `folder` (its journal), if any; the renames and removals are
-    idempotent, so a reader and the writer may both replay it."""
+    """Completes the publish a killed save left in `folder` (its journal), if any; every step checks what is done
+    already, so a reader and the writer may both replay it."""
     journal = os.path.join(folder, PUBLISH_JOURNAL)
     try:
         with open(journal) as f:
@@ -179,14 +212,14 @@ def replay_journal(folder: str) -> None:
         return
     except ValueError:  # written atomically, so never partial: not ours
         raise CheckpointError(f"'{journal}' is not a journal accel wrote; remove it") from None
-    for temporary, name in plan["rename"]:
-        try:
-            os.replace(os.path.join(folder, temporary), os.path.join(folder, name))
-        except FileNotFoundError:  # already renamed
-            pass
-    for name in plan["remove"]:
-        remove_quietly(os.path.join(folder, name))
+    remove_files(_move_into_place(folder, plan) + [os.path.join(folder, name) for name in plan["remove"]])
     remove_quietly(journal)
+
+
+def remove_files(paths: list[str]) -> None:
+    """Removes `paths` (those that are there)."""
+    for path in paths:
+        remove_quietly(path)
 
 
 def sync_files(paths: list[str]) -> None:

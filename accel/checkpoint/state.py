@@ -35,8 +35,6 @@ parent) is written in place. save_state is collective: every process must call i
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import functools
 import logging
 import os
@@ -50,7 +48,7 @@ import numpy as np
 import torch
 
 from accel.checkpoint import background, snapshot
-from accel.checkpoint.atomic_files import remove_quietly, write_atomically
+from accel.checkpoint.atomic_files import exchange, remove_quietly, write_atomically
 from accel.checkpoint.background import SaveMode, durability_of, make_durable, mark_unsynced
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
@@ -138,7 +136,7 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
         os.rmdir(partial)
     elif not os.path.exists(final):
         os.rename(partial, final)
-    elif _exchange(partial, final):
+    elif exchange(partial, final):
         shutil.rmtree(partial)  # now the previous checkpoint
     else:  # no renameat2 here: two renames, with the old folder kept until the new one is in place
         old = partial + ".old"
@@ -163,20 +161,6 @@ def recover_interrupted_publish(final: str) -> None:
             logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
             os.rename(old, final)
             return
-
-
-def _exchange(a: str, b: str) -> bool:
-    """renameat2(a, b, RENAME_EXCHANGE): atomically swaps two paths; False where the system cannot."""
-    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if function is None:
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if function(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, f"cannot swap '{a}' and '{b}': {os.strerror(code)}")
 
 
 # --- saving ------------------------------------------------------------------------------------------------------

@@ -241,15 +241,16 @@ def test_a_save_model_interrupted_while_publishing_is_completed_by_the_next_read
     old = {f"{i}.weight": torch.full((64, 64), 1.0) for i in range(4)}
     new = {f"{i}.weight": torch.full((64, 64), 2.0) for i in range(4)}
     model_io.save_state_dict(old, folder, max_shard_size="40KB")
-    real_replay = model_io.replay_journal
+    real_exchange, calls = model_io.exchange, []
 
-    def killed_once_the_journal_is_written(folder):
-        if os.path.exists(os.path.join(folder, PUBLISH_JOURNAL)):
-            raise KeyboardInterrupt
-        real_replay(folder)
+    def killed_after_the_first_swap(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the first shard is the new one, the second still the old one
+        return real_exchange(a, b)
 
-    monkeypatch.setattr(model_io, "replay_journal", killed_once_the_journal_is_written)
-    with pytest.raises(KeyboardInterrupt):  # killed right after the journal was written
+    monkeypatch.setattr(model_io, "exchange", killed_after_the_first_swap)
+    with pytest.raises(KeyboardInterrupt):
         model_io.save_state_dict(new, folder, max_shard_size="40KB")
     monkeypatch.undo()
     assert os.path.exists(os.path.join(folder, PUBLISH_JOURNAL))

@@ -358,7 +358,7 @@ def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suff
     model, *_ = training_objects(accelerator)
     accelerator.save_state(folder)
     saved = params(accelerator, model)
-    monkeypatch.setattr(state, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(state, "exchange", lambda a, b: False)
     renames = []
 
     def crash_on_second_rename(source, target):
