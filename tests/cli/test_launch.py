@@ -139,7 +139,7 @@ def test_module_and_no_python_targets():
     module = torchrun_argv(LaunchConfig(module=True, training_script="pkg.train", training_script_args=("a",)))
     assert module[-4:] == ["accel.cli.worker", "-m", "pkg.train", "a"]
     exe = torchrun_argv(LaunchConfig(no_python=True, training_script="./run.sh"))
-    assert exe[-2:] == ["--no_python", "./run.sh"]
+    assert exe[-4:] == ["-m", "accel.cli.worker", "--exec", "./run.sh"]  # the worker sets the death signal, then execs
 
 
 def test_children_get_the_settings_the_accelerator_reads():

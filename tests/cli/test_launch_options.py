@@ -143,7 +143,7 @@ def test_worker_target_for_main_function_module_and_pinned_executables():
     assert call[-5:] == ["-m", "accel.cli.worker", "--call", "train", "train.py"]
     exe = torchrun_argv(resolved("--no_python", "--enable_cpu_affinity"))
     assert exe[-4:] == ["-m", "accel.cli.worker", "--exec", "train.py"]  # pinned first, then exec'd
-    assert torchrun_argv(resolved("--no_python"))[-2:] == ["--no_python", "train.py"]
+    assert torchrun_argv(resolved("--no_python"))[-4:] == ["-m", "accel.cli.worker", "--exec", "train.py"]
     assert resolved("-q").quiet and resolved(environ={"ACCEL_QUIET": "1"}).quiet
 
 
