@@ -96,9 +96,16 @@ def status() -> NativeStatus:
 
 def native_for(op: str, device: torch.device | str) -> bool:
     """True when accel._C is loaded and registers `accel::<op>` for this device type."""
+    return _native_for_device_type(op, torch.device(device).type)
+
+
+@functools.cache
+def _native_for_device_type(op: str, device_type: str) -> bool:
+    # Cached: the dispatcher lookup costs tens of microseconds, a noticeable share of a small collective or of an
+    # unscale-and-clip step; kernels are registered once, when status() loads the library.
     if not status().loaded:
         return False
-    dispatch_key = {"cpu": "CPU", "cuda": "CUDA"}.get(torch.device(device).type)
+    dispatch_key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
     return dispatch_key is not None and has_kernel(op, dispatch_key)
 
 

@@ -71,8 +71,6 @@ def native_facts() -> dict[str, str]:
 
 def transport_fact(native_loaded: bool) -> str:
     """What same-host collectives will use, as far as this process can tell (the group decides at run time)."""
-    import os
-
     from accel.collectives.shm_transport import requested_transport
 
     try:
@@ -81,12 +79,17 @@ def transport_fact(native_loaded: bool) -> str:
         return f"misconfigured: {error}"
     if choice == "torch" or not native_loaded:
         return f"off ({'ACCEL_TRANSPORT=torch' if choice == 'torch' else 'needs the native kernels'})"
+    return f"ACCEL_TRANSPORT={choice}, {available_memory()}"
+
+
+def available_memory() -> str:
+    """MemAvailable: the segments are anonymous memory files (memfd), not files in /dev/shm."""
     try:
-        stats = os.statvfs("/dev/shm")
-        free = f"{stats.f_bavail * stats.f_frsize / 2**30:.1f} GiB free in /dev/shm"
-    except OSError:
-        free = "/dev/shm not found"
-    return f"ACCEL_TRANSPORT={choice}, {free}"
+        with open("/proc/meminfo") as meminfo:
+            kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return "available memory unknown"
+    return f"{kib / 2**20:.1f} GiB of memory available for its segments"
 
 
 def config_facts(config_file: str | None) -> tuple[str, dict | str]:

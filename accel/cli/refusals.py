@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from accel.backends import DDP_INSTEAD
 from accel.unsupported import UnsupportedFeatureError, refuse
 
-_DDP = "accel trains with DDP: `accel launch --multi_gpu` on GPUs, `accel launch --cpu --num_processes N` on CPUs."
+_DDP = DDP_INSTEAD  # the same words at `accel launch` as at `Accelerator(...)`
 
 
 class Backend(NamedTuple):

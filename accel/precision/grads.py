@@ -15,7 +15,6 @@ than 2) go through torch's own functions.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
@@ -32,13 +31,8 @@ def fusable(grad: torch.Tensor) -> bool:
     return bool(_fusable_on_device([grad], grad.device))
 
 
-@functools.cache
 def native_on(device_type: str) -> bool:
-    """Whether the fused kernels run on this device type ("cpu", "cuda").
-
-    Asked once per device type: the dispatcher lookup behind `_ext.native_for` costs tens of microseconds, a
-    noticeable share of an unscale-and-clip step of a thousand small gradients.
-    """
+    """Whether the fused kernels run on this device type ("cpu", "cuda")."""
     return _ext.native_for("unscale_grads_", device_type)
 
 
