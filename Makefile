@@ -53,7 +53,7 @@ bench: setup
 # regenerates docs/benchmarks/gather.md and gather.png.
 BENCH_OUT ?= docs/benchmarks
 bench-gather: setup
-	$(VENV)/bin/pip install -q accelerate matplotlib
+	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
 	for n in 2 4; do \
 	  $(VENV)/bin/accel launch --cpu --num_processes $$n benchmarks/ranked_pytest.py benchmarks/bench_gather.py \
@@ -63,10 +63,11 @@ bench-gather: setup
 	done
 	$(VENV)/bin/python tools/bench_gather_report.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
 
-# The fused fp16 unscale + clip against torch's (what HF Accelerate runs) and the streaming limit;
+# accelerator.clip_grad_norm_ after backward under fp16, against HF Accelerate 1.15 (installed into the venv), the
+# kernels alone and the streaming limit;
 # regenerates docs/benchmarks/unscale.md and unscale.png.
 bench-unscale: setup
-	$(VENV)/bin/pip install -q matplotlib
+	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -q \
 	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-unscale.json
@@ -75,7 +76,7 @@ bench-unscale: setup
 # Saving and loading 256 MiB / 1 GiB of weights against HF Accelerate (installed into the venv), torch and the
 # disk; regenerates docs/benchmarks/checkpoint.md and checkpoint.png.
 bench-checkpoint: setup
-	$(VENV)/bin/pip install -q accelerate matplotlib
+	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -q \
 	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-checkpoint.json
@@ -84,7 +85,7 @@ bench-checkpoint: setup
 # load_checkpoint_and_dispatch of 1 GiB against HF Accelerate (installed into the venv): time and peak memory;
 # writes docs/benchmarks/big_model.md.
 bench-big-model: setup
-	$(VENV)/bin/pip install -q accelerate
+	$(VENV)/bin/pip install -q accelerate==1.15.0
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider -q \
 	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-big-model.json
