@@ -83,3 +83,14 @@ def remove_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (temporary names carry their writer's pid: a dead writer's are orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

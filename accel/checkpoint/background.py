@@ -81,13 +81,18 @@ class BackgroundSaves:
     def join(self, asynchronous_only: bool = False) -> None:
         """Waits for the queued jobs (with `asynchronous_only`, until the last asynchronous save is written: the
         durability of default-mode saves may go on), then raises the first failure since the last join."""
-        with self._lock:
+        while True:  # a job may queue more (a durability job discards rotated-out checkpoints)
+            with self._lock:
+                if asynchronous_only:
+                    waited = [self._last_asynchronous] if self._last_asynchronous is not None else []
+                else:
+                    waited = [f for f in self._pending if not f.done()]
+            if not waited:
+                break
+            for future in waited:
+                future.exception()  # waits; the failure itself is in self._failures
             if asynchronous_only:
-                waited = [self._last_asynchronous] if self._last_asynchronous is not None else []
-            else:
-                waited = list(self._pending)
-        for future in waited:
-            future.exception()  # waits; the failure itself is in self._failures
+                break
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
             if self._last_asynchronous is not None and self._last_asynchronous.done():

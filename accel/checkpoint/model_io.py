@@ -22,7 +22,13 @@ from collections.abc import Mapping
 import torch
 
 from accel.checkpoint import background, snapshot
-from accel.checkpoint.atomic_files import exchange, remove_quietly, write_atomically, write_temporary
+from accel.checkpoint.atomic_files import (
+    exchange,
+    process_alive,
+    remove_quietly,
+    write_atomically,
+    write_temporary,
+)
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import (
     PUBLISH_JOURNAL,
@@ -261,7 +267,7 @@ def _remove_orphan_temporaries(folder: str) -> None:
     """The temporary files of saves killed midway (their process is gone)."""
     for name in os.listdir(folder):
         match = _ORPHAN_TEMPORARY.fullmatch(name)
-        if match and not _process_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             os.remove(os.path.join(folder, name))
 
 
@@ -270,15 +276,6 @@ _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensor
 
 _ORPHAN_TEMPORARY = re.compile(r"\.(?:model|pytorch_model)[^/]*\.tmp-(\d+)-[0-9a-f]+")
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- loading -------------------------------------------------------------------------------------------------------

@@ -297,3 +297,27 @@ def test_save_model_killed_at_any_moment_leaves_one_whole_checkpoint(tmp_path):
         load_checkpoint_in_model(target, str(folder), strict=True)
         values = {p[0, 0].item() for p in target.parameters()}
         assert len(values) == 1 and all(torch.all(p == p[0, 0]) for p in target.parameters())  # never a mix
+
+
+def test_replaced_checkpoints_are_hidden_at_once_and_deleted_in_the_background(tmp_path):
+    accelerator = fresh_accelerator()
+    prepared(accelerator)
+    accelerator.save_state(str(tmp_path / "ckpt"), durable=True)
+    gate = threading.Event()
+    background.saves.submit(gate.wait, "hold")
+    accelerator.save_state(str(tmp_path / "ckpt"))  # swaps the folder; the old one is only renamed away
+    hidden = [n for n in os.listdir(tmp_path) if n.startswith(".ckpt")]
+    assert len(hidden) == 1 and ".discarded-" in hidden[0]
+    gate.set()
+    accelerator.wait_for_checkpoint()
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_what_a_killed_process_left_to_delete_is_swept_by_the_next_save(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = tmp_path / f".ckpt.discarded-{dead.stdout.strip()}-abcd1234"
+    (leftover / "sub").mkdir(parents=True)
+    accelerator = fresh_accelerator()
+    prepared(accelerator)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    assert not leftover.exists()

@@ -207,7 +207,8 @@ def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
     accelerator = fresh_accelerator(project_config=config)
     accelerator.save_state()
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0", "checkpoint_9"]
+    visible = sorted(n for n in os.listdir(tmp_path / "checkpoints") if not n.startswith("."))  # discarded: hidden
+    assert visible == ["checkpoint_0", "checkpoint_9"]
 
 
 def test_saving_into_a_folder_with_other_content_keeps_it(tmp_path):
