@@ -321,3 +321,24 @@ def test_what_a_killed_process_left_to_delete_is_swept_by_the_next_save(tmp_path
     prepared(accelerator)
     accelerator.save_state(str(tmp_path / "ckpt"))
     assert not leftover.exists()
+
+
+def _asynchronous_save_on_ranks(folder):
+    accelerator = Accelerator(project_config=ProjectConfiguration(async_save=True))
+    model, optimizer = prepared(accelerator)
+    step(model, optimizer)
+    saved = weights(model)
+    accelerator.save_state(folder)
+    step(model, optimizer)  # training goes on while the main process writes
+    accelerator.save_state(folder + "-next")  # joins the first
+    accelerator.wait_for_checkpoint()
+    accelerator.load_state(folder)
+    same = all(torch.equal(a, b) for a, b in zip(weights(model).values(), saved.values()))
+    return same, background.durability_of(folder), sorted(n for n in os.listdir(folder) if n.startswith("random"))
+
+
+def test_an_asynchronous_save_on_two_processes_publishes_every_process_files(tmp_path):
+    from spawn_pool import run_on_ranks
+
+    expected = (True, "durable", ["random_states_0.pkl", "random_states_1.pkl"])
+    assert run_on_ranks(_asynchronous_save_on_ranks, 2, str(tmp_path / "ckpt"), timeout=180) == [expected, expected]
