@@ -21,7 +21,7 @@ from accel.big_modeling.hooks import (
 from accel.big_modeling.model_offload import CpuOffload, UserCpuOffloadHook
 from accel.big_modeling.offload import PrefixedDataset
 from accel.big_modeling.sizes import get_non_persistent_buffers, named_module_tensors
-from accel.collectives.pytree import find_device, send_to_device
+from accel.pytree import find_device, send_to_device
 
 __all__ = [
     "AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook", "ModelHook", "SequentialHook", "UserCpuOffloadHook",

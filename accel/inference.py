@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from accel.big_modeling import calculate_maximum_sizes, infer_auto_device_map
-from accel.collectives.pytree import ignorant_find_batch_size
+from accel.pytree import ignorant_find_batch_size
 from accel.unsupported import refuse
 
 _INSTEAD = (

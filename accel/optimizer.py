@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch.amp.grad_scaler import OptState
 
-from accel.collectives.pytree import send_to_device
+from accel.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
 
 

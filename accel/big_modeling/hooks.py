@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from accel.big_modeling.sizes import named_module_tensors
-from accel.collectives.pytree import find_device, send_to_device
+from accel.pytree import find_device, send_to_device
 from accel.unsupported import refuse
 
 TiedParamsMap = dict[int, dict[Any, torch.Tensor]]

@@ -15,7 +15,7 @@ from torch import nn
 
 from accel.big_modeling.device_map import check_device_same
 from accel.big_modeling.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from accel.collectives.pytree import send_to_device
+from accel.pytree import send_to_device
 
 
 def _device_of(module: nn.Module) -> torch.device | None:

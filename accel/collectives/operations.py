@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from accel.collectives.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
+from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.collectives import uneven
 from accel.collectives.errors import DistributedOperationException
 from accel.collectives.transport import select_transport

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from accel import _ext
 from accel.collectives import uneven
 from accel.collectives.errors import DistributedOperationException
-from accel.collectives.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
+from accel.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
 from accel.collectives.transport import select_transport
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, IterDataPipe, RandomSampler
 
+from accel import pytree
 from accel.collectives import uneven
-from accel.data import batches as pytree
 from accel.data.rng import multi_process, synchronize_rng_states
 from accel.data.samplers import (
     BatchSamplerShard,
@@ -58,6 +58,11 @@ _COPIED_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_
 
 def _copied_kwargs(dataloader: DataLoader) -> dict:
     return {name: getattr(dataloader, name) for name in _COPIED_KWARGS if hasattr(dataloader, name)}
+
+
+def _to_device(batch: Any, device: torch.device | None, non_blocking: bool) -> Any:
+    """`batch` on `device` as HF's loaders place it (`send_to_device`); None leaves it where collate put it."""
+    return batch if device is None else pytree.send_to_device(batch, device, non_blocking=non_blocking)
 
 
 def _last_step_sizes(samples: int | None, batch: int | None, steps: int, evened: bool) -> tuple[int, int | None]:
@@ -296,7 +301,7 @@ class DataLoaderShard(DataLoaderAdapter):
         index = 0
         while current is not done:
             # Placed before reading the next batch, so a non_blocking copy overlaps with the read.
-            current = pytree.to_device(current, self.device, self._non_blocking)
+            current = _to_device(current, self.device, self._non_blocking)
             position = self._position()
             following = next(batches, done)
             self.end_of_dataloader = following is done
@@ -393,6 +398,58 @@ def _with_last_flag(items: Iterator) -> Iterator[tuple[Any, bool]]:
         current = following
 
 
+def take_rows(data: Any, count: int) -> Any:
+    """`count` rows of `data`, cycling over its rows (`data` needs at least one)."""
+    def cycle(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor
+        index = torch.arange(count, device=tensor.device) % tensor.shape[0]
+        return tensor.index_select(0, index)
+
+    return pytree.recursively_apply(cycle, data)
+
+
+# The packed batch travels in one tensor broadcast; its structure (with TensorSpecs) in one object broadcast.
+_ALIGNMENT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor of a packed batch lies in the byte buffer."""
+
+    shape: tuple
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+
+def pack(data: Any) -> tuple[Any, torch.Tensor]:
+    """(structure, buffer): `data` with its tensors replaced by `TensorSpec`s, and their bytes in one uint8 tensor."""
+    pieces, offset = [], 0
+
+    def spec(tensor: torch.Tensor) -> TensorSpec:
+        nonlocal offset
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        start = offset
+        padding = -raw.numel() % _ALIGNMENT  # keeps every offset a multiple of any dtype's size, for `view`
+        pieces.extend([raw, torch.zeros(padding, dtype=torch.uint8)])
+        offset += raw.numel() + padding
+        return TensorSpec(tuple(tensor.shape), tensor.dtype, start, raw.numel())
+
+    structure = pytree.recursively_apply(spec, data)
+    buffer = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    return structure, buffer
+
+
+def unpack(structure: Any, buffer: torch.Tensor) -> Any:
+    """The batch `pack` packed: tensors are views of `buffer`, on its device."""
+    def tensor(spec: TensorSpec) -> torch.Tensor:
+        raw = buffer[spec.offset:spec.offset + spec.nbytes]
+        return raw.view(spec.dtype).reshape(spec.shape)
+
+    return pytree.recursively_apply(tensor, structure, test_type=lambda leaf: isinstance(leaf, TensorSpec))
+
+
 class _GlobalBatch:
     """One global batch as every process sees it after the broadcast.
 
@@ -482,7 +539,7 @@ class DataLoaderDispatcher(DataLoaderAdapter):
         if len(group) == 1:
             return group[0]
         try:
-            return pytree.concatenate(group)
+            return pytree.concatenate_batches(group)
         except RuntimeError as error:
             raise RuntimeError(
                 "dispatch_batches=True joins num_processes batches into one, which needs batches whose tensors "
@@ -505,7 +562,7 @@ class DataLoaderDispatcher(DataLoaderAdapter):
             if index >= skip:  # (also where this process has no part of the batch)
                 self._record_position(current.position, current.last)
             if part is not None and index >= skip:
-                yield pytree.to_device(part, self.device, self._non_blocking)
+                yield _to_device(part, self.device, self._non_blocking)
             index += 1
             current = following
 
@@ -522,8 +579,8 @@ class DataLoaderDispatcher(DataLoaderAdapter):
                 message = [_LoaderFailed(f"{type(error).__name__}: {error}")]
             if item is not None:
                 (batch, position), last = item
-                structure, buffer = pytree.pack(batch)
-                message = [(structure, buffer.numel(), pytree.find_batch_size(batch), last, position)]
+                structure, buffer = pack(batch)
+                message = [(structure, buffer.numel(), pytree.batch_rows(batch), last, position)]
         if multi_process():
             dist.broadcast_object_list(message, src=0, device=_comm_device())
         if isinstance(message[0], _LoaderFailed):
@@ -538,7 +595,7 @@ class DataLoaderDispatcher(DataLoaderAdapter):
             buffer = buffer.to(device) if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
             if nbytes:
                 dist.broadcast(buffer, 0)
-        return _GlobalBatch(pytree.unpack(structure, buffer), rows, last, position)
+        return _GlobalBatch(unpack(structure, buffer), rows, last, position)
 
     def _evened(self, batch: _GlobalBatch) -> bool:
         return batch.last and self.even_batches and batch.rows % self.state.num_processes != 0
@@ -572,7 +629,7 @@ class DataLoaderDispatcher(DataLoaderAdapter):
         data = batch.data
         if self._evened(batch):
             padding = self._gathered_rows(batch) - batch.rows
-            data = pytree.concatenate([data, pytree.take_rows(data, padding)])
+            data = pytree.concatenate_batches([data, take_rows(data, padding)])
         return self.slice_fn(data, slice(start, end), process_index=self.state.process_index,
                              num_processes=self.state.num_processes)
 
@@ -971,4 +1028,4 @@ def gather_for_metrics_truncation(gathered: Any, gradient_state: GradientState |
 
     if use_gather_object:
         return cut(gathered)
-    return pytree.map_tensors(lambda tensor: cut(tensor) if tensor.dim() > 0 else tensor, gathered)
+    return pytree.recursively_apply(lambda tensor: cut(tensor) if tensor.dim() > 0 else tensor, gathered)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from accel.collectives.pytree import convert_to_fp32
+from accel.pytree import convert_to_fp32
 from accel.precision.grads import Measured
 from accel.precision.scaler import FusedGradScaler
 

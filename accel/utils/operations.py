@@ -25,7 +25,7 @@ from accel.collectives.operations import (
     verify_operation,
 )
 from accel.collectives.padding import CannotPadNestedTensorWarning, pad_across_processes, pad_input_tensors
-from accel.collectives.pytree import (
+from accel.pytree import (
     ConvertOutputsToFp32,
     TensorInformation,
     concatenate,

@@ -11,7 +11,7 @@ from accel.availability import (
 from accel.big_modeling.sizes import id_tensor_storage
 from accel.checkpoint.object_io import TORCH_SAFE_GLOBALS, clean_state_dict_for_safetensors, load, save
 from accel.collectives.operations import wait_for_everyone
-from accel.collectives.pytree import merge_dicts
+from accel.pytree import merge_dicts
 from accel.compilation import (
     compile_regions,
     compile_regions_deepspeed,

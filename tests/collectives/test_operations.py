@@ -20,7 +20,7 @@ from accel.collectives import (
     gather_object,
     reduce,
 )
-from accel.collectives.pytree import tensor_leaves
+from accel.pytree import tensor_leaves
 from accel.state import PartialState
 
 Pair = namedtuple("Pair", "left right")

@@ -18,7 +18,8 @@ from accel.data import (
     prepare_data_loader,
     skip_first_batches,
 )
-from accel.data import batches as pytree
+from accel.data.loaders import pack, unpack
+from accel.pytree import send_to_device
 from accel.state import GradientState
 
 
@@ -175,8 +176,8 @@ def test_pack_round_trips_every_dtype_and_shape():
         "c128": torch.randn(3, dtype=torch.complex128),
         "meta": ["a", 1],
     }
-    structure, buffer = pytree.pack(batch)
-    unpacked = pytree.unpack(structure, buffer.clone())
+    structure, buffer = pack(batch)
+    unpacked = unpack(structure, buffer.clone())
     assert unpacked["meta"] == ["a", 1]
     for key in ("bool", "bf16", "int64", "empty", "c128"):
         assert unpacked[key].dtype == batch[key].dtype and torch.equal(unpacked[key], batch[key])
@@ -228,6 +229,6 @@ class Movable:
         return Movable(torch.device(device))
 
 
-def test_to_device_moves_objects_with_their_own_to_method():
-    moved = pytree.to_device({"a": [Movable()], "b": "text", "c": torch.ones(1)}, torch.device("meta"), True)
+def test_batches_move_objects_with_their_own_to_method():
+    moved = send_to_device({"a": [Movable()], "b": "text", "c": torch.ones(1)}, torch.device("meta"), True)
     assert moved["a"][0].device.type == "meta" and moved["b"] == "text" and moved["c"].device.type == "meta"

@@ -1,12 +1,14 @@
 """recursively_apply, send_to_device, concatenate and the other pytree helpers, with HF Accelerate's semantics."""
 
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict, defaultdict, namedtuple
 
 import pytest
 import torch
 
-from accel.collectives import (
+from accel.pytree import (
+    batch_rows,
     concatenate,
+    concatenate_batches,
     find_batch_size,
     find_device,
     get_data_structure,
@@ -16,10 +18,11 @@ from accel.collectives import (
     initialize_tensors,
     listify,
     recursively_apply,
+    replace_tensor_leaves,
     send_to_device,
     slice_tensors,
+    tensor_leaves,
 )
-from accel.collectives.pytree import replace_tensor_leaves, tensor_leaves
 
 Point = namedtuple("Point", "x y")
 
@@ -148,3 +151,18 @@ def test_small_helpers():
     assert find_device(["x", {"a": torch.ones(1, device="meta")}]).type == "meta" and find_device(["x"]) is None
     assert slice_tensors({"a": torch.arange(5)}, slice(1, 3))["a"].tolist() == [1, 2]
     assert listify({"a": torch.tensor([1.5], dtype=torch.bfloat16), "b": torch.tensor(2)}) == {"a": [1.5], "b": 2}
+
+
+def test_batch_helpers_differ_from_hfs_where_the_dispatcher_needs_it():
+    assert batch_rows({"n": torch.tensor(3), "x": ["a", torch.zeros(5, 2)]}) == 5 and batch_rows(["text"]) == 0
+    assert batch_rows([torch.zeros(0, 2), torch.zeros(4)]) == 0  # the first tensor with a dim decides
+    joined = concatenate_batches([{"x": torch.ones(1), "tag": "a"}, {"x": torch.zeros(2), "tag": "b"}])
+    assert joined["x"].tolist() == [1, 0, 0] and joined["tag"] == "a"
+    sliced = slice_tensors({"scalar": torch.tensor(7), "rows": torch.arange(4)}, slice(1, 2))
+    assert sliced["scalar"].item() == 7 and sliced["rows"].tolist() == [1]  # HF raises IndexError on the scalar
+
+
+def test_mappings_that_cannot_be_built_from_a_dict_come_back_as_dicts():
+    tree = defaultdict(list, {"a": torch.ones(1)})
+    assert recursively_apply(torch.neg, tree) == {"a": torch.tensor([-1.0])}
+    assert type(send_to_device(tree, "meta")) is dict

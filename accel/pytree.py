@@ -1,9 +1,16 @@
 """Nested lists/tuples/namedtuples/mappings of tensors ("pytrees"), walked with HF Accelerate's semantics.
 
-Containers are rebuilt with their own type: `type(data)(...)` for mappings, so dict subclasses such as
-transformers' `BatchEncoding` and `ModelOutput` keep their type, and positional arguments for namedtuples.
-Leaves are visited depth first in container order (list order, mapping insertion order); `tensor_leaves` and
-`replace_tensor_leaves` rely on that order, which is the one `recursively_apply` follows.
+The one module that walks nested data: the collectives, the dataloaders, the hooks and the precision wrappers
+all use it. Containers are rebuilt with their own type: `type(data)(...)` for mappings, so dict subclasses such
+as transformers' `BatchEncoding` and `ModelOutput` keep their type, and positional arguments for namedtuples
+(a mapping type that cannot be built from a dict, such as `defaultdict`, comes back as a plain dict, where HF
+Accelerate raises TypeError). Leaves are visited depth first in container order (list order, mapping insertion
+order); `tensor_leaves` and `replace_tensor_leaves` rely on that order, which is the one `recursively_apply`
+follows.
+
+Where the dataloaders need another behaviour than HF's public helper, the helper has its own name:
+`batch_rows` (never raises) beside `find_batch_size`, `concatenate_batches` (carries other leaves through)
+beside `concatenate`.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import functools
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -32,6 +39,14 @@ def honor_type(obj: Any, generator: Iterable) -> Any:
     if is_namedtuple(obj):
         return type(obj)(*list(generator))
     return type(obj)(generator)
+
+
+def _rebuild_mapping(mapping: Mapping, items: dict) -> Any:
+    """`items` in a mapping of `mapping`'s type, or a plain dict when that type cannot be built from one."""
+    try:
+        return type(mapping)(items)
+    except TypeError:  # e.g. defaultdict, whose first argument is its default factory
+        return items
 
 
 @dataclass
@@ -81,7 +96,7 @@ def recursively_apply(
     if isinstance(data, (tuple, list)):
         return honor_type(data, (apply(item) for item in data))
     if isinstance(data, Mapping):
-        return type(data)({key: apply(value) for key, value in data.items()})
+        return _rebuild_mapping(data, {key: apply(value) for key, value in data.items()})
     if test_type(data):
         return func(data, *args, **kwargs)
     if error_on_other_type:
@@ -157,7 +172,7 @@ def send_to_device(
     if isinstance(tensor, (tuple, list)):
         return honor_type(tensor, (send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
     if isinstance(tensor, Mapping):
-        return type(tensor)({
+        return _rebuild_mapping(tensor, {
             key: value if key in skip_keys else send_to_device(value, device, non_blocking, skip_keys)
             for key, value in tensor.items()
         })
@@ -207,23 +222,35 @@ def ignorant_find_batch_size(data: Any) -> int | None:
         return None
 
 
+def batch_rows(data: Any) -> int:
+    """The size of dim 0 of the first tensor of `data` that has a dim, searching the whole structure; 0 when
+    there is none. Unlike `find_batch_size` it never raises: the dispatcher counts the rows of any batch."""
+    return next((tensor.shape[0] for tensor in _tensors_in(data) if tensor.dim() > 0), 0)
+
+
+def _tensors_in(data: Any) -> Iterator[torch.Tensor]:
+    """The tensors of `data` in `recursively_apply`'s order, other leaves skipped (`tensor_leaves` raises)."""
+    if isinstance(data, torch.Tensor):
+        yield data
+    elif isinstance(data, (tuple, list, Mapping)):
+        for child in data.values() if isinstance(data, Mapping) else data:
+            yield from _tensors_in(child)
+
+
 def find_device(data: Any) -> torch.device | None:
     """The device of the first tensor found in a nested list/tuple/mapping, or None."""
-    if isinstance(data, torch.Tensor):
-        return data.device
-    children = data.values() if isinstance(data, Mapping) else data if isinstance(data, (tuple, list)) else ()
-    for child in children:
-        device = find_device(child)
-        if device is not None:
-            return device
-    return None
+    return next((tensor.device for tensor in _tensors_in(data)), None)
 
 
 def slice_tensors(
     data: Any, tensor_slice: Any, process_index: int | None = None, num_processes: int | None = None
 ) -> Any:
-    """Every tensor indexed with `tensor_slice` (`process_index`/`num_processes` are unused, as in HF)."""
-    return recursively_apply(lambda tensor: tensor[tensor_slice], data)
+    """Every tensor with a dim indexed with `tensor_slice` (`process_index`/`num_processes` are unused, as in HF).
+
+    0-dim tensors are kept as they are (HF Accelerate raises IndexError on them), so the dispatcher, whose
+    default `slice_fn` this is, can slice batches that carry a scalar.
+    """
+    return recursively_apply(lambda tensor: tensor[tensor_slice] if tensor.dim() > 0 else tensor, data)
 
 
 def listify(data: Any) -> Any:
@@ -233,6 +260,24 @@ def listify(data: Any) -> Any:
         return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).tolist()
 
     return recursively_apply(to_list, data)
+
+
+def _concatenate(data: list | tuple, dim: int, other_leaves: Callable[[list], Any]) -> Any:
+    first = data[0]
+    if isinstance(first, (tuple, list)):
+        return honor_type(first, (_concatenate([d[i] for d in data], dim, other_leaves) for i in range(len(first))))
+    if isinstance(first, Mapping):
+        return _rebuild_mapping(first, {key: _concatenate([d[key] for d in data], dim, other_leaves)
+                                        for key in first.keys()})  # fmt: skip
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(data), dim=dim)
+    return other_leaves(list(data))
+
+
+def _only_item(items: list) -> Any:
+    if len(items) == 1:
+        return items[0]
+    raise TypeError(f"Can only concatenate tensors but got {type(items[0])}")
 
 
 def concatenate(data: list | tuple, dim: int = 0) -> Any:
@@ -245,20 +290,21 @@ def concatenate(data: list | tuple, dim: int = 0) -> Any:
     Returns:
         One structure of `data[0]`'s type; a list holding one non-tensor item gives that item.
 
+    Raises:
+        TypeError: a leaf of several structures is not a tensor.
+
     Example::
 
         concatenate([{"x": torch.zeros(2, 3)}, {"x": torch.ones(1, 3)}])   # {"x": tensor of shape (3, 3)}
     """
-    first = data[0]
-    if isinstance(first, (tuple, list)):
-        return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
-    if isinstance(first, Mapping):
-        return type(first)({key: concatenate([d[key] for d in data], dim=dim) for key in first.keys()})
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(data), dim=dim)
-    if isinstance(data, (tuple, list)) and len(data) == 1:
-        return first
-    raise TypeError(f"Can only concatenate tensors but got {type(first)}")
+    return _concatenate(data, dim, _only_item)
+
+
+def concatenate_batches(batches: list) -> Any:
+    """The batches (structures of the same shape) joined along dim 0, leaf by leaf, as `concatenate` does, except
+    that a leaf that is not a tensor is taken from the first batch instead of raising (the dispatcher carries such
+    leaves through)."""
+    return _concatenate(batches, 0, lambda items: items[0])
 
 
 def is_torch_xpu_tensor(tensor: Any) -> bool:
