@@ -1,7 +1,6 @@
-"""Files that appear complete or not at all: written under a temporary name, fsync'd, renamed (or swapped) into
-place.
-
-(`temporary_name` and `fsync_directory` still live in safetensors_io.py, whose native writer uses them too.)
+"""Files that appear complete or not at all: written under a temporary name nobody can guess, created exclusively,
+fsync'd (when durable), renamed (or swapped) into place, the folder fsync'd; the leftovers of dead writers found
+by the pid in their names.
 """
 
 from __future__ import annotations
@@ -9,10 +8,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 from collections.abc import Callable
 from typing import IO
 
-from accel.checkpoint.safetensors_io import create_exclusive, fsync_directory, temporary_name
 
 
 def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *, durable: bool = True) -> None:
@@ -29,7 +28,11 @@ def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *
         durable: fsync the file and the folder (False: the bytes may still be in the page cache on return; a
             process kill cannot lose them, a power loss can).
     """
-    temporary = write_temporary(path, write, mode, durable=durable)
+    rename_into_place(write_temporary(path, write, mode, durable=durable), path, durable)
+
+
+def rename_into_place(temporary: str, path: str, durable: bool) -> None:
+    """Renames the complete `temporary` over `path` (removed if that fails); `durable`: then fsyncs the folder."""
     try:
         os.replace(temporary, path)
     except BaseException:
@@ -75,6 +78,41 @@ def exchange(a: str, b: str) -> bool:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def temporary_name(path: str) -> str:
+    """A name next to `path` that nobody can guess (64 random bits), marked with this process's id so that a
+    later save can tell the leftovers of a killed one."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+def create_exclusive(path: str, mode: int = 0o644) -> int:
+    """A descriptor of a new file at `path`, open for writing; fails if anything exists there, a symbolic link
+    included (O_EXCL | O_NOFOLLOW), so that a name planted in a shared folder cannot redirect the write."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def fsync_directory(folder: str) -> None:
+    """Makes renames inside `folder` durable (a crash after the rename keeps the new name)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def remove_quietly(path: str) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from accel.checkpoint.names import DURABLE_MARKER, UNSYNCED_MARKER
-from accel.checkpoint.safetensors_io import create_exclusive, fsync_directory
+from accel.checkpoint.atomic_files import create_exclusive, fsync_directory
 
 logger = logging.getLogger(__name__)
 

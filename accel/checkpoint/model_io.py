@@ -24,6 +24,7 @@ import torch
 from accel.checkpoint import background, snapshot
 from accel.checkpoint.atomic_files import (
     exchange,
+    fsync_directory,
     process_alive,
     remove_quietly,
     write_atomically,
@@ -38,7 +39,7 @@ from accel.checkpoint.names import (
     WEIGHTS_NAME,
 )
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, fsync_directory
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
 
 logger = logging.getLogger(__name__)

@@ -16,12 +16,10 @@ header and data through that descriptor (`SafetensorsFile`), so a file replaced 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
 import re
-import secrets
 import struct
 import threading
 from collections.abc import Mapping
@@ -30,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from accel import _ext, ops
+from accel.checkpoint.atomic_files import create_exclusive, remove_quietly, rename_into_place, temporary_name
+from accel.checkpoint.atomic_files import fsync_directory  # noqa: F401 - accel.tracking.jsonl_tracker imports it from here
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {
@@ -102,14 +102,7 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, meta
     file is removed and the error names the file.
     """
     path = os.fspath(path)
-    temporary = write_temporary(tensors, path, metadata, durable=durable)
-    try:
-        os.replace(temporary, path)
-    except BaseException:
-        _remove_quietly(temporary)
-        raise
-    if durable:
-        fsync_directory(os.path.dirname(path) or ".")
+    rename_into_place(write_temporary(tensors, path, metadata, durable=durable), path, durable)
 
 
 def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None,
@@ -129,16 +122,16 @@ def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Ma
         else:
             write_parallel(fd, header, staged, durable)
     except OSError as error:
-        _remove_quietly(temporary)
+        remove_quietly(temporary)
         raise OSError(error.errno, f"cannot write '{path}': {error.strerror or error}") from error
     except RuntimeError as error:  # the native writer's I/O errors, which carry "(errno N)"
-        _remove_quietly(temporary)
+        remove_quietly(temporary)
         code = re.search(r"\(errno (\d+)\)", str(error))
         if code is None:
             raise
         raise OSError(int(code.group(1)), f"cannot write '{path}': {os.strerror(int(code.group(1)))}") from error
     except BaseException:
-        _remove_quietly(temporary)
+        remove_quietly(temporary)
         raise
     finally:
         os.close(fd)
@@ -202,41 +195,6 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
-
-
-def temporary_name(path: str) -> str:
-    """A name next to `path` that nobody can guess (64 random bits), marked with this process's id so that a
-    later save can tell the leftovers of a killed one."""
-    folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
-
-
-def create_exclusive(path: str, mode: int = 0o644) -> int:
-    """A descriptor of a new file at `path`, open for writing; fails if anything exists there, a symbolic link
-    included (O_EXCL | O_NOFOLLOW), so that a name planted in a shared folder cannot redirect the write."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-
-
-def fsync_directory(folder: str) -> None:
-    """Makes renames inside `folder` durable (a crash after the rename keeps the new name)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 # --- reading -------------------------------------------------------------------------------------------------------

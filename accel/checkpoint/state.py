@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from accel.checkpoint import background, snapshot
-from accel.checkpoint.atomic_files import exchange, process_alive, remove_quietly, write_atomically
+from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly, write_atomically
 from accel.checkpoint.background import SaveMode, durability_of, make_durable, mark_unsynced
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
@@ -69,7 +69,7 @@ from accel.checkpoint.names import (
     custom_checkpoint_name,
     numbered,
 )
-from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, fsync_directory, save_file
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
 
 logger = logging.getLogger(__name__)
 
