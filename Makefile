@@ -9,7 +9,7 @@ BUILD_TOOLS = ninja "setuptools>=64" wheel
 # that accel itself is installed exactly once, without its extension.
 RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40" "hypothesis>=6" \
-	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8"
+	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model cuda-check shm-check ci clean
