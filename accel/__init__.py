@@ -4,8 +4,7 @@ Names resolve on first use, so `accel config` and `accel env` start without impo
 as attributes too (`import accel; accel.utils.gather`), imported when first touched.
 """
 
-import importlib
-import importlib.util
+from accel._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -45,13 +44,4 @@ _PUBLIC = {
 __all__ = [*_PUBLIC, "__version__"]
 
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    if not name.startswith("_") and importlib.util.find_spec(f"accel.{name}") is not None:
-        return importlib.import_module(f"accel.{name}")  # binds the submodule as an attribute of the package too
-    raise AttributeError(f"module 'accel' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, also=("__version__",), submodules=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from accel import collectives
+from accel import collectives, data, pytree
 from accel.checkpoint import background as checkpoint_background
 from accel.checkpoint import save_file
 from accel.checkpoint import state as checkpoint_state
@@ -34,6 +34,7 @@ from accel.precision.grads import Measured
 from accel.precision.grads import clip_grad_norm_ as fused_clip_grad_norm_
 from accel.scheduler import AcceleratedScheduler
 from accel._env import get_setting
+from accel.backends import DDP_INSTEAD, deepspeed, megatron
 from accel.backends.checks import (
     parallelism_config_from_environment,
     refuse_unsupported_arguments,
@@ -60,6 +61,7 @@ from accel.state import AcceleratorState, DistributedType, GradientState, Partia
 from accel.strategies import ddp_sync
 from accel.strategies import SingleDeviceStrategy, strategy_for
 from accel.tracking.session import TrackerSession
+from accel.unsupported import refuse
 
 # Each kwargs handler class and the Accelerator attribute HF Accelerate stores it in (FP8 ones are refused).
 HANDLER_ATTRIBUTES = {
@@ -467,10 +469,8 @@ class Accelerator:
         return prepared
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None) -> Any:
-        from accel.data import prepare_data_loader
-
         config = self.dataloader_config
-        prepared = prepare_data_loader(
+        prepared = data.prepare_data_loader(
             data_loader,
             self.device,
             num_processes=self.num_processes,
@@ -489,9 +489,7 @@ class Accelerator:
         return prepared
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        from accel.data import skip_first_batches
-
-        return skip_first_batches(dataloader, num_batches=num_batches)
+        return data.skip_first_batches(dataloader, num_batches=num_batches)
 
     def unwrap_model(
         self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
@@ -601,9 +599,7 @@ class Accelerator:
                               "a result `join_uneven_inputs` will have no effect.")  # fmt: skip
             yield joinables
             return
-        from accel.data.loaders import override_even_batches
-
-        restore = override_even_batches(self._dataloaders, even_batches) if even_batches is not None else None
+        restore = data.override_even_batches(self._dataloaders, even_batches) if even_batches is not None else None
         enable = not (self.even_batches if even_batches is None else even_batches)
         for loader in self._dataloaders:
             loader.joined_by_torch = enable
@@ -648,14 +644,12 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gathers across processes and drops the samples that sharding duplicated at the end of the data,
         so an evaluation pass sees each sample exactly once."""
-        from accel.data import gather_for_metrics_truncation
-
         as_objects = use_gather_object or not _all_tensors(input_data)
         if as_objects:
             gathered = collectives.gather_object(input_data)
         else:  # last batches can differ in length across ranks (even_batches=False, dispatched batches)
             gathered = collectives.gather_ragged(input_data)
-        return gather_for_metrics_truncation(gathered, self.gradient_state, use_gather_object=as_objects)
+        return data.gather_for_metrics_truncation(gathered, self.gradient_state, use_gather_object=as_objects)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction=reduction, scale=scale)
@@ -873,9 +867,6 @@ def _run_only_where(owner: Any, function: Callable | None, name: str,
 
 def _refuse_backend_placeholder(obj: Any) -> None:
     """DeepSpeed's and Megatron-LM's stand-ins for optimizers and schedulers only mean something to those engines."""
-    from accel.backends import DDP_INSTEAD, deepspeed, megatron
-    from accel.unsupported import refuse
-
     for feature, module, names in (("DeepSpeed", deepspeed, ("DummyOptim", "DummyScheduler")),
                                    ("Megatron-LM", megatron, ("MegatronLMDummyScheduler",))):  # fmt: skip
         if any(isinstance(obj, getattr(module, name)) for name in names):
@@ -886,7 +877,7 @@ def _refuse_backend_placeholder(obj: Any) -> None:
 def _all_tensors(data: Any) -> bool:
     """Whether every leaf is a tensor (any Mapping, so transformers' BatchEncoding/ModelOutput count)."""
     try:
-        collectives.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+        pytree.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
     except TypeError:
         return False
     return True

@@ -494,6 +494,22 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
     return True
 
 
+def get_current_device_type() -> tuple[str, str]:
+    """(device type, distributed type) of the accelerator present, found without initializing any device.
+
+    Checked in HF Accelerate's order: MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron; otherwise ("cuda", "MULTI_GPU"),
+    whether or not a CUDA device is present (as in HF).
+    """
+    accelerators = ((is_mlu_available, "mlu", "MULTI_MLU"), (is_sdaa_available, "sdaa", "MULTI_SDAA"),
+                    (is_musa_available, "musa", "MULTI_MUSA"), (is_npu_available, "npu", "MULTI_NPU"),
+                    (is_hpu_available, "hpu", "MULTI_HPU"), (is_xpu_available, "xpu", "MULTI_XPU"),
+                    (is_neuron_available, "neuron", "MULTI_NEURON"))  # fmt: skip
+    for available, name, distributed_type in accelerators:
+        if available():
+            return name, distributed_type
+    return "cuda", "MULTI_GPU"
+
+
 # --- precisions --------------------------------------------------------------------------------------------------
 
 
@@ -540,24 +556,6 @@ def torchao_required(func: Callable) -> Callable:
         if not is_torchao_available():
             raise ImportError(
                 "`torchao` is not available, please install it before calling this function via `pip install torchao`."
-            )
-        return func(*args, **kwargs)
-
-    return wrapper
-
-
-def deepspeed_required(func: Callable) -> Callable:
-    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF; accel
-    never runs DeepSpeed, so with an Accelerator created this always raises). Before that, `func` is called."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        from accel.state import AcceleratorState, DistributedType, is_initialized
-
-        if is_initialized() and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
-            raise ValueError(
-                "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for `deepspeed` "
-                "before calling this function."
             )
         return func(*args, **kwargs)
 

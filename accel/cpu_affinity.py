@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from accel._env import get_flag
+from accel.availability import is_cuda_available
 from accel.environment import SETTING_PREFIXES, get_cpu_distributed_information, parse_flag_from_env, query_gpus
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,6 @@ def override_numa_affinity(local_process_index: int, verbose: bool | None = None
     if not hasattr(os, "sched_setaffinity"):
         logger.warning("CPU affinity is not supported on this system; process %d is not pinned", local_process_index)
         return
-    from accel.availability import is_cuda_available
-
     # `accel launch --cpu` (ACCEL_USE_CPU) on a GPU machine runs CPU ranks: they get their share of the CPUs.
     cpus = gpu_local_cpus(local_process_index) if is_cuda_available() and not get_flag("USE_CPU") else None
     if cpus is None:

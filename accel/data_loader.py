@@ -1,6 +1,6 @@
 """`accelerate.data_loader`'s import path: a re-export of `accel.data`."""
 
-from accel.data.loaders import (  # noqa: F401
+from accel.data import (  # noqa: F401
     DataLoaderAdapter,
     DataLoaderDispatcher,
     DataLoaderShard,

@@ -253,22 +253,6 @@ def purge_accelerate_environment(func_or_cls: Callable | type) -> Callable | typ
 # --- the machine -------------------------------------------------------------------------------------------------
 
 
-def get_current_device_type() -> tuple[str, str]:
-    """(device type, distributed type) of the accelerator present, found without initializing any device.
-
-    Checked in HF Accelerate's order: MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron; otherwise ("cuda", "MULTI_GPU"),
-    whether or not a CUDA device is present (as in HF).
-    """
-    from accel import availability
-
-    for name, distributed_type in (("mlu", "MULTI_MLU"), ("sdaa", "MULTI_SDAA"), ("musa", "MULTI_MUSA"),
-                                   ("npu", "MULTI_NPU"), ("hpu", "MULTI_HPU"), ("xpu", "MULTI_XPU"),
-                                   ("neuron", "MULTI_NEURON")):  # fmt: skip
-        if getattr(availability, f"is_{name}_available")():
-            return name, distributed_type
-    return "cuda", "MULTI_GPU"
-
-
 def _nvidia_smi() -> str:
     """The nvidia-smi command (on Windows, its default install path when it is not on PATH)."""
     if platform.system() == "Windows" and shutil.which("nvidia-smi") is None:
@@ -374,7 +358,12 @@ def check_os_kernel() -> None:
         f"Detected kernel version {match.group(0)}, which is below the recommended minimum of 5.5.0; this can "
         "cause the process to hang. It is recommended to upgrade the kernel to the minimum version or higher."
     )
-    from accel.state import PartialState
-
-    if not PartialState._shared_state or PartialState().is_main_process:
+    if _is_main_process():
         logger.warning(message)
+
+
+def _is_main_process() -> bool:
+    """Rank 0 of the default process group, or any process without one (PartialState's `is_main_process`, read
+    from torch.distributed: this module sits below accel.state). torch is imported only when it already is."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is None or not distributed.is_initialized() or distributed.get_rank() == 0

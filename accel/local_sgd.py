@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from accel import collectives
 from accel.state import DistributedType
 
 _RUNS_LOCAL_SGD = {
@@ -88,8 +89,6 @@ class LocalSGD:
 
     def _sync_and_avg_model_params(self) -> None:
         """Replaces every parameter by its mean across processes (one collective for all of them)."""
-        from accel import collectives
-
         params = list(self.model.parameters())
         if not params:
             return

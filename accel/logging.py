@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any
 
+from accel.availability import is_tqdm_available
 from accel.state import PartialState
 
 
@@ -71,8 +72,6 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any):
         for batch in tqdm(dataloader):   # one bar per machine
             ...
     """
-    from accel.availability import is_tqdm_available
-
     if not is_tqdm_available():
         raise ImportError("accel's `tqdm` requires `tqdm` to be installed. Please run `pip install tqdm`.")
     if args and isinstance(args[0], bool):

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from accel.availability import is_peft_available
 from accel.compilation import has_compiled_regions, is_compiled_module
+from accel.precision import restore_forward
 
 
 def _parallel_wrappers() -> tuple[type, ...]:
@@ -50,8 +52,6 @@ def _unwrap_every_level(module: Any) -> Any:
 def _remove_mixed_precision_forward(model: torch.nn.Module) -> None:
     """Gives `model` back the forward it had before mixed precision wrapped it: accel's autocast forward, or a
     forward HF-style code wrapped with `convert_outputs_to_fp32` after saving it as `_original_forward`."""
-    from accel.precision import restore_forward
-
     restore_forward(model)
     original = model.__dict__.pop("_original_forward", None)
     if original is None:
@@ -113,8 +113,6 @@ def extract_model_from_parallel(
 def is_peft_model(model: torch.nn.Module) -> bool:
     """Whether `model` (possibly wrapped by DDP or torch.compile) is a PEFT `PeftModel`; False without peft
     installed (peft is imported only when it is)."""
-    from accel.availability import is_peft_available
-
     if not is_peft_available():
         return False
     from peft import PeftModel

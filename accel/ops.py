@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from accel import _ext
+from accel.collectives.errors import DistributedOperationException
 
 
 def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_first: bool, out: torch.Tensor) -> None:
@@ -76,8 +77,6 @@ def _collective_error(error: RuntimeError) -> Exception:
     message = str(error)
     if not message.startswith(_MISMATCH):
         return error
-    from accel.collectives.errors import DistributedOperationException
-
     return DistributedOperationException(message[len(_MISMATCH):].split("\nException raised from", 1)[0])
 
 

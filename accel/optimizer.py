@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 from torch.amp.grad_scaler import OptState
 
+from accel import availability
 from accel.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
 
@@ -32,8 +33,6 @@ def patch_optimizer_step(accelerated_optimizer: AcceleratedOptimizer, method: Ca
 
 def lomo_optimizer_classes() -> tuple[type, ...] | None:
     """lomo_optim's (Lomo, AdaLomo), or None when it is not installed (it is not imported until needed)."""
-    from accel import availability
-
     if not availability.is_lomo_available():
         return None
     from lomo_optim import AdaLomo, Lomo

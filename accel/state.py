@@ -4,11 +4,12 @@ Three singletons share their state between all instances (Alex Martelli's "Borg"
 
 - `PartialState`: the process group and device; usable on its own, without an `Accelerator`.
 - `AcceleratorState`: `PartialState` plus the training configuration (mixed precision, dynamo plugin).
-- `GradientState`: gradient accumulation and dataloader bookkeeping.
+- `GradientState`: gradient accumulation and dataloader bookkeeping (`accel.gradient_state`, re-exported here).
 
 The process group comes from the environment `torchrun` (`accel launch`) exports: RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without
-`cpu=True`: when CUDA is unavailable the processes simply use gloo on the CPU.
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`).
+Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
+processes simply use gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import enum
 import os
 import sys
 import threading
-import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial, wraps
@@ -26,10 +26,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from accel import process_group
 from accel._env import MIXED_PRECISIONS, get_flag, get_setting
+from accel.backends import DDP_INSTEAD
+from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
+from accel.collectives import uneven
+from accel.collectives.transport import select_transport
+from accel.cpu_affinity import set_numa_affinity
+from accel.gradient_state import GradientState
+from accel.unsupported import refuse
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "is_initialized"]
-
 
 
 class DistributedType(str, enum.Enum):
@@ -96,79 +103,16 @@ SharedDict = dict
 # --- Resolving the environment once ------------------------------------------------------------------------------
 
 
-def _launched_distributed(use_cuda: bool) -> bool:
-    """HF Accelerate's rule: several processes, or, on CUDA, any process a launcher started (MULTI_GPU even
-    alone). One CPU process is `NO`: a process group of one would only add DDP overhead."""
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        return True
-    return use_cuda and int(os.environ.get("LOCAL_RANK", -1)) != -1
-
-
-def _wants_cuda(cpu: bool) -> bool:
-    return not cpu and torch.cuda.is_available()
-
-
-def _as_timedelta(value: Any, source: str) -> timedelta:
-    if isinstance(value, timedelta):
-        return value
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{source}={value!r}: expected a timedelta or a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{source}={value!r}: the process group timeout must be positive")
-    return timedelta(seconds=seconds)
-
-
-def _requested_timeout(timeout: Any) -> timedelta | None:
-    """The `timeout` kwarg, else ACCEL_PROCESS_GROUP_TIMEOUT (seconds), else None (torch's default)."""
-    if timeout is not None:
-        return _as_timedelta(timeout, "timeout")
-    from_env = get_setting("PROCESS_GROUP_TIMEOUT")
-    return None if from_env is None else _as_timedelta(from_env, "ACCEL_PROCESS_GROUP_TIMEOUT")
-
-
-def _group_timeout() -> timedelta:
-    """The timeout of the initialized default process group (one the user may have created)."""
-    backend = dist.get_backend()
-    device = torch.device("cuda" if "nccl" in backend else "cpu")
-    try:
-        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.distributed_c10d._get_default_timeout(backend)
-
-
-def _device(distributed: bool, use_cuda: bool, local_rank: int) -> torch.device:
-    """ACCEL_TORCH_DEVICE if set, else cpu, the current CUDA device (one process) or cuda:LOCAL_RANK."""
-    forced = get_setting("TORCH_DEVICE")
-    if forced is not None:
-        return torch.device(forced)
-    if not use_cuda:
-        return torch.device("cpu")
-    index = local_rank % torch.cuda.device_count() if distributed else torch.cuda.current_device()
-    return torch.device("cuda", index)
-
-
-def _start_process_group(backend: str, timeout: timedelta | None, device: torch.device, kwargs: dict) -> None:
-    if ":" not in backend and not dist.is_backend_available(backend):
-        fallback = "nccl" if device.type == "cuda" else "gloo"
-        raise ValueError(f"The backend {backend!r} is not available in this torch build; use {fallback!r}.")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-
-
 def _distributed_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
-    rank = dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))  # a group the user made may come without LOCAL_RANK
+    local_rank = process_group.local_rank()
     return {
         "backend": dist.get_backend(),
         "distributed_type": DistributedType.MULTI_GPU if use_cuda else DistributedType.MULTI_CPU,
         "num_processes": dist.get_world_size(),
-        "process_index": rank,
+        "process_index": dist.get_rank(),
         "local_process_index": local_rank,
-        "device": _device(True, use_cuda, local_rank),
-        "_timeout": timeout or _group_timeout(),
+        "device": process_group.device_for(True, use_cuda, local_rank),
+        "_timeout": timeout or process_group.group_timeout(),
     }
 
 
@@ -179,19 +123,9 @@ def _single_process_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
         "num_processes": 1,
         "process_index": 0,
         "local_process_index": 0,
-        "device": _device(False, use_cuda, 0),
+        "device": process_group.device_for(False, use_cuda, 0),
         "_timeout": timeout or dist.default_pg_timeout,
     }
-
-
-def _barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool) -> None:
-    """A barrier bounded by `timeout`; in debug mode on gloo, the error names the ranks that did not arrive."""
-    if debug and backend == "gloo":
-        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
-    elif device.type == "cuda":
-        dist.barrier(device_ids=[device.index], timeout=timeout)
-    else:
-        dist.barrier(timeout=timeout)
 
 
 # --- split_between_processes -------------------------------------------------------------------------------------
@@ -202,8 +136,6 @@ def _pin_cpus(local_process_index: int) -> None:
     PartialState does (`accel.cpu_affinity.set_numa_affinity`: once per process, so a process `accel launch`'s
     worker pinned already is not pinned again)."""
     if get_flag("CPU_AFFINITY"):
-        from accel.cpu_affinity import set_numa_affinity
-
         set_numa_affinity(local_process_index)
 
 
@@ -315,13 +247,14 @@ class PartialState:
 
     def _initialize(self, cpu: bool, kwargs: dict) -> None:
         # Everything is resolved into `fields` first, so a failure leaves the singleton uninitialized.
-        use_cuda = _wants_cuda(cpu)
+        use_cuda = process_group.wants_cuda(cpu)
         backend = kwargs.pop("backend", None) or ("nccl" if use_cuda else "gloo")
-        timeout = _requested_timeout(kwargs.pop("timeout", None))
+        timeout = process_group.requested_timeout(kwargs.pop("timeout", None))
         debug = get_flag("DEBUG_MODE")
-        if not dist.is_initialized() and _launched_distributed(use_cuda):
+        if not dist.is_initialized() and process_group.launched_distributed(use_cuda):
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
-            _start_process_group(backend, timeout, _device(True, use_cuda, local_rank), kwargs)
+            device = process_group.device_for(True, use_cuda, local_rank)
+            process_group.start_process_group(backend, timeout, device, kwargs)
         if dist.is_initialized():
             fields = _distributed_fields(use_cuda, timeout)
         else:
@@ -385,8 +318,9 @@ class PartialState:
         current CUDA device (one process) or `cuda:LOCAL_RANK`, or ACCEL_TORCH_DEVICE."""
         if self.__dict__.get("device") is not None:
             return
-        use_cuda = _wants_cuda(self._cpu)
-        self.device = _device(self.distributed_type != DistributedType.NO, use_cuda, self.local_process_index)
+        use_cuda = process_group.wants_cuda(self._cpu)
+        distributed = self.distributed_type != DistributedType.NO
+        self.device = process_group.device_for(distributed, use_cuda, self.local_process_index)
 
     def wait_for_everyone(self) -> None:
         """Blocks until every process reaches this point; does nothing in a single process.
@@ -405,13 +339,10 @@ class PartialState:
         """
         if self.backend is None:
             return
-        from accel.collectives import uneven  # the collectives build on this module
-        from accel.collectives.transport import select_transport
-
         if uneven.in_uneven_step():  # the exchange with the processes standing by is the barrier
             uneven.exchange("wait_for_everyone")
         elif self.debug:  # gloo's monitored barrier names the ranks that did not arrive
-            _barrier(self.backend, self.device, self.timeout, self.debug)
+            process_group.barrier(self.backend, self.device, self.timeout, self.debug)
         else:
             select_transport([]).barrier()
 
@@ -546,16 +477,11 @@ def _resolve_mixed_precision(mixed_precision: str | None) -> str:
 
 def _refuse_unsupported(plugins: dict, mixed_precision_given: bool) -> None:
     """Refuses plugins and launcher variables asking for backends accel does not run (accel.backends.checks)."""
-    from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
-
     refuse_unsupported_arguments(**plugins)
     refuse_unsupported_environment(mixed_precision_given)
 
 
 def _refuse_deepspeed(asked_by: str):
-    from accel.backends import DDP_INSTEAD
-    from accel.unsupported import refuse
-
     return refuse("DeepSpeed", asked_by, DDP_INSTEAD)
 
 
@@ -716,121 +642,3 @@ class AcceleratorState:
                 "reinitialized."
             )
         raise AttributeError(f"'AcceleratorState' object has no attribute '{name}'")
-
-
-# --- GradientState -----------------------------------------------------------------------------------------------
-
-
-class GradientState:
-    """Gradient accumulation and dataloader bookkeeping, shared by every instance (a singleton).
-
-    Attributes:
-        sync_gradients: Whether this step synchronizes (and applies) the accumulated gradients.
-        end_of_dataloader: Whether the active dataloader yielded its last batch.
-        remainder: The number of real samples in the global batch of the active dataloader's last step (-1 when
-            unknown or outside a dataloader); gather_for_metrics keeps that many gathered rows.
-        num_steps: Steps to accumulate over (plugin `num_steps`, default 1).
-        adjust_scheduler: Whether the scheduler steps are adjusted for accumulation (False without a plugin; the
-            Accelerator's plugin defaults it to True).
-        sync_with_dataloader: Whether the end of a dataloader forces a sync (default True).
-        active_dataloader: The innermost dataloader being iterated, or None.
-        dataloader_references: The dataloaders being iterated, outermost first (weak references; None first).
-
-    Args:
-        gradient_accumulation_plugin: Any object with `to_kwargs()` (a `GradientAccumulationPlugin`), or None.
-            A later instance with different kwargs updates them.
-    """
-
-    _shared_state: dict = SharedDict()
-
-    def __init__(self, gradient_accumulation_plugin=None):
-        self.__dict__ = self._shared_state
-        plugin_kwargs = gradient_accumulation_plugin.to_kwargs() if gradient_accumulation_plugin is not None else {}
-        if not self.initialized:
-            self.sync_gradients = True
-            self._dataloader_references_ref = [None]
-            self.plugin_kwargs = plugin_kwargs
-            self._is_xla_gradients_synced = False
-        elif gradient_accumulation_plugin is not None:
-            self.plugin_kwargs = plugin_kwargs
-
-    @property
-    def initialized(self) -> bool:
-        """Whether the shared state has been set up."""
-        return GradientState._shared_state != {}
-
-    @property
-    def num_steps(self) -> int:
-        """Steps to accumulate gradients over."""
-        return self.plugin_kwargs.get("num_steps", 1)
-
-    @property
-    def adjust_scheduler(self) -> bool:
-        """Whether the scheduler should be adjusted for gradient accumulation."""
-        return self.plugin_kwargs.get("adjust_scheduler", False)
-
-    @property
-    def sync_with_dataloader(self) -> bool:
-        """Whether the end of a dataloader forces a gradient sync and resets the step count."""
-        return self.plugin_kwargs.get("sync_with_dataloader", True)
-
-    @property
-    def end_of_dataloader(self) -> bool:
-        """Whether the active dataloader has yielded its last batch."""
-        return self.in_dataloader and self.active_dataloader.end_of_dataloader
-
-    @property
-    def remainder(self) -> int:
-        """Samples added by padding the active dataloader's last batch; -1 outside a dataloader."""
-        return self.active_dataloader.remainder if self.in_dataloader else -1
-
-    @property
-    def active_dataloader(self):
-        """The innermost dataloader being iterated, or None."""
-        return self.dataloader_references[-1]
-
-    @property
-    def dataloader_references(self) -> list:
-        """The dataloaders being iterated (held by weak references so they can be garbage collected)."""
-        return [ref() if ref is not None else None for ref in self._dataloader_references_ref]
-
-    @dataloader_references.setter
-    def dataloader_references(self, references: list) -> None:
-        self._dataloader_references_ref = [weakref.ref(ref) if ref is not None else None for ref in references]
-
-    @property
-    def is_xla_gradients_synced(self) -> bool:
-        """HF Accelerate's XLA flag (whether XLA gradients were all-reduced before the step). accel runs no XLA:
-        it stays as last set (False at first), True under ACCELERATE_USE_FSDP as in HF."""
-        return get_flag("USE_FSDP") or self._is_xla_gradients_synced
-
-    @is_xla_gradients_synced.setter
-    def is_xla_gradients_synced(self, is_synced: bool) -> None:
-        self._is_xla_gradients_synced = is_synced
-
-    @property
-    def in_dataloader(self) -> bool:
-        """Whether a dataloader is being iterated."""
-        return self.active_dataloader is not None
-
-    def __repr__(self) -> str:
-        return (
-            f"Sync Gradients: {self.sync_gradients}\n"
-            f"At end of current dataloader: {self.end_of_dataloader}\n"
-            f"Samples in the last global batch: {self.remainder}\n"
-            f"Gradient accumulation plugin: {self.plugin_kwargs}\n"
-        )
-
-    def _set_sync_gradients(self, sync_gradients: bool) -> None:
-        self.sync_gradients = sync_gradients
-
-    def _add_dataloader(self, dataloader) -> None:
-        self.dataloader_references += [dataloader]
-
-    def _remove_dataloader(self, dataloader) -> None:
-        self.dataloader_references = [ref for ref in self.dataloader_references if ref is not dataloader]
-
-    @staticmethod
-    def _reset_state() -> None:
-        """Forgets the shared state; internal and test use only."""
-        GradientState._shared_state.clear()

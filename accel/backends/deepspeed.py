@@ -12,9 +12,10 @@ import base64
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 from accel._env import get_setting
 from accel.backends import DDP_INSTEAD
@@ -25,6 +26,24 @@ FEATURE = "DeepSpeed"
 
 def _refuse(asked_by: str):
     return refuse(FEATURE, asked_by, DDP_INSTEAD)
+
+
+def deepspeed_required(func: Callable) -> Callable:
+    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF; accel
+    never runs DeepSpeed, so with an Accelerator created this always raises). Before that, `func` is called."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from accel.state import AcceleratorState, DistributedType, is_initialized  # (imports torch: not at import)
+
+        if is_initialized() and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
+            raise ValueError(
+                "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for `deepspeed` "
+                "before calling this function."
+            )
+        return func(*args, **kwargs)
+
+    return wrapper
 
 
 class HfDeepSpeedConfig:

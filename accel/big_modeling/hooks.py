@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from accel.big_modeling.sizes import named_module_tensors
+from accel.memory import clear_device_cache
 from accel.pytree import find_device, send_to_device
 from accel.unsupported import refuse
 
@@ -178,8 +179,6 @@ def set_module_tensor_to_device(
         new = _as_parameter(new, old)
     tensors[name] = new
     if clear_cache and torch.device(device).type not in ("cpu", "meta"):
-        from accel.memory import clear_device_cache
-
         clear_device_cache()
     _record_placed(tied_params_map, device, value, old, new)
 

@@ -15,7 +15,9 @@ from torch import nn
 
 from accel.big_modeling.device_map import check_device_same
 from accel.big_modeling.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from accel.memory import clear_device_cache
 from accel.pytree import send_to_device
+from accel.state import PartialState
 
 
 def _device_of(module: nn.Module) -> torch.device | None:
@@ -39,8 +41,6 @@ class CpuOffload(ModelHook):
     def __init__(self, execution_device: torch.device | int | str | None = None,
                  prev_module_hook: UserCpuOffloadHook | None = None):  # fmt: skip
         if execution_device is None:
-            from accel.state import PartialState
-
             execution_device = PartialState().default_device
         self.execution_device = execution_device
         self.prev_module_hook = prev_module_hook
@@ -59,8 +59,6 @@ class CpuOffload(ModelHook):
             previous_device = _device_of(previous.model)
             if previous_device is not None and previous_device.type != "cpu":
                 previous.offload()
-                from accel.memory import clear_device_cache
-
                 clear_device_cache()  # the memory it held is what this model is about to need
         current = _device_of(module)
         if current is not None and check_device_same(current, self._device):

@@ -43,7 +43,7 @@ from accel.cli.config_file import (
     load_config,
     save_config,
 )
-from accel.utils.config import basic_config
+from accel.cli.basic_config import basic_config
 
 Option = tuple[str, Any]  # (what the user sees, what the config stores)
 

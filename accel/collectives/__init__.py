@@ -1,27 +1,23 @@
-"""Cross-process collectives with HF Accelerate's semantics and their native fast paths."""
+"""Cross-process collectives with HF Accelerate's semantics and their native fast paths.
 
-from accel.collectives.operations import (
-    DistributedOperationException,
-    broadcast,
-    broadcast_object_list,
-    gather,
-    gather_object,
-    gather_ragged,
-    reduce,
-    verify_operation,
-)
-from accel.collectives.padding import pad_across_processes, pad_reference, pad_tensor
+The names below resolve on first use: importing one module of the package (the process state imports the
+uneven-step protocol, `accel.collectives.uneven`) does not import the others.
+"""
 
-__all__ = [
-    "DistributedOperationException",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "gather_ragged",
-    "pad_across_processes",
-    "pad_reference",
-    "pad_tensor",
-    "reduce",
-    "verify_operation",
-]
+from accel._lazy import lazy_names
+
+_PUBLIC = {
+    "DistributedOperationException": "accel.collectives.errors",
+    "broadcast": "accel.collectives.operations",
+    "broadcast_object_list": "accel.collectives.operations",
+    "gather": "accel.collectives.operations",
+    "gather_object": "accel.collectives.operations",
+    "gather_ragged": "accel.collectives.operations",
+    "reduce": "accel.collectives.operations",
+    "verify_operation": "accel.collectives.operations",
+    "pad_across_processes": "accel.collectives.pad_across",
+    "pad_reference": "accel.collectives.padding",
+    "pad_tensor": "accel.collectives.padding",
+}
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)

@@ -26,11 +26,11 @@ from typing import Any, Callable
 
 import torch
 
-from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.collectives import uneven
 from accel.collectives.errors import DistributedOperationException
 from accel.collectives.transport import select_transport
-from accel.state import PartialState
+from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
+from accel.state import AcceleratorState, DistributedType, PartialState, is_initialized
 from accel.unsupported import refuse
 
 REDUCTIONS = ("mean", "sum", "max", "min", "none")
@@ -404,8 +404,6 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
     accel does not run DeepSpeed, so parameters are never partitioned and this is the no-op context HF Accelerate
     gives without ZeRO-3: code written for both runs unchanged. Under a DeepSpeed state it refuses.
     """
-    from accel.state import AcceleratorState, DistributedType, is_initialized
-
     if is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
         raise refuse("DeepSpeed ZeRO-3 parameter gathering", "GatheredParameters(...)",
                      "accel runs DDP, where every process holds whole parameters: no gathering is needed.")  # fmt: skip

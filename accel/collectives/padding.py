@@ -1,18 +1,15 @@
-"""Padding a tensor along one dim: the pack step of the padded all-gather, and `pad_across_processes`."""
+"""Padding a tensor along one dim, in this process: the pack step of the padded all-gather, the padding
+`pad_across_processes` (accel.collectives.pad_across) applies once the shapes are known, `pad_input_tensors`."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from accel import _ext
-from accel.collectives import uneven
+from accel import _ext, ops
 from accel.collectives.errors import DistributedOperationException
-from accel.pytree import recursively_apply, replace_tensor_leaves, tensor_leaves
-from accel.collectives.transport import select_transport
+from accel.pytree import recursively_apply
 
 
 def pad_reference(
@@ -53,8 +50,6 @@ def pad_tensor(
     needs_grad = tensor.requires_grad and torch.is_grad_enabled()
     if needs_grad or not _ext.native_for("pad_into", tensor.device):
         return pad_reference(tensor, dim, size, pad_value, pad_first)
-    from accel import ops
-
     shape = list(tensor.shape)
     shape[dim] = size
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
@@ -76,10 +71,6 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
 
 
-class CannotPadNestedTensorWarning(UserWarning):
-    """`pad_across_processes` met a nested tensor (torch.nested), which it leaves as it is."""
-
-
 def pad_to_largest_shapes(leaves: list[torch.Tensor], shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any,
                           pad_first: bool) -> list[torch.Tensor]:  # fmt: skip
     """`leaves` each padded to the largest of its shapes in `shapes` (every process's shapes of its leaves)."""
@@ -89,71 +80,6 @@ def pad_to_largest_shapes(leaves: list[torch.Tensor], shapes: list[list[tuple[in
             f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
     return [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
             for i, leaf in enumerate(leaves)]  # fmt: skip
-
-
-def _with_padded(tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Tensor], padded: list[torch.Tensor]
-                 ) -> Any:  # fmt: skip
-    """`tensor` with each of its `regular` leaves (those of `leaves` that are not nested) replaced by `padded`."""
-    if all(new is old for new, old in zip(padded, regular)):
-        return tensor if isinstance(tensor, torch.Tensor) else replace_tensor_leaves(tensor, leaves)
-    if len(regular) == len(leaves):
-        return replace_tensor_leaves(tensor, padded)
-    replacements = iter(padded)
-    return replace_tensor_leaves(tensor, [leaf if leaf.is_nested else next(replacements) for leaf in leaves])
-
-
-def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaves that are not nested tensors (torch.nested: no shape to pad to), warning when there are any."""
-    regular = [leaf for leaf in leaves if not leaf.is_nested]
-    if len(regular) < len(leaves):
-        warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
-                      CannotPadNestedTensorWarning, stacklevel=4)  # fmt: skip
-    return regular
-
-
-def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    leaves = tensor_leaves(tensor, "pad_across_processes")
-    regular = _paddable(leaves)
-    parts = uneven.exchange("pad_across_processes", [tuple(leaf.shape) for leaf in regular])
-    shapes = [part for part in parts if part is not None]
-    return _with_padded(tensor, leaves, regular, pad_to_largest_shapes(regular, shapes, dim, pad_index, pad_first))
-
-
-@uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
-def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-    """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
-
-    One exchange of shapes for the whole structure (on one host: through shared memory, nothing pickled, the
-    padding done in the same native call), then each tensor is padded where it is. Nested tensors
-    (torch.nested) are left as they are, with a `CannotPadNestedTensorWarning`, as in HF Accelerate.
-
-    Args:
-        tensor: a tensor or a nested list/tuple/dict of tensors.
-        dim: the dim to pad.
-        pad_index: the fill value.
-        pad_first: pad at the beginning instead of the end.
-
-    Returns:
-        The same structure; a tensor already at the largest size is returned as is.
-
-    Raises:
-        TypeError: a leaf is not a tensor.
-        DistributedOperationException: the processes pass different numbers of tensors, or tensors with
-            different numbers of dims (raised on every process).
-
-    Example (2 ranks)::
-
-        t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
-        pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
-    """
-    leaves = tensor_leaves(tensor, "pad_across_processes")
-    regular = _paddable(leaves)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor
-    # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
-    # returning early on its own would leave the others waiting in the collective).
-    padded = select_transport(regular).pad_to_largest(regular, dim, pad_index, pad_first)
-    return _with_padded(tensor, leaves, regular, padded)
 
 
 def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:

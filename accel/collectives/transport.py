@@ -19,7 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accel import process_group
 from accel.collectives import ragged
+from accel.collectives.padding import pad_to_largest_shapes
 
 REDUCE_OPS = ("sum", "max", "min")
 
@@ -63,8 +65,6 @@ class Transport(abc.ABC):
         Raises `DistributedOperationException` on every rank when the ranks pass different numbers of leaves or
         leaves with different numbers of dims. This implementation exchanges shapes with `all_gather_shapes`.
         """
-        from accel.collectives.padding import pad_to_largest_shapes  # padding builds on this module
-
         return pad_to_largest_shapes(leaves, self.all_gather_shapes(leaves), dim, pad_index, pad_first)
 
     @abc.abstractmethod
@@ -146,10 +146,7 @@ class TorchDistributedTransport(Transport):
         return self.all_gather_object([tuple(leaf.shape) for leaf in leaves])
 
     def barrier(self) -> None:
-        from accel.state import PartialState, _barrier
-
-        state = PartialState()
-        _barrier(state.backend, state.device, state.timeout, state.debug)
+        process_group.default_group_barrier()
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         buffers = [leaf.detach().contiguous() for leaf in leaves]

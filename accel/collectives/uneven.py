@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from accel.collectives.errors import DistributedOperationException
-from accel.state import GradientState
+from accel.gradient_state import GradientState
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,16 +1,12 @@
 """Sharded data loading: samplers, prepared dataloaders, RNG synchronization and gather_for_metrics truncation."""
 
-from accel.data.loaders import (
-    DataLoaderAdapter,
-    DataLoaderDispatcher,
-    DataLoaderShard,
-    DataLoaderStateMixin,
-    SkipDataLoader,
-    gather_for_metrics_truncation,
-    get_sampler,
-    prepare_data_loader,
-    skip_first_batches,
-)
+from accel.data.dispatcher import DataLoaderDispatcher
+from accel.data.even_batches import override_even_batches
+from accel.data.loaders import DataLoaderAdapter, DataLoaderStateMixin, get_sampler
+from accel.data.prepare import prepare_data_loader
+from accel.data.shard_loader import DataLoaderShard
+from accel.data.skip import SkipDataLoader, skip_first_batches
+from accel.data.truncation import gather_for_metrics_truncation
 from accel.data.rng import RNGType, set_seed, synchronize_rng_state, synchronize_rng_states
 from accel.data.samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
 
@@ -27,6 +23,7 @@ __all__ = [
     "SkipDataLoader",
     "gather_for_metrics_truncation",
     "get_sampler",
+    "override_even_batches",
     "prepare_data_loader",
     "set_seed",
     "skip_first_batches",

@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from accel.state import PartialState
+
 __all__ = ["RNGType", "set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 
 
@@ -43,8 +45,6 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         ```
     """
     if device_specific:
-        from accel.state import PartialState
-
         seed += PartialState().process_index
     random.seed(seed)
     try:
@@ -59,7 +59,15 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 
 def multi_process() -> bool:
+    """Whether a default process group of more than one process is initialized."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def comm_device() -> torch.device:
+    """Where tensors for the default group's collectives must be: the current CUDA device under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _broadcast_from_main(state: torch.Tensor) -> torch.Tensor:
@@ -67,7 +75,7 @@ def _broadcast_from_main(state: torch.Tensor) -> torch.Tensor:
     if not multi_process():
         return state
     if "nccl" in str(dist.get_backend()):
-        on_device = state.to(torch.device("cuda", torch.cuda.current_device()))
+        on_device = state.to(comm_device())
         dist.broadcast(on_device, 0)
         return on_device.cpu()
     state = state.clone()

@@ -10,12 +10,17 @@ finished one; a shuffling sampler gets a generator at prepare time): torchdata r
 checkpoint (accel's and HF's sharded ones) by replaying it, which only gives the same order from the same
 generator state. (HF Accelerate saves neither: its shuffled resumes replay another order.)
 
+`stateful_variant(cls)` makes, once per class, `Stateful<cls name>`: `cls` on `StatefulDataLoader` with
+`_SavesPosition` first. `DataLoaderAdapter.__new__` asks for it when `use_stateful_dataloader=True`, so this module
+needs none of the loader classes (it sits above torchdata, beside them):
+
 - `StatefulDataLoaderShard`: every process reads its own share; its state is its own loader's position.
 - `StatefulDataLoaderDispatcher`: only process 0 reads. Its position travels with every global batch in the
   message process 0 broadcasts anyway (no extra collective), so every process's `state_dict()` is process 0's
   position and a checkpoint written by the main process resumes every rank exactly. (HF Accelerate's
   dispatcher reports each process's own, never-read loader on the other ranks, and every rank writes the same
   `dl_state_dict.bin`: which one lands decides whether the resume is right.)
+- `StatefulSkipDataLoader`: a `SkipDataLoader` that saves its position.
 """
 
 from __future__ import annotations
@@ -23,8 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
-
-from accel.data.loaders import DataLoaderDispatcher, DataLoaderShard, SkipDataLoader, get_sampler
 
 _FINISHED = "_iterator_finished"  # StatefulDataLoader's key: the epoch is over
 _ITERATION = "_accel_iteration"  # ours: the epoch the state belongs to (ignored by StatefulDataLoader)
@@ -42,7 +45,7 @@ class _SavesPosition:
     _resumed_skip: int | None = None  # the skip of the epoch a loaded state resumes in
 
     def _sampler_generator(self):
-        return getattr(get_sampler(self), "generator", None)
+        return getattr(self.get_sampler(), "generator", None)
 
     def _skip_this_epoch(self) -> int:
         skip = self.skip_batches if self._resumed_skip is None else self._resumed_skip
@@ -94,40 +97,27 @@ class _SavesPosition:
         StatefulDataLoader.load_state_dict(self, state_dict)
 
 
-class StatefulDataLoaderShard(_SavesPosition, DataLoaderShard, StatefulDataLoader):
-    """A `DataLoaderShard` whose `state_dict()` / `load_state_dict()` save and restore its position in the epoch.
-
-    Args: as `DataLoaderShard` (and `StatefulDataLoader`'s `snapshot_every_n_steps` for worker processes).
-    """
-
-
-class StatefulDataLoaderDispatcher(_SavesPosition, DataLoaderDispatcher, StatefulDataLoader):
-    """A `DataLoaderDispatcher` whose `state_dict()` / `load_state_dict()` save and restore process 0's position.
-
-    Every process reports the same state (process 0's, sent with each batch) and may load it: only process 0's
-    wrapped loader reads, the others take their epoch count from it.
-
-    Args: as `DataLoaderDispatcher`.
-    """
+    def __reduce_ex__(self, protocol: int):
+        # The variant class is made at run time: pickle the plain class, and make its variant again on loading.
+        _, _, *state = super().__reduce_ex__(protocol)
+        return (_new_variant_of, (self._plain_class,), *state)
 
 
-class StatefulSkipDataLoader(_SavesPosition, SkipDataLoader, StatefulDataLoader):
-    """A `SkipDataLoader` whose `state_dict()` / `load_state_dict()` save and restore its position in the epoch.
-
-    Args: as `SkipDataLoader`.
-    """
-
-
-_VARIANTS = {DataLoaderShard: StatefulDataLoaderShard, DataLoaderDispatcher: StatefulDataLoaderDispatcher,
-             SkipDataLoader: StatefulSkipDataLoader}  # fmt: skip
+_VARIANTS: dict[type, type] = {}
 
 
 def stateful_variant(cls: type) -> type:
-    """The class that is `cls` on torchdata's `StatefulDataLoader` (made once for a subclass of accel's loaders)."""
+    """The class that is `cls` (one of accel's prepared loaders) on torchdata's `StatefulDataLoader`, made once."""
     if cls not in _VARIANTS:
-        _VARIANTS[cls] = type(f"Stateful{cls.__name__}", (_SavesPosition, cls, StatefulDataLoader),
-                              {"__module__": cls.__module__, "__doc__": cls.__doc__})  # fmt: skip
+        namespace = {"__module__": __name__, "__doc__": cls.__doc__, "_plain_class": cls}
+        _VARIANTS[cls] = type(f"Stateful{cls.__name__}", (_SavesPosition, cls, StatefulDataLoader), namespace)
     return _VARIANTS[cls]
 
 
-__all__ = ["StatefulDataLoaderDispatcher", "StatefulDataLoaderShard", "StatefulSkipDataLoader", "stateful_variant"]
+def _new_variant_of(cls: type) -> Any:
+    """An empty instance of `cls`'s stateful variant (what unpickling fills in)."""
+    variant = stateful_variant(cls)
+    return variant.__new__(variant)
+
+
+__all__ = ["stateful_variant"]

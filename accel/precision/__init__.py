@@ -18,6 +18,7 @@ from torch.amp.grad_scaler import OptState
 from accel.pytree import convert_to_fp32
 from accel.precision.grads import Measured
 from accel.precision.scaler import FusedGradScaler
+from accel.unsupported import refuse
 
 
 class FullPrecision:
@@ -134,7 +135,5 @@ PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision, "fp16": FP16Precision}
 def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None,
                   scaler_kwargs: dict | None = None) -> FullPrecision:
     if mixed_precision == "fp8":
-        from accel.unsupported import refuse
-
         raise refuse("FP8 training", "mixed_precision='fp8'", "Use mixed_precision='bf16' or 'fp16' (or 'no').")
     return PRECISIONS[mixed_precision](device, autocast_kwargs, scaler_kwargs)

@@ -1,14 +1,14 @@
 """accel.utils: the names users import from `accelerate.utils`, re-exported from where they live.
 
-Names resolve on first use, so the CLI can import `accel.utils.config` without importing torch.
+Names resolve on first use, so `from accel.utils import write_basic_config` does not import torch.
 """
 
-import importlib
+from accel._lazy import lazy_names
 
 _PUBLIC = {
     "DistributedType": "accel.state",
     "pad_across_processes": "accel.collectives",
-    "write_basic_config": "accel.utils.config",
+    "write_basic_config": "accel.cli.basic_config",
     "DistributedOperationException": "accel.collectives",
     "TensorInformation": "accel.pytree",
     "broadcast": "accel.collectives",
@@ -69,7 +69,7 @@ _PUBLIC = {
     "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION": "accel.availability",
     "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION": "accel.availability",
     "compare_versions": "accel.availability",
-    "deepspeed_required": "accel.availability",
+    "deepspeed_required": "accel.backends.deepspeed",
     "is_4bit_bnb_available": "accel.availability",
     "is_8bit_bnb_available": "accel.availability",
     "is_aim_available": "accel.availability",
@@ -144,7 +144,7 @@ _PUBLIC = {
     "TORCH_DISTRIBUTED_OPERATION_TYPES": "accel.collectives.operations",
     "copy_tensor_to_devices": "accel.collectives.operations",
     "wait_for_everyone": "accel.collectives.operations",
-    "CannotPadNestedTensorWarning": "accel.collectives.padding",
+    "CannotPadNestedTensorWarning": "accel.collectives.pad_across",
     "pad_input_tensors": "accel.collectives.padding",
     "convert_outputs_to_fp32": "accel.pytree",
     "convert_to_fp32": "accel.pytree",
@@ -163,7 +163,7 @@ _PUBLIC = {
     "clear_environment": "accel.environment",
     "convert_dict_to_env_variables": "accel.environment",
     "get_cpu_distributed_information": "accel.environment",
-    "get_current_device_type": "accel.environment",
+    "get_current_device_type": "accel.availability",
     "get_gpu_info": "accel.environment",
     "get_int_from_env": "accel.environment",
     "is_port_in_use": "accel.environment",
@@ -281,13 +281,4 @@ _PUBLIC = {
     # --- end tracking ---
 }
 __all__ = list(_PUBLIC)
-
-
-def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'accel.utils' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)

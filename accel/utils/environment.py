@@ -1,5 +1,7 @@
-"""`accelerate.utils.environment` import path: re-exports of accel.environment and accel.cpu_affinity."""
+"""`accelerate.utils.environment` import path: re-exports of accel.environment, accel.availability and
+accel.cpu_affinity."""
 
+from accel.availability import get_current_device_type
 from accel.cpu_affinity import override_numa_affinity, set_numa_affinity
 from accel.environment import (
     CPUInformation,
@@ -9,7 +11,6 @@ from accel.environment import (
     clear_environment,
     convert_dict_to_env_variables,
     get_cpu_distributed_information,
-    get_current_device_type,
     get_driver_version,
     get_gpu_info,
     get_int_from_env,

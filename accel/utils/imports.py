@@ -1,8 +1,8 @@
-"""`accelerate.utils.imports` import path: re-exports of accel.availability (what is installed and present)."""
+"""`accelerate.utils.imports` import path: re-exports of accel.availability (what is installed and present), and
+HF's `deepspeed_required` from accel.backends.deepspeed."""
 
 from accel.availability import (
     compare_versions,
-    deepspeed_required,
     is_4bit_bnb_available,
     is_8bit_bnb_available,
     is_aim_available,
@@ -65,6 +65,7 @@ from accel.availability import (
     is_xpu_available,
     torchao_required,
 )
+from accel.backends.deepspeed import deepspeed_required
 from accel.environment import parse_flag_from_env, patch_environment, str_to_bool
 
 __all__ = [name for name in dir() if not name.startswith("_")]

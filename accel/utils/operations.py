@@ -24,7 +24,8 @@ from accel.collectives.operations import (
     reduce,
     verify_operation,
 )
-from accel.collectives.padding import CannotPadNestedTensorWarning, pad_across_processes, pad_input_tensors
+from accel.collectives.pad_across import CannotPadNestedTensorWarning, pad_across_processes
+from accel.collectives.padding import pad_input_tensors
 from accel.pytree import (
     ConvertOutputsToFp32,
     TensorInformation,

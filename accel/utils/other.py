@@ -32,6 +32,6 @@ from accel.module_tree import (
     recursive_getattr,
 )
 from accel.state import DistributedType, PartialState
-from accel.utils.config import write_basic_config
+from accel.cli.basic_config import write_basic_config
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -18,9 +18,9 @@ from accel.cli.config_file import (
     load_config,
     save_config,
 )
-import accel.utils.config as basic_config_module
+import accel.cli.basic_config as basic_config_module
 from accel.unsupported import UnsupportedFeatureError
-from accel.utils.config import write_basic_config
+from accel.cli.basic_config import write_basic_config
 
 # What `accelerate config` writes (HF Accelerate 0.2x) for two CPU machines with IPEX and mpirun.
 HF_MULTI_CPU = """\

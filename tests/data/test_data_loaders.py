@@ -18,7 +18,7 @@ from accel.data import (
     prepare_data_loader,
     skip_first_batches,
 )
-from accel.data.loaders import pack, unpack
+from accel.data.dispatcher import pack, unpack
 from accel.pytree import send_to_device
 from accel.state import GradientState
 

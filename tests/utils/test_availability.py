@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from accel import availability
+from accel.backends.deepspeed import deepspeed_required
 from accel.utils import imports
 
 
@@ -146,7 +147,7 @@ def test_decorators():
     def needs_torchao():
         return "ran"
 
-    @availability.deepspeed_required
+    @deepspeed_required
     def needs_deepspeed():
         return "ran"
 

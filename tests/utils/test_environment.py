@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from accel import environment
+from accel.availability import get_current_device_type
 from accel.environment import (
     are_libraries_initialized,
     check_cuda_fp8_capability,
@@ -17,7 +18,6 @@ from accel.environment import (
     clear_environment,
     convert_dict_to_env_variables,
     get_cpu_distributed_information,
-    get_current_device_type,
     get_gpu_info,
     get_int_from_env,
     is_port_in_use,

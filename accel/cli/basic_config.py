@@ -1,4 +1,5 @@
-"""`write_basic_config`: HF Accelerate's one-call config for this machine, also behind `accel config default`."""
+"""`basic_config` / `write_basic_config`: HF Accelerate's one-call config for this machine, behind `accel config
+default` (HF's path, `accel.utils.write_basic_config`, re-exports it)."""
 
 from __future__ import annotations
 

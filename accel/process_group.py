@@ -1,0 +1,107 @@
+"""The default process group: when to start one, its timeout, this process's device in it, and its barrier.
+
+Below `accel.state` (whose `PartialState` starts or adopts the group and records what is resolved here) and below
+the collectives (whose torch.distributed transport waits with `default_group_barrier`): both import this module,
+and it imports neither. Every wait is bounded by the group's timeout, so a process that never arrives makes the
+others raise instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from accel._env import get_setting
+
+
+def launched_distributed(use_cuda: bool) -> bool:
+    """HF Accelerate's rule: several processes, or, on CUDA, any process a launcher started (MULTI_GPU even
+    alone). One CPU process is `NO`: a process group of one would only add DDP overhead."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return True
+    return use_cuda and int(os.environ.get("LOCAL_RANK", -1)) != -1
+
+
+def wants_cuda(cpu: bool) -> bool:
+    """Whether a process asked to run on the CPU (`cpu`) or not uses CUDA: it does when CUDA is available."""
+    return not cpu and torch.cuda.is_available()
+
+
+def _as_timedelta(value: Any, source: str) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}={value!r}: expected a timedelta or a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{source}={value!r}: the process group timeout must be positive")
+    return timedelta(seconds=seconds)
+
+
+def requested_timeout(timeout: Any) -> timedelta | None:
+    """The `timeout` kwarg, else ACCEL_PROCESS_GROUP_TIMEOUT (seconds), else None (torch's default)."""
+    if timeout is not None:
+        return _as_timedelta(timeout, "timeout")
+    from_env = get_setting("PROCESS_GROUP_TIMEOUT")
+    return None if from_env is None else _as_timedelta(from_env, "ACCEL_PROCESS_GROUP_TIMEOUT")
+
+
+def group_timeout() -> timedelta:
+    """The timeout of the initialized default process group (one the user may have created)."""
+    backend = dist.get_backend()
+    device = torch.device("cuda" if "nccl" in backend else "cpu")
+    try:
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(backend)
+
+
+def local_rank() -> int:
+    """This process's index on its machine in the initialized group: LOCAL_RANK, else its rank (a group the user
+    made may come without LOCAL_RANK)."""
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
+def device_for(distributed: bool, use_cuda: bool, local_process_index: int) -> torch.device:
+    """ACCEL_TORCH_DEVICE if set, else cpu, the current CUDA device (one process) or cuda:LOCAL_RANK."""
+    forced = get_setting("TORCH_DEVICE")
+    if forced is not None:
+        return torch.device(forced)
+    if not use_cuda:
+        return torch.device("cpu")
+    index = local_process_index % torch.cuda.device_count() if distributed else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def start_process_group(backend: str, timeout: timedelta | None, device: torch.device, kwargs: dict) -> None:
+    """Initializes the default group on `backend` (its CUDA device set first); a backend this torch build lacks
+    is refused, naming the one to use."""
+    if ":" not in backend and not dist.is_backend_available(backend):
+        fallback = "nccl" if device.type == "cuda" else "gloo"
+        raise ValueError(f"The backend {backend!r} is not available in this torch build; use {fallback!r}.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+
+
+def barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool) -> None:
+    """A barrier bounded by `timeout`; in debug mode on gloo, the error names the ranks that did not arrive."""
+    if debug and backend == "gloo":
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+    elif device.type == "cuda":
+        dist.barrier(device_ids=[device.index], timeout=timeout)
+    else:
+        dist.barrier(timeout=timeout)
+
+
+def default_group_barrier() -> None:
+    """`barrier` on the initialized default group, bounded by the group's own timeout, on the device `PartialState`
+    gives this process (the same inputs: the backend, LOCAL_RANK, ACCEL_TORCH_DEVICE)."""
+    backend = dist.get_backend()
+    device = device_for(True, "nccl" in backend, local_rank())
+    barrier(backend, device, group_timeout(), debug=False)
