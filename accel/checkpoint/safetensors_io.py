@@ -29,7 +29,6 @@ import torch
 
 from accel import _ext, ops
 from accel.checkpoint.atomic_files import create_exclusive, remove_quietly, rename_into_place, temporary_name
-from accel.checkpoint.atomic_files import fsync_directory  # noqa: F401 - accel.tracking.jsonl_tracker imports it from here
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {

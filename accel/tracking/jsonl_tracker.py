@@ -62,7 +62,7 @@ class JSONLTracker(GeneralTracker):
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
         """Writes `config.json` (flattened, plain values) atomically: a temporary file renamed over it."""
-        from accel.checkpoint.safetensors_io import fsync_directory, temporary_name
+        from accel.checkpoint.atomic_files import fsync_directory, temporary_name
 
         text = json.dumps(plain_config(values), indent=2, sort_keys=True)
         path = os.path.join(self.logging_dir, CONFIG_FILE)
