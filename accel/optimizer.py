@@ -6,9 +6,9 @@ import inspect
 from typing import Any, Callable
 
 import torch
-from torch.amp.grad_scaler import OptState
 
 from accel import availability
+from accel.precision import scaler as scaler_record
 from accel.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
 
@@ -120,13 +120,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.optimizer.step(closure)
             return
         self.scaler.step(self.optimizer, closure)
-        # torch's record of this iteration, per optimizer (cleared by update()).
-        states = self.scaler._per_optimizer_states
-        self._is_overflow = sum(v.item() for v in states[id(self.optimizer)]["found_inf_per_device"].values()) > 0
+        self._is_overflow = scaler_record.found_inf(self.scaler, self.optimizer)
         # Another optimizer sharing the scaler was unscaled (clip_grad_norm_ unscales all) but has not stepped:
         # updating now would forget that, and its step would divide its gradients by the scale a second time
-        # (HF Accelerate does that). The last of them updates; `update_pending_scale` catches a missing one.
-        if not any(state["stage"] is OptState.UNSCALED for key, state in states.items() if key != id(self.optimizer)):
+        # (HF Accelerate does that). The last of them updates; the fp16 policy's next backward makes a missing update.
+        if not scaler_record.unscaled_but_not_stepped(self.scaler, self.optimizer):
             self.scaler.update()
 
     def train(self) -> None:

@@ -261,3 +261,30 @@ def test_clip_grad_norm_after_backward_matches_torchs_unscale_and_clip(param_dty
         else:
             atol = 2**-24 if param_dtype == torch.float16 else 0  # one step of fp16's subnormals
             torch.testing.assert_close(ours, theirs.grad, rtol=rtol, atol=atol)
+
+
+# --- the seams ---------------------------------------------------------------------------------------------------
+
+
+def test_policies_and_strategies_fill_their_base_classes():
+    from accel.precision import PRECISIONS, BF16Precision, FP16Precision
+    from accel.precision.base import Precision
+    from accel.strategies import STRATEGIES, DDPStrategy, SingleDeviceStrategy, Strategy
+
+    assert all(issubclass(policy, Precision) for policy in PRECISIONS.values())
+    assert all(issubclass(strategy, Strategy) for strategy in STRATEGIES.values())
+    assert not issubclass(FP16Precision, BF16Precision) and not issubclass(DDPStrategy, SingleDeviceStrategy)
+    with pytest.raises(TypeError, match="abstract"):
+        Precision(torch.device("cpu"))
+    with pytest.raises(TypeError, match="abstract"):
+        Strategy(None)
+
+
+def test_torchs_private_scaler_fields_are_read_in_one_module():
+    from pathlib import Path
+
+    import accel
+    from accel.precision import scaler
+
+    readers = [path for path in Path(accel.__file__).parent.rglob("*.py") if "._per_optimizer_states" in path.read_text()]
+    assert readers == [Path(scaler.__file__)]

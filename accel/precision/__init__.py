@@ -1,8 +1,9 @@
 """Mixed-precision policies: how the forward runs and how the loss goes backward.
 
-One object per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with a gradient scaler
-(torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF Accelerate silently
-runs "fp16" in fp32 on the CPU, without autocast or scaler). fp8 is refused (UnsupportedFeatureError). amp.py: HF's get_mixed_precision_context_manager / get_grad_scaler.
+One `Precision` (base.py) per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with a
+gradient scaler (torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF
+Accelerate silently runs "fp16" in fp32 on the CPU, without autocast or scaler). fp8 is refused
+(UnsupportedFeatureError). amp.py: HF's get_mixed_precision_context_manager / get_grad_scaler.
 """
 
 from __future__ import annotations
@@ -13,47 +14,30 @@ import types
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 
-from accel.pytree import convert_to_fp32
+from accel.precision.base import Precision
 from accel.precision.grads import Measured
-from accel.precision.scaler import FusedGradScaler
+from accel.precision.scaler import FusedGradScaler, stepped_without_update
+from accel.pytree import convert_to_fp32
 from accel.unsupported import refuse
 
 
-class FullPrecision:
+class FullPrecision(Precision):
     """`mixed_precision="no"`: fp32 forward, plain backward."""
 
     name = "no"
-    scaler = None  # the gradient scaler (fp16 only)
-
-    def __init__(self, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None):
-        self.device = device
-        self.autocast_kwargs = autocast_kwargs or {}
 
     def autocast(self, autocast_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
-        """The forward's autocast context; `autocast_kwargs` replaces the Accelerator's AutocastKwargs."""
         return contextlib.nullcontext()
 
     def wrap_forward(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
 
-    def unscale(self, optimizers: list[torch.optim.Optimizer]) -> Measured:
-        """Divides the optimizers' gradients by the loss scale; returns the gradient norms measured doing so.
+class AutocastPrecision(Precision):
+    """The forward under torch.autocast(`dtype`), its outputs returned in fp32 (what bf16 and fp16 share)."""
 
-        Without a scaler there is nothing to divide and nothing measured.
-        """
-        return Measured()
-
-
-class BF16Precision(FullPrecision):
-    """`mixed_precision="bf16"`: the forward under torch.autocast(bfloat16), its outputs returned in fp32."""
-
-    name = "bf16"
-    dtype = torch.bfloat16
+    dtype: torch.dtype
 
     def autocast(self, autocast_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
         kwargs = self.autocast_kwargs if autocast_kwargs is None else autocast_kwargs
@@ -73,7 +57,14 @@ class BF16Precision(FullPrecision):
         return model
 
 
-class FP16Precision(BF16Precision):
+class BF16Precision(AutocastPrecision):
+    """`mixed_precision="bf16"`: the forward under torch.autocast(bfloat16), its outputs returned in fp32."""
+
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+class FP16Precision(AutocastPrecision):
     """`mixed_precision="fp16"`: the forward under torch.autocast(float16), the loss scaled before backward.
 
     The scaler is torch's `GradScaler` for this device type (CPU too), unscaling with the fused kernel
@@ -95,8 +86,7 @@ class FP16Precision(BF16Precision):
     def _update_if_pending(self) -> None:
         # An optimizer stepped while another one, unscaled, did not (AcceleratedOptimizer.step then waits for
         # it): the new iteration starts with the update the last iteration did not make.
-        states = self.scaler._per_optimizer_states
-        if any(state["stage"] is OptState.STEPPED for state in states.values()):
+        if stepped_without_update(self.scaler):
             self.scaler.update()
 
     def unscale(self, optimizers: list[torch.optim.Optimizer]) -> Measured:
@@ -106,7 +96,7 @@ class FP16Precision(BF16Precision):
         return measured
 
 
-def autocast_forward(forward: Any, precision: FullPrecision) -> Any:
+def autocast_forward(forward: Any, precision: Precision) -> Any:
     """`forward(module, ...)` under the precision's autocast, outputs in fp32; to be bound with MethodType.
 
     A plain function (not a callable object): torch.compile must find its source to trace the forward.
@@ -133,7 +123,7 @@ PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision, "fp16": FP16Precision}
 
 
 def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None,
-                  scaler_kwargs: dict | None = None) -> FullPrecision:
+                  scaler_kwargs: dict | None = None) -> Precision:
     if mixed_precision == "fp8":
         raise refuse("FP8 training", "mixed_precision='fp8'", "Use mixed_precision='bf16' or 'fp16' (or 'no').")
     return PRECISIONS[mixed_precision](device, autocast_kwargs, scaler_kwargs)

@@ -4,6 +4,9 @@ It is torch's `GradScaler` in every other respect (scale, update, state_dict, sk
 checkpoints that know torch's scaler keep working. Two differences: gradients of fp16 parameters are unscaled
 instead of refused (torch raises "Attempting to unscale FP16 gradients"; the arithmetic is fp32 either way), and
 inside `measuring()` the sums of squares measured while unscaling are kept for the clip that follows.
+
+torch's private scaler fields (the per-optimizer record of an iteration) are read here only: the functions at the
+end answer what the optimizer wrapper and the fp16 policy need to know about any torch `GradScaler`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
-from torch.amp.grad_scaler import _MultiDeviceReplicator
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 
 from accel.precision import grads as grad_ops
 
@@ -70,3 +73,23 @@ class FusedGradScaler(torch.amp.GradScaler):
                     grad = grad._values()
                 by_device[grad.device].append(grad)
         return by_device
+
+
+# --- what an iteration did, from torch's per-optimizer record (cleared by `update()`) ------------------------------
+
+
+def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s gradients held inf/nan in this iteration (its step was then skipped)."""
+    record = scaler._per_optimizer_states[id(optimizer)]
+    return sum(value.item() for value in record["found_inf_per_device"].values()) > 0
+
+
+def unscaled_but_not_stepped(scaler: torch.amp.GradScaler, except_optimizer: torch.optim.Optimizer) -> bool:
+    """Whether another optimizer than `except_optimizer` was unscaled in this iteration and has not stepped yet."""
+    return any(record["stage"] is OptState.UNSCALED
+               for key, record in scaler._per_optimizer_states.items() if key != id(except_optimizer))  # fmt: skip
+
+
+def stepped_without_update(scaler: torch.amp.GradScaler) -> bool:
+    """Whether an optimizer stepped in this iteration and the scale has not been updated since."""
+    return any(record["stage"] is OptState.STEPPED for record in scaler._per_optimizer_states.values())

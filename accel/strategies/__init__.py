@@ -6,7 +6,9 @@ New setups (FSDP) register here.
 
 from __future__ import annotations
 
+from accel.settings import DistributedDataParallelKwargs
 from accel.state import DistributedType, PartialState
+from accel.strategies.base import Strategy
 from accel.strategies.ddp import DDPStrategy
 from accel.strategies.single import SingleDeviceStrategy
 
@@ -17,12 +19,13 @@ STRATEGIES = {
 }
 
 
-def strategy_for(state: PartialState, ddp_kwargs=None) -> SingleDeviceStrategy:
+def strategy_for(state: PartialState, ddp_kwargs: DistributedDataParallelKwargs | None = None) -> Strategy:
+    """The strategy of `state`'s distributed type (`ddp_kwargs` configure DDP where it is used)."""
     try:
         strategy = STRATEGIES[state.distributed_type]
     except KeyError:
         raise NotImplementedError(f"{state.distributed_type} is not supported by accel yet") from None
-    return strategy(state, ddp_kwargs)
+    return strategy(state, ddp_kwargs) if issubclass(strategy, DDPStrategy) else strategy(state)
 
 
-__all__ = ["DDPStrategy", "SingleDeviceStrategy", "STRATEGIES", "strategy_for"]
+__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "strategy_for"]

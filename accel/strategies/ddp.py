@@ -9,10 +9,17 @@ import torch
 
 from accel.collectives import uneven
 from accel.settings import DistributedDataParallelKwargs
-from accel.strategies.single import SingleDeviceStrategy, compile_model
+from accel.strategies.base import Strategy, compile_model
 
 
-class DDPStrategy(SingleDeviceStrategy):
+class DDPStrategy(Strategy):
+    """Several processes, each with the whole model wrapped in torch's DistributedDataParallel.
+
+    Args:
+        state: The process state.
+        ddp_kwargs: The Accelerator's `DistributedDataParallelKwargs` (DDP's arguments and communication hook).
+    """
+
     def __init__(self, state, ddp_kwargs: DistributedDataParallelKwargs | None = None):
         super().__init__(state)
         self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
@@ -45,7 +52,6 @@ class DDPStrategy(SingleDeviceStrategy):
         if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         return contextlib.nullcontext()
-
 
 
 def _refuse_to_train_in_uneven_step(module: torch.nn.parallel.DistributedDataParallel, args) -> None:
