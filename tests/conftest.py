@@ -2,7 +2,9 @@
 
 After every test: the accel singletons are reset; a test that left environment variables changed, a process group
 initialized, child processes alive or new /dev/shm entries fails (at teardown) naming what leaked, after the leak
-is undone. `@pytest.mark.gpu` tests are skipped without CUDA.
+is undone. The hardware and build a test needs is a marker, checked here once: `@pytest.mark.gpu` (a CUDA device),
+`@pytest.mark.native` (accel's native extension loaded), `@pytest.mark.native_cuda` (a CUDA device and accel's CUDA
+kernels); a test that needs what is missing is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import spawn_pool
+from accel import _ext
 from accel.state import AcceleratorState, GradientState, PartialState
 
 SHM_DIR = "/dev/shm"
@@ -24,9 +27,23 @@ _TORCH_SET_ONCE = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TORCH_WARM_P
                    "CUBLAS_WORKSPACE_CONFIG")
 
 
+def _missing(marker: str) -> str | None:
+    """Why a test marked `marker` cannot run here, or None when it can."""
+    status = _ext.status()
+    if marker in ("gpu", "native_cuda") and not torch.cuda.is_available():
+        return "needs a CUDA device"
+    if marker in ("native", "native_cuda") and not status.loaded:
+        return f"native extension not loaded: {status.reason}"
+    if marker == "native_cuda" and not status.cuda_kernels:
+        return "needs accel's CUDA kernels (this build has none)"
+    return None
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    for marker in ("gpu", "native", "native_cuda"):
+        reason = _missing(marker) if item.get_closest_marker(marker) is not None else None
+        if reason is not None:
+            pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True, scope="session")

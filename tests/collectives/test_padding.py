@@ -6,11 +6,9 @@ import pytest
 import torch
 from spawn_pool import run_on_ranks
 
-from accel import _ext
 from accel.collectives import DistributedOperationException, pad_across_processes, pad_reference, pad_tensor
 from accel.state import PartialState
 
-NATIVE = _ext.status().loaded
 Pair = namedtuple("Pair", "first second")
 
 
@@ -45,7 +43,7 @@ def _native_vs_reference():
     return pad_across_processes(tensor, pad_index=float("nan")), tensor
 
 
-@pytest.mark.skipif(not NATIVE, reason="native extension not loaded")
+@pytest.mark.native
 def test_native_result_on_ranks_is_the_reference_bit_for_bit():
     for padded, tensor in run_on_ranks(_native_vs_reference, 2):
         expected = pad_reference(tensor, 0, 8, float("nan"))
@@ -89,14 +87,14 @@ def test_zero_dim_is_the_same_error_in_both_modes():
         pad_tensor(torch.tensor(1.0), 0, 2)
 
 
-@pytest.mark.skipif(not NATIVE, reason="native extension not loaded")
+@pytest.mark.native
 def test_overlapping_src_and_out_are_refused():
     buffer = torch.zeros(6)
     with pytest.raises(RuntimeError, match="refer to a single memory location"):
         torch.ops.accel.pad_into(buffer[:4], 0, 0, True, buffer)
 
 
-@pytest.mark.skipif(not NATIVE, reason="native extension not loaded")
+@pytest.mark.native
 def test_the_fake_kernel_traces_and_checks_shapes():
     from accel import ops
 

@@ -12,10 +12,6 @@ import torch
 from accel import _ext
 from accel.precision import grads as grad_ops
 
-NATIVE = _ext.status().loaded
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native extension not loaded: {_ext.status().reason}")
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and NATIVE and _ext.status().cuda_kernels),
-                                reason="needs a GPU and accel's CUDA kernels")  # fmt: skip
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INV_SCALES = [1.0, 2.0**-16, 0.37, 4.0]  # 1: the read-only path; 4: fp16 values may overflow *after* the check
 
@@ -87,7 +83,7 @@ def check_parity(grads, inv_scale, found_inf_init=0.0):
     return actual_inf.item()
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
 @pytest.mark.parametrize("dtypes", [[d] for d in DTYPES] + [DTYPES], ids=lambda d: "+".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("inv_scale", INV_SCALES)
@@ -96,7 +92,7 @@ def test_unscale_matches_torch_bit_for_bit(kind, dtypes, inv_scale):
     assert check_parity(grads, inv_scale) == 0.0
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", ["first", "last", "middle"])
 @pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
@@ -107,13 +103,13 @@ def test_inf_and_nan_set_found_inf_as_torch_does(value, where, kind):
     assert check_parity(grads, 2.0**-10) == 1.0
 
 
-@needs_native
+@pytest.mark.native
 def test_found_inf_is_set_never_cleared():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(1))
     assert check_parity(grads, 0.5, found_inf_init=1.0) == 1.0
 
 
-@needs_native
+@pytest.mark.native
 def test_empty_lists_and_empty_tensors():
     found_inf, sq_norms = torch.zeros(()), torch.empty(0, dtype=torch.float64)
     torch.ops.accel.unscale_grads_([], found_inf, torch.tensor(0.5), sq_norms)
@@ -136,7 +132,7 @@ def tiny_bf16_values(count, generator):
     return values
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("inv_scale", [2.0**-16, 0.37, 1.0, 4.0])
 def test_bf16_values_near_the_denormal_range_match_torch_bit_for_bit(inv_scale):
     """Where the CPU narrows bf16 with AVX512-BF16's instruction, which flushes denormals (torch rounds them), a
@@ -154,7 +150,7 @@ def test_bf16_values_near_the_denormal_range_match_torch_bit_for_bit(inv_scale):
     assert all(same_bits(a, p.grad) for a, p in zip(actual, params))
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_results_do_not_depend_on_the_number_of_threads(dtype):
     """Threads claim chunks of the gradients in whatever order they get to run; each chunk's sum still lands in
@@ -174,7 +170,7 @@ def test_results_do_not_depend_on_the_number_of_threads(dtype):
     assert torch.equal(serial[2], parallel[2])
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("dtypes", [[d] for d in DTYPES] + [DTYPES], ids=lambda d: "+".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("norm", [0.5, 3.0, 1e4, float("inf"), float("nan")])
 def test_clip_matches_torch_bit_for_bit_given_the_norm(dtypes, norm):
@@ -190,7 +186,7 @@ def test_clip_matches_torch_bit_for_bit_given_the_norm(dtypes, norm):
         assert same_bits(a, p.grad)
 
 
-@needs_native
+@pytest.mark.native
 # Two units in the last place of each dtype: torch's norm and clip coefficient are rounded to it, ours are fp32.
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2**-9), (torch.bfloat16, 2**-6)])
 @pytest.mark.parametrize("max_norm", [1.0, 1e9])
@@ -209,7 +205,7 @@ def test_clip_grad_norm_agrees_with_torch_to_rounding(dtype, rtol, max_norm):
         torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=1e-6)
 
 
-@needs_native
+@pytest.mark.native
 def test_an_fp16_norm_above_65504_does_not_overflow():
     """torch takes fp16 norms in fp16: past 65504 the norm is inf and clipping zeroes every gradient."""
     params = [torch.nn.Parameter(torch.empty(4096, dtype=torch.float16)) for _ in range(3)]
@@ -221,7 +217,7 @@ def test_an_fp16_norm_above_65504_does_not_overflow():
     torch.testing.assert_close(clipped, torch.full_like(clipped, 1000.0 / norm.item()), rtol=1e-3, atol=0)
 
 
-@needs_native
+@pytest.mark.native
 def test_the_clip_reuses_the_norms_measured_by_the_unscale():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(5))
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
@@ -248,7 +244,7 @@ def test_grads_the_kernels_do_not_take_go_through_torch():
     grads = [g.clone() for g in odd]
     measured = grad_ops.unscale_(grads, torch.zeros(()), torch.tensor(0.5))
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
-    assert len(measured) == (1 if NATIVE else 0)  # only the contiguous fp32 one is fused
+    assert len(measured) == (1 if _ext.status().loaded else 0)  # only the contiguous fp32 one is fused
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in odd]
     for p, g in zip(params, grads):
         p.grad = g
@@ -265,7 +261,7 @@ def test_clip_grad_norm_with_no_gradients_is_zero_like_torch():
     assert grad_ops.clip_grad_norm_(params, 1.0).item() == torch.nn.utils.clip_grad_norm_(params, 1.0).item() == 0.0
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -285,20 +281,20 @@ def test_bad_input_names_the_problem_and_changes_nothing(args, message):
     assert all(torch.equal(a.to_dense(), b.to_dense()) for a, b in zip(grads, before))
 
 
-@needs_native
+@pytest.mark.native
 def test_clip_bad_input():
     with pytest.raises(RuntimeError, match="total_norm must be a one-element float32"):
         torch.ops.accel.clip_grads_([torch.ones(3)], torch.tensor([1.0, 2.0]), 1.0)
 
 
-@needs_native
+@pytest.mark.native
 def test_opcheck_unscale_grads():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(7))
     args = (grads, torch.zeros(()), torch.tensor(0.5), torch.empty(len(grads), dtype=torch.float64))
     torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
 
 
-@needs_native
+@pytest.mark.native
 def test_opcheck_clip_grads():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(8))
     torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0), 1.0))
@@ -322,7 +318,7 @@ CAPABILITY_CHECK = textwrap.dedent(
 )
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("capability", ["DEFAULT", "AVX2"])
 def test_every_cpu_instruction_set_matches_torch(capability):
     """The kernels torch's ATEN_CPU_CAPABILITY selects (this machine's best one runs in the tests above)."""
@@ -337,7 +333,7 @@ def test_every_cpu_instruction_set_matches_torch(capability):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.native_cuda
 @pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
 @pytest.mark.parametrize("inv_scale", INV_SCALES)
 def test_cuda_unscale_matches_torch(kind, inv_scale):
@@ -349,7 +345,7 @@ def test_cuda_unscale_matches_torch(kind, inv_scale):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.native_cuda
 def test_cuda_bf16_unscale_matches_the_cpu_kernel():
     grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(13))
     cpu, cpu_inf, cpu_sq = native_unscale(grads, 0.37)
@@ -359,7 +355,7 @@ def test_cuda_bf16_unscale_matches_the_cpu_kernel():
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.native_cuda
 @pytest.mark.parametrize("norm", [0.5, 1e4, float("nan")])
 def test_cuda_clip_matches_torch(norm):
     grads = gradient_set("mixed", [torch.float32, torch.float16, torch.bfloat16], torch.Generator().manual_seed(14),
@@ -375,7 +371,7 @@ def test_cuda_clip_matches_torch(norm):
 
 
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.native_cuda
 def test_cuda_opcheck():
     grads = gradient_set("mixed", [torch.float32, torch.float16], torch.Generator().manual_seed(15), device="cuda")
     args = (grads, torch.zeros((), device="cuda"), torch.tensor(0.5, device="cuda"),

@@ -8,9 +8,6 @@ import torch
 from accel import _ext
 from accel.collectives import pad_reference, pad_tensor
 
-NATIVE = _ext.status().loaded
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native extension not loaded: {_ext.status().reason}")
-
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
@@ -48,7 +45,7 @@ def native_pad(tensor, dim, size, pad_value, pad_first):
     return out
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("shape,dtype,dim,pad_first", list(cases()), ids=str)
 def test_native_matches_reference(shape, dtype, dim, pad_first):
     generator = torch.Generator().manual_seed(0)
@@ -60,7 +57,7 @@ def test_native_matches_reference(shape, dtype, dim, pad_first):
             assert same_bits(native_pad(src, dim, size, pad_value, pad_first), expected)
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("num_threads", [2, 7])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_native_parallel_chunks_match_reference(num_threads, dim):
@@ -77,7 +74,7 @@ def test_native_parallel_chunks_match_reference(num_threads, dim):
         torch.set_num_threads(previous)
 
 
-@needs_native
+@pytest.mark.native
 def test_native_reads_non_contiguous_src_and_writes_into_a_buffer_view():
     src = torch.arange(24, dtype=torch.int32).view(4, 6).t()  # non-contiguous (6, 4)
     buffer = torch.full((100,), 99, dtype=torch.int32)
@@ -100,7 +97,7 @@ def test_reference_keeps_dtype_where_hf_promotes():
     assert padded.dtype == torch.bool and padded.tolist() == [True, False, True]
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize(
     "src,dim,out,message",
     [
@@ -119,19 +116,19 @@ def test_native_rejects_bad_input_with_a_clear_message(src, dim, out, message):
     assert same_bits(out, before)  # nothing written
 
 
-@needs_native
+@pytest.mark.native
 def test_native_rejects_out_of_range_dim():
     with pytest.raises(IndexError, match="Dimension out of range"):
         torch.ops.accel.pad_into(torch.zeros(2, 3), 2, 0, False, torch.zeros(2, 3))
 
 
-@needs_native
+@pytest.mark.native
 def test_native_rejects_pad_value_that_overflows_dtype():
     with pytest.raises(RuntimeError, match="overflow"):
         native_pad(torch.zeros(2, dtype=torch.int8), 0, 3, 1000, False)
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize(
     "src,dim,size,pad_value,pad_first",
     [
@@ -150,7 +147,7 @@ def test_opcheck(src, dim, size, pad_value, pad_first):
 
 
 @pytest.mark.gpu
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_matches_reference(dtype):
     if not _ext.native_for("pad_into", "cuda"):
