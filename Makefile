@@ -11,8 +11,10 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40" "hypothesis>=6" \
 	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0"
 PYTEST_ARGS ?= -q -p no:cacheprovider
+# pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
+BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model cuda-check shm-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model cuda-check shm-check gpu-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -47,7 +49,7 @@ test-pure: $(PURE_VENV)/.installed
 	ACCEL_EXPECT_NATIVE=0 ACCEL_EXPECT_PURE_INSTALL=1 $(PURE_VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench: setup
-	$(VENV)/bin/pytest benchmarks/bench_*.py --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
+	$(VENV)/bin/pytest benchmarks/bench_*.py $(BENCH_ARGS)
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
 # regenerates docs/benchmarks/gather.md and gather.png.
@@ -57,8 +59,7 @@ bench-gather: setup
 	mkdir -p build
 	for n in 2 4; do \
 	  $(VENV)/bin/accel launch --cpu --num_processes $$n benchmarks/ranked_pytest.py benchmarks/bench_gather.py \
-	    --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds \
-	    --benchmark-json=build/bench-gather-$$n.json \
+	    $(BENCH_ARGS) --benchmark-json=build/bench-gather-$$n.json \
 	    || exit 1; \
 	done
 	$(VENV)/bin/python tools/bench_gather_report.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
@@ -69,8 +70,7 @@ bench-gather: setup
 bench-unscale: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
-	$(VENV)/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -q \
-	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-unscale.json
+	$(VENV)/bin/pytest benchmarks/bench_unscale.py $(BENCH_ARGS) --benchmark-json=build/bench-unscale.json
 	$(VENV)/bin/python tools/bench_unscale_report.py $(BENCH_OUT) build/bench-unscale.json
 
 # Saving and loading 256 MiB / 1 GiB of weights against HF Accelerate (installed into the venv), torch and the
@@ -78,8 +78,7 @@ bench-unscale: setup
 bench-checkpoint: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
-	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -q \
-	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-checkpoint.json
+	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py $(BENCH_ARGS) --benchmark-json=build/bench-checkpoint.json
 	$(VENV)/bin/python tools/bench_checkpoint_report.py $(BENCH_OUT) build/bench-checkpoint.json
 
 # load_checkpoint_and_dispatch of 1 GiB against HF Accelerate (installed into the venv): time and peak memory;
@@ -87,8 +86,7 @@ bench-checkpoint: setup
 bench-big-model: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0
 	mkdir -p build
-	$(VENV)/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider -q \
-	  --benchmark-columns=median,iqr,rounds --benchmark-json=build/bench-big-model.json
+	$(VENV)/bin/pytest benchmarks/bench_big_model.py $(BENCH_ARGS) --benchmark-json=build/bench-big-model.json
 	$(VENV)/bin/python benchmarks/bench_big_model.py $(BENCH_OUT) build/bench-big-model.json
 
 cuda-check:
@@ -97,6 +95,11 @@ cuda-check:
 # The C++ tests of the shared-memory protocol: plain, ThreadSanitizer, AddressSanitizer + UBSan.
 shm-check:
 	tools/shm_ctest.sh
+
+# On a machine with a GPU and a CUDA build of torch (in PYTHON, default python3): builds the CUDA kernels and runs
+# the GPU-marked tests; fails on any failure. Not part of `ci` (CI machines have no GPU).
+gpu-check:
+	PYTHON=$(PYTHON) tools/gpu_check.sh
 
 ci: test cuda-check shm-check
 
