@@ -51,4 +51,9 @@ TORCH_LIBRARY(accel, m) {
   // dim than on some rank (HF's semantics), and their indices in `leaves`.
   m.def("shm_pad_across_processes(int group, Tensor[] leaves, int dim, Scalar pad_value, bool pad_first) -> (Tensor[], int[])",
         {at::Tag::dynamic_output_shape});
+
+  // out[i] = parts[0][i] op parts[1][i] op ... in that fixed order (cpu/reduce_in_order.cpp): the arithmetic of
+  // accel's shared-memory process group. op: sum, avg, product, min, max, band, bor, bxor, premul_sum (the sum
+  // times factor); fp16/bf16 combine in fp32 and round once.
+  m.def("reduce_in_order_(Tensor[] parts, str op, Tensor(a!) out, float factor=1.0) -> ()");
 }
