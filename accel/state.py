@@ -9,7 +9,8 @@ Three singletons share their state between all instances (Alex Martelli's "Borg"
 The process group comes from the environment `torchrun` (`accel launch`) exports: RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`).
 Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
-processes simply use gloo on the CPU.
+processes simply use gloo on the CPU. When they all run on one host, the group's CPU collectives then go through
+shared memory instead of TCP (`accel.collectives.shm_process_group`; ACCEL_TRANSPORT=torch keeps plain gloo).
 """
 
 from __future__ import annotations
@@ -101,6 +102,14 @@ SharedDict = dict
 
 
 # --- Resolving the environment once ------------------------------------------------------------------------------
+
+
+def _share_memory_on_one_host() -> None:
+    """Makes the gloo group just started move CPU tensors through shared memory when its processes share a host
+    (collective: every rank decides with the others; the group stays gloo where they cannot)."""
+    from accel.collectives.shm_process_group import share_memory_in_default_group
+
+    share_memory_in_default_group()
 
 
 def _distributed_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
@@ -255,6 +264,8 @@ class PartialState:
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
             device = process_group.device_for(True, use_cuda, local_rank)
             process_group.start_process_group(backend, timeout, device, kwargs)
+            if backend == "gloo":
+                _share_memory_on_one_host()
         if dist.is_initialized():
             fields = _distributed_fields(use_cuda, timeout)
         else:

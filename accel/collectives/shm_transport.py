@@ -4,9 +4,10 @@ Processes on one host do not need TCP. Each rank owns one shared-memory segment 
 protocol is `csrc/shm/`, the tensor side `csrc/cpu/shm_transport.cpp`); a gather of a whole pytree is one
 `accel::shm_all_gather` call, where gloo needs a shape exchange plus a collective per leaf.
 
-A group uses it only when every rank agrees that it can: the same host and /dev/shm (compared, not assumed
-from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead-peer detection uses pids), the native
-extension loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. The decision and the segments'
+A group uses it only when every rank agrees that it can (`accel.collectives.same_host`, the rules the shared-memory
+process group follows too): the same host and /dev/shm (compared, not assumed from LOCAL_WORLD_SIZE), the same
+mount and pid namespaces (dead-peer detection uses pids), the native extension loaded everywhere, and no rank
+asking for `ACCEL_TRANSPORT=torch`. The decision and the segments'
 setup are collective and run once per process group, at its first collective; every rank reaches the same
 decision, or they would wait in different transports. `ACCEL_TRANSPORT=shm` makes ineligibility an error
 (benchmarks, debugging). `ACCEL_SHM_SLOT_BYTES` is the data one round carries per rank (default 4 MiB; each of
@@ -24,10 +25,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import pickle
-import secrets
-import socket
 import warnings
 from typing import Any
 
@@ -35,19 +33,11 @@ import torch
 import torch.distributed as dist
 
 from accel import _ext, ops
-from accel._env import get_setting
+from accel.collectives import same_host
+from accel.collectives.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
 from accel.collectives.transport import REDUCE_OPS, TorchDistributedTransport, Transport, reduce_in_dtype
 
-TRANSPORT_CHOICES = ("auto", "shm", "torch")
 DEFAULT_SLOT_BYTES = 4 << 20
-
-
-def requested_transport() -> str:
-    """ACCEL_TRANSPORT: "auto" (default), "shm" or "torch"."""
-    choice = (get_setting("TRANSPORT") or "auto").strip().lower()
-    if choice not in TRANSPORT_CHOICES:
-        raise ValueError(f"ACCEL_TRANSPORT={choice!r}: expected one of {', '.join(TRANSPORT_CHOICES)}")
-    return choice
 
 
 # Room in each slot for a call's header on top of the data: a payload of exactly ACCEL_SHM_SLOT_BYTES (4 MiB,
@@ -56,73 +46,7 @@ HEADER_ROOM = 4096
 
 
 def _slot_bytes() -> int:
-    value = get_setting("SHM_SLOT_BYTES")
-    slot = int(value) if value else DEFAULT_SLOT_BYTES
-    if slot < 4096:
-        raise ValueError(f"ACCEL_SHM_SLOT_BYTES={value}: a slot holds at least 4096 bytes")
-    return slot + HEADER_ROOM
-
-
-def _inode(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def _cpu_quota() -> int | None:
-    """The CPUs a cgroup v2 quota (cpu.max) grants this process, rounded up; None without a quota."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as file:
-            quota, period = file.read().split()
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else max(1, -(-int(quota) // int(period)))
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as file:
-            return file.read().strip()
-    except OSError:
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Facts:
-    """What one rank tells the others before they decide together."""
-
-    host: tuple  # equal on every rank of a group that may share memory
-    native: bool
-    choice: str
-    token: str
-    cpus: frozenset  # the CPUs this rank may run on
-    cpu_quota: int | None
-
-
-def _host_identity() -> tuple:
-    namespaces = tuple(_inode(f"/proc/self/ns/{name}") for name in ("mnt", "pid"))
-    return socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces
-
-
-def _why_not(everyone: list[_Facts]) -> str | None:
-    """Why this group cannot use shared memory (None: it can); the same answer on every rank."""
-    if any(facts.choice == "torch" for facts in everyone):
-        return "ACCEL_TRANSPORT=torch"
-    if not all(facts.native for facts in everyone):
-        missing = [rank for rank, facts in enumerate(everyone) if not facts.native]
-        return f"the native extension is not loaded on process(es) {missing} (see `accel env`)"
-    if any(facts.host != everyone[0].host for facts in everyone):
-        return "the processes are not all on one host with a shared /dev/shm"
-    return None
-
-
-def _oversubscribed(everyone: list[_Facts]) -> bool:
-    """More ranks than the CPUs they can run on together (the same answer on every rank)."""
-    cpus = len(frozenset().union(*(facts.cpus for facts in everyone)))
-    quotas = [facts.cpu_quota for facts in everyone if facts.cpu_quota is not None]
-    return len(everyone) > min([cpus, *quotas])
+    return same_host.slot_bytes(DEFAULT_SLOT_BYTES) + HEADER_ROOM
 
 
 def _inputs(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -271,21 +195,19 @@ def close() -> None:
 atexit.register(close)
 
 
-def _facts(choice: str) -> _Facts:
-    from accel.cpu_affinity import inherited_cpus
-
+def _facts() -> same_host.Facts:
     # The newest op: an extension built before it cannot join (its protocol differs), so the group falls back.
     native = _ext.status().loaded and _ext.has_kernel("shm_pad_across_processes", "CompositeExplicitAutograd")
-    return _Facts(_host_identity(), native, choice, secrets.token_hex(16), inherited_cpus(), _cpu_quota())
+    return same_host.local_facts(native)
 
 
 def _open(group: Any) -> SharedMemoryTransport | None:
     reference = TorchDistributedTransport()
-    everyone = reference.all_gather_object(_facts(requested_transport()))
-    forced = any(facts.choice == "shm" for facts in everyone)
-    reason = _why_not(everyone)
+    everyone = reference.all_gather_object(_facts())
+    forced = same_host.forced(everyone)
+    reason = same_host.why_not(everyone)
     if reason is None:
-        transport, reason = _set_up(reference, everyone[0].token, _oversubscribed(everyone))
+        transport, reason = _set_up(reference, everyone[0].token, same_host.oversubscribed(everyone))
         if transport is not None:
             return transport
         if not forced:  # eligible, yet setting up failed (e.g. too little memory): worth saying, once

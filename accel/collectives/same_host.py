@@ -1,0 +1,112 @@
+"""Whether the processes of a group can share memory: one decision for the shared-memory transport
+(`accel.collectives.shm_transport`) and the shared-memory process group (`accel.collectives.shm_process_group`).
+
+Each rank states its facts (`local_facts`), the ranks exchange them, and every rank applies the same rules to the
+same list (`why_not`, `oversubscribed`), so all reach the same answer: one host and one /dev/shm (compared, not
+assumed from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead peers are found by pid), the native code
+loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. `ACCEL_TRANSPORT=shm` asks for an error instead
+of a fallback. Nothing here imports torch.distributed or the state: both users sit above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+
+from accel._env import get_setting
+
+TRANSPORT_CHOICES = ("auto", "shm", "torch")
+
+
+def requested_transport() -> str:
+    """ACCEL_TRANSPORT: "auto" (default), "shm" or "torch"."""
+    choice = (get_setting("TRANSPORT") or "auto").strip().lower()
+    if choice not in TRANSPORT_CHOICES:
+        raise ValueError(f"ACCEL_TRANSPORT={choice!r}: expected one of {', '.join(TRANSPORT_CHOICES)}")
+    return choice
+
+
+def slot_bytes(default: int) -> int:
+    """ACCEL_SHM_SLOT_BYTES (else `default`): the data one round of a shared-memory group carries per rank."""
+    value = get_setting("SHM_SLOT_BYTES")
+    slot = int(value) if value else default
+    if slot < 4096:
+        raise ValueError(f"ACCEL_SHM_SLOT_BYTES={value}: a slot holds at least 4096 bytes")
+    return slot
+
+
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What one rank tells the others before they decide together."""
+
+    host: tuple  # equal on every rank of a group that may share memory
+    native: bool  # the caller's native code is loaded here
+    choice: str  # ACCEL_TRANSPORT
+    token: str  # a fresh random name; rank 0's names the group's segments
+    cpus: frozenset  # the CPUs this rank may run on
+    cpu_quota: int | None
+
+
+def local_facts(native: bool) -> Facts:
+    """This rank's facts; `native` says whether the caller's native code is loaded here."""
+    from accel.cpu_affinity import inherited_cpus
+
+    return Facts(_host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(),
+                 _cpu_quota())  # fmt: skip
+
+
+def why_not(everyone: list[Facts]) -> str | None:
+    """Why this group cannot use shared memory (None: it can); the same answer on every rank."""
+    if any(facts.choice == "torch" for facts in everyone):
+        return "ACCEL_TRANSPORT=torch"
+    if not all(facts.native for facts in everyone):
+        missing = [rank for rank, facts in enumerate(everyone) if not facts.native]
+        return f"the native extension is not loaded on process(es) {missing} (see `accel env`)"
+    if any(facts.host != everyone[0].host for facts in everyone):
+        return "the processes are not all on one host with a shared /dev/shm"
+    return None
+
+
+def forced(everyone: list[Facts]) -> bool:
+    """Some rank asked for shared memory (ACCEL_TRANSPORT=shm): not getting it is an error, not a fallback."""
+    return any(facts.choice == "shm" for facts in everyone)
+
+
+def oversubscribed(everyone: list[Facts]) -> bool:
+    """More ranks than the CPUs they can run on together (the same answer on every rank)."""
+    cpus = len(frozenset().union(*(facts.cpus for facts in everyone)))
+    quotas = [facts.cpu_quota for facts in everyone if facts.cpu_quota is not None]
+    return len(everyone) > min([cpus, *quotas])
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _cpu_quota() -> int | None:
+    """The CPUs a cgroup v2 quota (cpu.max) grants this process, rounded up; None without a quota."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as file:
+            quota, period = file.read().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, -(-int(quota) // int(period)))
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            return file.read().strip()
+    except OSError:
+        return None
+
+
+def _host_identity() -> tuple:
+    namespaces = tuple(_inode(f"/proc/self/ns/{name}") for name in ("mnt", "pid"))
+    return socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces
