@@ -3,11 +3,19 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "python_types.h"
+
 extern "C" {
-// Importing accel._C only has to run the static registrations below, so the module is empty.
+// Importing accel._C runs the static registrations below; the module itself holds no op, only the process group
+// backend's class (a c10d::Backend has to reach Python as one, see cpu/shm_process_group.cpp).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && accel::add_python_types(module) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 

@@ -8,7 +8,7 @@ everything else to a gloo backend over the same store.
 
 When it is used: when `PartialState` (so `Accelerator` and `accel launch`) starts the default process group of CPU
 processes, it starts gloo as HF Accelerate does and then calls `share_memory_in_default_group()`: the ranks decide
-together, as the transport does (the same facts and rules: `accel.collectives.shm_transport`), whether they can share
+together, as the transport does (the same facts and rules: `accel.collectives.same_host`), whether they can share
 memory (one host, one /dev/shm, the native extension everywhere, no ACCEL_TRANSPORT=torch), and if so this backend
 becomes the group's CPU backend, with the gloo backend as its delegate. `torch.distributed.get_backend()` still says
 "gloo" (so does `PartialState.backend`, as in HF Accelerate), and everything torch does with the default group uses
@@ -30,7 +30,8 @@ Design decisions, measured on torch 2.13 (2 cores):
 - A C++ `c10d::Backend` (`csrc/cpu/shm_process_group.cpp`), not a Python `dist.ProcessGroup` subclass: DDP's
   reducer and FSDP2 call the backend from C++ through the c10d dispatcher, ~1.5 us per call on top of the work,
   while a Python subclass costs ~5 us to reach Python plus ~5 us for the native op it would call (GIL included).
-  Python constructs it as a TorchBind class (`torch.classes.accel.SharedMemoryBackend`), so no pybind11 module.
+  Python sets it up through `accel._C.SharedMemoryBackend`, a subclass of torch's `Backend` (so a group's
+  `_get_backend(cpu)` returns it with `options`, as gloo's).
 - Plugged in as the CPU backend of a c10d `ProcessGroup` (`ProcessGroup.setBackend`, what torch does for each device
   of a group), with gloo as its delegate: for the default group after gloo started (its name stays "gloo": torch's
   `monitored_barrier` and code that checks for gloo keep working), for named groups through the creator registered
@@ -56,39 +57,43 @@ import torch.distributed as dist
 
 from accel import _ext
 from accel._env import get_setting
-from accel.collectives import shm_transport
+from accel.collectives import same_host
 
 BACKEND = "accel"
-# All-reduces up to this many bytes run in one round, every rank reducing everything; larger ones as a
-# reduce-scatter then all-gather. Settable with ACCEL_SHM_ONE_SHOT_BYTES (rank 0's value is used).
-DEFAULT_ONE_SHOT_BYTES = 256 << 10
+# The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines).
+# Smaller than the transport's 4 MiB: a large all-reduce streams through the slots, and a chunk that stays in the
+# cache between being copied in and being reduced by every rank is what makes it fast. Measured on 2 ranks (2-core
+# Xeon), 32 MiB per rank: 7.0 ms with 4 MiB slots, 6.2 with 1 MiB, 5.2 with 512 KiB, 5.0 with 256 KiB; 4 MiB per
+# rank: 0.83, 0.74, 0.60, 0.63 ms.
+DEFAULT_SLOT_BYTES = 512 << 10
+# All-reduces up to this many bytes (ACCEL_SHM_ONE_SHOT_BYTES, rank 0's value) run one-shot, every rank reducing
+# every rank's data; larger ones as a reduce-scatter then an all-gather, each rank reducing its slice. Per byte of
+# payload a rank moves 3 + world bytes one-shot against about 5 + 1/world sliced, so on 2 ranks one-shot wins at every
+# size (32 MiB: 5.0 against 6.2 ms) and from 3 ranks the slices do (4 ranks on 2 cores, 32 MiB: 18.5 against 23.9 ms).
+ONE_SHOT_BYTES_FROM_THREE_RANKS = 256 << 10
 
 _registered = False
-_default: tuple[Any, Any] | None = None  # (the default group, its backend or None) once decided
 
 
 def share_memory_in_default_group() -> Any:
     """Makes this backend the default group's CPU backend when its ranks can share memory.
 
-    Collective: every rank of the default group (a gloo group of CPU processes) calls it right after starting the
-    group, and all reach the same outcome. Called by `PartialState` for the group it starts; calling it again for the
-    same group changes nothing.
+    Collective: every rank of the default group (a gloo group of CPU processes) calls it, and all reach the same
+    outcome. `PartialState` calls it for the group it starts. A group that shares memory already is returned as it
+    is (no collective then); one that stayed gloo decides again, so every rank must make the same calls.
 
     Returns:
-        The backend (a `torch.classes.accel.SharedMemoryBackend`; `rounds()` counts its shared-memory rounds), or None
-        when the group stays gloo.
+        The backend (an `accel._C.SharedMemoryBackend`; `rounds()` counts its shared-memory rounds), or None when
+        the group stays gloo.
     """
-    global _default
     group = dist.distributed_c10d._get_default_group()
-    if _default is not None and _default[0] is group:
-        return _default[1]
     cpu = group._get_backend(torch.device("cpu"))
-    backend = None
-    if group.size() > 1 and cpu.name() == "gloo":
-        store = dist.PrefixStore("accel/default/", dist.distributed_c10d._get_default_store())
-        backend = _share_memory(_StoreRounds(store, group.rank(), group.size()), group, cpu.options._timeout)
-    _default = (group, backend)
-    return backend
+    if cpu.name() == BACKEND:
+        return cpu
+    if group.size() == 1 or cpu.name() != "gloo":
+        return None
+    store = dist.PrefixStore("accel/default/", dist.distributed_c10d._get_default_store())
+    return _share_memory(_StoreRounds(store, group.rank(), group.size()), group, cpu.options._timeout)
 
 
 def register() -> None:
@@ -103,10 +108,14 @@ def _native_ready() -> bool:
     return _ext.status().loaded and _ext.has_kernel("reduce_in_order_", "CPU")
 
 
-def _one_shot_bytes() -> int:
+def _slot_bytes() -> int:
+    return -(-same_host.slot_bytes(DEFAULT_SLOT_BYTES) // 64) * 64
+
+
+def _one_shot_bytes(world_size: int) -> int:
     value = get_setting("SHM_ONE_SHOT_BYTES")
     if not value:
-        return DEFAULT_ONE_SHOT_BYTES
+        return 2**62 if world_size <= 2 else ONE_SHOT_BYTES_FROM_THREE_RANKS
     if not value.strip().isdigit():
         raise ValueError(f"ACCEL_SHM_ONE_SHOT_BYTES={value!r}: expected a number of bytes")
     return int(value)
@@ -119,8 +128,7 @@ def _one_shot_bytes() -> int:
 class _Facts:
     """What one rank tells the others before they decide together."""
 
-    transport: Any  # shm_transport's facts: host identity, extension, ACCEL_TRANSPORT, token, CPUs
-    backend_ready: bool  # this extension has the process group's kernels
+    host: same_host.Facts  # host identity, extension, ACCEL_TRANSPORT, token, CPUs
     slot_bytes: int
     one_shot_bytes: int
 
@@ -141,9 +149,9 @@ def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: time
 def _share_memory(rounds: _StoreRounds, group: Any, timeout: timedelta) -> Any:
     """Installs the backend into `group` (its CPU backend becomes the delegate) when every rank can share memory.
     Returns the backend, or None when the group stays as it was; the same outcome on every rank."""
-    everyone = rounds.all_gather("facts", _local_facts())
-    forced = any(facts.transport.choice == "shm" for facts in everyone)
-    reason = _why_not(everyone)
+    everyone = rounds.all_gather("facts", _local_facts(rounds.world_size))
+    forced = same_host.forced([facts.host for facts in everyone])
+    reason = same_host.why_not([facts.host for facts in everyone])
     if reason is None:
         backend, reason = _set_up(rounds, group, everyone, timeout)
         if backend is not None:
@@ -155,19 +163,8 @@ def _share_memory(rounds: _StoreRounds, group: Any, timeout: timedelta) -> Any:
     return None
 
 
-def _local_facts() -> _Facts:
-    slot_bytes = -(-shm_transport._slot_bytes() // 64) * 64  # the process group's slots are cache-line multiples
-    return _Facts(shm_transport._facts(shm_transport.requested_transport()), _native_ready(), slot_bytes,
-                  _one_shot_bytes())  # fmt: skip
-
-
-def _why_not(everyone: list[_Facts]) -> str | None:
-    """Why these ranks cannot share memory (None: they can): the transport's rules, plus this backend's kernels."""
-    reason = shm_transport._why_not([facts.transport for facts in everyone])
-    if reason is None and not all(facts.backend_ready for facts in everyone):
-        missing = [rank for rank, facts in enumerate(everyone) if not facts.backend_ready]
-        reason = f"the native process group is missing on process(es) {missing} (see `accel env`)"
-    return reason
+def _local_facts(world_size: int) -> _Facts:
+    return _Facts(same_host.local_facts(_native_ready()), _slot_bytes(), _one_shot_bytes(world_size))
 
 
 def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
@@ -175,13 +172,15 @@ def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: t
     or (None, the first failure) on every rank alike. A rank killed at any point leaves nothing behind (the segments
     have no name anywhere)."""
     leader = everyone[0]
-    oversubscribed = shm_transport._oversubscribed([facts.transport for facts in everyone])
+    oversubscribed = same_host.oversubscribed([facts.host for facts in everyone])
     backend = None
 
     def create() -> list[int]:
         nonlocal backend
-        backend = torch.classes.accel.SharedMemoryBackend(
-            rounds.rank, rounds.world_size, leader.transport.token, leader.slot_bytes, timeout.total_seconds(),
+        from accel import _C
+
+        backend = _C.SharedMemoryBackend(
+            rounds.rank, rounds.world_size, leader.host.token, leader.slot_bytes, timeout.total_seconds(),
             oversubscribed, leader.one_shot_bytes)  # fmt: skip
         return backend.locator()
 
@@ -191,7 +190,7 @@ def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: t
         _, failure = rounds.on_every_rank("attach", lambda: backend.attach(flat))
     if failure is not None:
         return None, failure
-    backend.install(group.boxed())  # every rank has attached (the exchange above is the barrier)
+    backend.install(group)  # every rank has attached (the exchange above is the barrier)
     return backend, None
 
 

@@ -5,7 +5,7 @@
 // How it plugs in (accel/collectives/shm_process_group.py has the Python side): the ranks of a c10d ProcessGroup
 // whose CPU backend is gloo (the default group PartialState starts, or a group created with the backend name
 // "accel") decide through the group's store whether they can share memory; if so each constructs a
-// SharedMemoryBackend (a TorchBind class: Python needs no pybind module), they exchange the segments' locators
+// SharedMemoryBackend (accel._C.SharedMemoryBackend, a Python subclass of torch's Backend), they exchange the locators
 // through the store, attach, and call install(), which makes this the ProcessGroup's CPU backend with gloo as its
 // delegate. DDP's reducer, FSDP2 and torch.distributed's functions then reach it through the c10d dispatcher with no
 // Python in between (measured: ~1.5 us per call on top of the work, against ~10 us for a Python ProcessGroup
@@ -22,6 +22,7 @@
 // interleaved reduce_scatter) are torch-free in csrc/shm/collectives.cpp; here they get tensors, and the reductions
 // of cpu/vec/reduce_kernels.cpp, which combine every element in rank order 0, 1, ..., world - 1 (fp16/bf16 in
 // fp32): the same bits on every rank, whichever path ran.
+#include "../python_types.h"
 #include "../reduce_in_order.h"
 #include "../shm/collectives.h"
 #include "../shm/shm_group.h"
@@ -31,7 +32,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/custom_class.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -538,14 +539,33 @@ class SharedMemoryBackend final : public c10d::Backend {
 }  // namespace
 }  // namespace accel
 
-// The backend is a TorchBind class so that Python can construct and install it without a pybind11 module:
-// torch.classes.accel.SharedMemoryBackend(rank, world, token, slot_bytes, timeout_s, oversubscribed,
-// one_shot_max_bytes), then locator(), attach(every rank's locator), install(process_group.boxed()).
-TORCH_LIBRARY_FRAGMENT(accel, m) {
-  m.class_<accel::SharedMemoryBackend>("SharedMemoryBackend")
-      .def(torch::init<int64_t, int64_t, std::string, int64_t, double, bool, int64_t>())
-      .def("locator", &accel::SharedMemoryBackend::locator)
-      .def("attach", &accel::SharedMemoryBackend::attach)
-      .def("install", &accel::SharedMemoryBackend::install)
-      .def("rounds", &accel::SharedMemoryBackend::rounds);
+namespace accel {
+
+// Python constructs the backend and sets it up through this class (accel._C.SharedMemoryBackend), a subclass of
+// torch.distributed's Backend: a ProcessGroup's `_get_backend(cpu)` then returns it as such, with `options` (its
+// timeout) like gloo's.
+int add_python_types(PyObject* module) {
+  namespace py = pybind11;
+  try {
+    py::module_::import("torch.distributed");  // registers c10d's Python types (Backend, ProcessGroup) first
+    py::class_<SharedMemoryBackend, c10d::Backend, c10::intrusive_ptr<SharedMemoryBackend>>(
+        module, "SharedMemoryBackend",
+        "accel's shared-memory backend for CPU tensors (accel.collectives.shm_process_group sets it up).")
+        .def(py::init<int64_t, int64_t, std::string, int64_t, double, bool, int64_t>(), py::arg("rank"),
+             py::arg("world"), py::arg("token"), py::arg("slot_bytes"), py::arg("timeout_s"), py::arg("oversubscribed"),
+             py::arg("one_shot_max_bytes"))
+        .def("locator", &SharedMemoryBackend::locator)
+        .def("attach", &SharedMemoryBackend::attach, py::arg("locators"))
+        .def("install", &SharedMemoryBackend::install, py::arg("group"))
+        .def("rounds", &SharedMemoryBackend::rounds)
+        .def_property_readonly("options", &SharedMemoryBackend::getBackendOptions);
+    return 0;
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_ImportError, error.what());
+  }
+  return -1;
 }
+
+}  // namespace accel

@@ -17,8 +17,14 @@ namespace accel::shm {
 namespace {
 
 constexpr uint64_t kMaxElementBytes = 64;
+// The core cuts a round's data at multiples of the cache line when slots are a multiple of it.
+constexpr uint64_t kChunkMultiple = 64;
 // reduce_scatter sends the input's slices interleaved in blocks of this many bytes (rounded to whole elements).
 constexpr uint64_t kBlockBytes = 64 << 10;
+
+// Powers of two up to 64: they divide every chunk a round carries (chunks are multiples of 64 bytes), so no element
+// is ever split between two rounds.
+bool valid_element_bytes(uint64_t bytes) { return bytes != 0 && bytes <= kMaxElementBytes && (bytes & (bytes - 1)) == 0; }
 
 const char* kind_name(uint32_t kind) {
   static const char* const names[] = {"?",         "all_reduce", "all_reduce", "all_reduce (gather phase)",
@@ -47,7 +53,7 @@ uint64_t bytes_sent(const Call& call, int world, int self, int peer) {
   if (call.kind == 0 || call.kind >= static_cast<uint32_t>(CallKind::End)) {
     corrupt(self, peer, "unknown collective " + std::to_string(call.kind));
   }
-  if (call.element_bytes == 0 || call.element_bytes > kMaxElementBytes) {
+  if (!valid_element_bytes(call.element_bytes)) {
     corrupt(self, peer, "elements of " + std::to_string(call.element_bytes) + " bytes");
   }
   if (call.root < 0 || call.root >= world) corrupt(self, peer, "root " + std::to_string(call.root));
@@ -126,7 +132,30 @@ bool Call::operator==(const Call& other) const {
 }
 
 Collectives::Collectives(Group& group, Describe describe)
-    : group_(group), describe_(std::move(describe)), calls_(group.world()), parts_(group.world()) {}
+    : group_(group), describe_(std::move(describe)), calls_(group.world()), parts_(group.world()) {
+  if (group.slot_bytes() % kChunkMultiple != 0) {
+    throw Error(ErrorKind::Usage, -1,
+                "shared-memory collectives need slots of a multiple of 64 bytes, got " +
+                    std::to_string(group.slot_bytes()));
+  }
+}
+
+// A caller's own mistakes, refused before anything is exchanged (the group stays usable).
+void Collectives::check(const Call& call) const {
+  if (!valid_element_bytes(call.element_bytes)) {
+    throw Error(ErrorKind::Usage, -1,
+                "shared-memory collectives move elements of 1, 2, 4, ... 64 bytes, got " +
+                    std::to_string(call.element_bytes));
+  }
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(call.count, call.element_bytes * group_.world(), &bytes) ||
+      bytes > Group::max_data_bytes()) {
+    throw Error(ErrorKind::Usage, -1, std::to_string(call.count) + " elements is too many");
+  }
+  if (call.root < 0 || call.root >= group_.world()) {
+    throw Error(ErrorKind::Usage, -1, "root " + std::to_string(call.root) + " is not a rank of the group");
+  }
+}
 
 // One exchange: every rank's Call validated and compared with this rank's before on_data sees any data.
 void Collectives::run(const Call& call, uint64_t data_size, const Fill& fill, const OnData& on_data) {
@@ -166,6 +195,7 @@ std::string Collectives::mismatch(const std::vector<Call>& calls) const {
 }
 
 void Collectives::all_reduce(std::byte* data, Call call, const Reduce& reduce, uint64_t one_shot_max_bytes) {
+  check(call);
   if (call.count * call.element_bytes <= one_shot_max_bytes || group_.world() == 1) {
     call.kind = static_cast<uint32_t>(CallKind::AllReduce);
     all_reduce_one_shot(data, call, reduce);
@@ -220,6 +250,7 @@ void Collectives::all_reduce_in_slices(std::byte* data, const Call& call, const 
 }
 
 void Collectives::reduce_scatter(const std::byte* input, std::byte* output, Call call, const Reduce& reduce) {
+  check(call);
   call.kind = static_cast<uint32_t>(CallKind::ReduceScatter);
   const int self = group_.rank(), world = group_.world();
   const uint64_t element = call.element_bytes;
@@ -241,6 +272,7 @@ void Collectives::reduce_scatter(const std::byte* input, std::byte* output, Call
 }
 
 void Collectives::broadcast(std::byte* data, Call call) {
+  check(call);
   call.kind = static_cast<uint32_t>(CallKind::Broadcast);
   const bool sending = group_.rank() == call.root;
   run(call, sending ? call.count * call.element_bytes : 0, sending ? copy_from(data) : Fill{},
@@ -252,6 +284,7 @@ void Collectives::broadcast(std::byte* data, Call call) {
 
 void Collectives::all_gather(const std::byte* input, const std::function<std::byte*(int rank)>& destination,
                              Call call) {
+  check(call);
   call.kind = static_cast<uint32_t>(CallKind::AllGather);
   const int self = group_.rank();
   const uint64_t bytes = call.count * call.element_bytes;

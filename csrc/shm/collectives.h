@@ -43,7 +43,7 @@ struct Call {
   int64_t dtype = 0;
   int64_t root = 0;
   uint64_t count = 0;
-  uint64_t element_bytes = 1;  // 1 to 64
+  uint64_t element_bytes = 1;  // a power of two up to 64
   double factor = 1.0;
 
   bool operator==(const Call& other) const;
@@ -63,6 +63,8 @@ using Describe = std::function<std::string(const Call&)>;
 
 class Collectives {
  public:
+  // The group's slots must be a multiple of 64 bytes (Error{Usage} otherwise). Error{Usage} from a call: an element
+  // size that is not a power of two up to 64, too many elements, a root outside the group (nothing exchanged).
   explicit Collectives(Group& group, Describe describe = {});
 
   // data (call.count elements) becomes the reduction of every rank's data. Up to one_shot_max_bytes in one
@@ -85,6 +87,7 @@ class Collectives {
  private:
   using OnData = std::function<void(const std::vector<PeerChunk>&)>;
 
+  void check(const Call& call) const;
   void run(const Call& call, uint64_t data_size, const Fill& fill, const OnData& on_data);
   void all_reduce_one_shot(std::byte* data, const Call& call, const Reduce& reduce);
   void all_reduce_in_slices(std::byte* data, const Call& call, const Reduce& reduce);
