@@ -14,7 +14,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model cuda-check shm-check gpu-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,21 @@ bench-big-model: setup
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_big_model.py $(BENCH_ARGS) --benchmark-json=build/bench-big-model.json
 	$(VENV)/bin/python benchmarks/bench_big_model.py $(BENCH_OUT) build/bench-big-model.json
+
+# all_reduce on 2 and 4 real ranks, accel's shared-memory process group against gloo and the memcpy limit, then
+# training steps per second on 2 processes against HF Accelerate 1.15 (installed into the venv) and FSDP2 against
+# gloo; regenerates docs/benchmarks/process_group.md and process_group.png.
+bench-process-group: setup
+	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
+	mkdir -p build
+	for n in 2 4; do \
+	  $(VENV)/bin/accel launch --cpu --num_processes $$n benchmarks/ranked_pytest.py benchmarks/bench_allreduce.py \
+	    $(BENCH_ARGS) --benchmark-json=build/bench-allreduce-$$n.json \
+	    || exit 1; \
+	done
+	$(VENV)/bin/pytest benchmarks/bench_training.py $(BENCH_ARGS) --benchmark-json=build/bench-training.json
+	$(VENV)/bin/python tools/bench_process_group_report.py $(BENCH_OUT) build/bench-allreduce-2.json \
+	  build/bench-allreduce-4.json build/bench-training.json
 
 cuda-check:
 	tools/cuda_compile_check.sh
