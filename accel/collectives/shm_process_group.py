@@ -37,11 +37,16 @@ Design decisions, measured on torch 2.13 (2 cores):
   `monitored_barrier` and code that checks for gloo keep working), for named groups through the creator registered
   with `Backend.register_backend`.
 - Collectives are synchronous: done when the call returns (no stream to overlap on a CPU; a communication thread
-  would take a core from the backward pass). Small all_reduces are one round with no barrier after it; large ones
-  a reduce-scatter then all-gather inside shared memory, each rank reducing its slice (the scheme of DeepSpeed's
-  shared-memory all-reduce). Every element is combined in rank order, fp16/bf16 in fp32: bit-identical everywhere.
-- Unlike gloo, AVG and PREMUL_SUM work (FSDP2 asks for AVG); a premul factor must be the same on every rank.
-  Errors are raised by the call itself (the collective is synchronous), not by `Work.wait()`.
+  would take a core from the backward pass). All-reduces are one round with no barrier after it (one-shot: every
+  rank reduces every rank's slot) or, from 3 ranks above 256 KiB, a reduce-scatter then all-gather inside shared
+  memory, each rank reducing its slice (the two schemes of DeepSpeed's shared-memory all-reduce; see
+  DEFAULT_SLOT_BYTES and ONE_SHOT_BYTES_FROM_THREE_RANKS for the measurements behind the sizes). Every element is
+  combined in rank order, fp16/bf16 in fp32: bit-identical on every rank.
+- Unlike gloo, AVG and PREMUL_SUM work (FSDP2 asks for AVG). PREMUL_SUM scales the sum (NCCL scales each input: the
+  same value up to rounding) and its factor must be the same on every rank. Errors are raised by the call itself (the
+  collective is synchronous), not by `Work.wait()`: DistBackendError when the group fails (a peer died, timed out or
+  sent garbage; the group is unusable afterwards), RuntimeError "accel collective mismatch" when ranks called
+  different collectives (the group stays usable).
 """
 
 from __future__ import annotations
