@@ -1,8 +1,8 @@
 """The default process group: when to start one, its timeout, this process's device in it, and its barrier.
 
 Below `accel.state` (whose `PartialState` starts or adopts the group and records what is resolved here) and below
-the collectives (whose torch.distributed transport waits with `default_group_barrier`): both import this module,
-and it imports neither. Every wait is bounded by the group's timeout, so a process that never arrives makes the
+the collectives' transports (whose torch.distributed transport waits with `default_group_barrier`): both import this
+module, and it imports neither; it imports only the shared-memory process group it starts gloo groups with. Every wait is bounded by the group's timeout, so a process that never arrives makes the
 others raise instead of hanging.
 """
 
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from accel._env import get_setting
+from accel.collectives.shm_process_group import share_memory_in_default_group
 
 
 def launched_distributed(use_cuda: bool) -> bool:
@@ -80,13 +81,19 @@ def device_for(distributed: bool, use_cuda: bool, local_process_index: int) -> t
 
 def start_process_group(backend: str, timeout: timedelta | None, device: torch.device, kwargs: dict) -> None:
     """Initializes the default group on `backend` (its CUDA device set first); a backend this torch build lacks
-    is refused, naming the one to use."""
+    is refused, naming the one to use.
+
+    A gloo group then moves CPU tensors through shared memory when its processes share a host (collective: every
+    rank decides with the others, `share_memory_in_default_group`; the group stays gloo where they cannot).
+    """
     if ":" not in backend and not dist.is_backend_available(backend):
         fallback = "nccl" if device.type == "cuda" else "gloo"
         raise ValueError(f"The backend {backend!r} is not available in this torch build; use {fallback!r}.")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    if backend == "gloo":
+        share_memory_in_default_group()
 
 
 def barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool) -> None:

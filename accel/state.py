@@ -10,7 +10,8 @@ The process group comes from the environment `torchrun` (`accel launch`) exports
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`).
 Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
 processes simply use gloo on the CPU. When they all run on one host, the group's CPU collectives then go through
-shared memory instead of TCP (`accel.collectives.shm_process_group`; ACCEL_TRANSPORT=torch keeps plain gloo).
+shared memory instead of TCP (`accel.process_group` starts `accel.collectives.shm_process_group`;
+ACCEL_TRANSPORT=torch keeps plain gloo).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 from accel.backends import DDP_INSTEAD
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
 from accel.collectives import uneven
-from accel.collectives.transport import select_transport
+from accel.collectives.transport_selection import select_transport
 from accel.cpu_affinity import set_numa_affinity
 from accel.gradient_state import GradientState
 from accel.unsupported import refuse
@@ -102,14 +103,6 @@ SharedDict = dict
 
 
 # --- Resolving the environment once ------------------------------------------------------------------------------
-
-
-def _share_memory_on_one_host() -> None:
-    """Makes the gloo group just started move CPU tensors through shared memory when its processes share a host
-    (collective: every rank decides with the others; the group stays gloo where they cannot)."""
-    from accel.collectives.shm_process_group import share_memory_in_default_group
-
-    share_memory_in_default_group()
 
 
 def _distributed_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
@@ -264,8 +257,6 @@ class PartialState:
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
             device = process_group.device_for(True, use_cuda, local_rank)
             process_group.start_process_group(backend, timeout, device, kwargs)
-            if backend == "gloo":
-                _share_memory_on_one_host()
         if dist.is_initialized():
             fields = _distributed_fields(use_cuda, timeout)
         else:

@@ -13,21 +13,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "accel"
 
-# Cycles through files that other work owns right now, each with the reason it is still there and what removes it.
-# A strongly connected component passes when all its modules are in one entry: a cycle through any other module
-# fails.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"accel.state", "accel.collectives.transport", "accel.collectives.shm_transport",
-               "accel.collectives.shm_process_group"}): (  # fmt: skip
-        "shm_transport.py and shm_process_group.py (the shared-memory process group's work is changing them) read "
-        "PartialState, while PartialState starts that group and its wait_for_everyone selects a transport "
-        "(transport.select_transport imports shm_transport, which imports transport's classes): move "
-        "select_transport/using_transport into their own module above both transports, give the shared-memory "
-        "set-up the rank, world size and timeout instead of PartialState, and start the group from "
-        "accel.process_group"
-    ),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT.parent).with_suffix("").parts
@@ -177,7 +162,6 @@ def test_finds_a_planted_cycle():
 def test_accel_has_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 100 and graph["accel.state"]  # the real package, read
-    cycles = [component for component in strongly_connected(graph)
-              if not any(component <= allowed for allowed in ALLOWED_CYCLES)]  # fmt: skip
+    cycles = strongly_connected(graph)
     described = [" -> ".join(_one_cycle(graph, component)) + f"  (all of: {sorted(component)})" for component in cycles]
     assert not cycles, "import cycles in accel/:\n" + "\n".join(described)

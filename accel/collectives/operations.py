@@ -28,7 +28,7 @@ import torch
 
 from accel.collectives import uneven
 from accel.collectives.errors import DistributedOperationException
-from accel.collectives.transport import select_transport
+from accel.collectives.transport_selection import select_transport
 from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.state import AcceleratorState, DistributedType, PartialState, is_initialized
 from accel.unsupported import refuse

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from accel.collectives import uneven
 from accel.collectives.padding import pad_to_largest_shapes
-from accel.collectives.transport import select_transport
+from accel.collectives.transport_selection import select_transport
 from accel.pytree import replace_tensor_leaves, tensor_leaves
 
 

@@ -27,12 +27,13 @@ import atexit
 import dataclasses
 import pickle
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from accel import _ext, ops
+from accel import _ext, ops, process_group
 from accel.collectives import same_host
 from accel.collectives.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
 from accel.collectives.transport import REDUCE_OPS, TorchDistributedTransport, Transport, reduce_in_dtype
@@ -176,7 +177,7 @@ def shared_memory_transport() -> SharedMemoryTransport | None:
     if group is None:
         return None
     close()
-    _opened = _Opened(group, _open(group) if dist.get_world_size() > 1 else None)
+    _opened = _Opened(group, _open(group.rank(), group.size()) if group.size() > 1 else None)
     return _opened.transport
 
 
@@ -201,13 +202,16 @@ def _facts() -> same_host.Facts:
     return same_host.local_facts(native)
 
 
-def _open(group: Any) -> SharedMemoryTransport | None:
+def _open(rank: int, world_size: int) -> SharedMemoryTransport | None:
+    """The default group's shared-memory transport (this process is `rank` of `world_size`), or None; collective."""
     reference = TorchDistributedTransport()
     everyone = reference.all_gather_object(_facts())
     forced = same_host.forced(everyone)
     reason = same_host.why_not(everyone)
     if reason is None:
-        transport, reason = _set_up(reference, everyone[0].token, same_host.oversubscribed(everyone))
+        # Waits are bounded by the group's own timeout, as the torch.distributed transport's barrier is.
+        group = _Group(rank, world_size, everyone[0].token, process_group.group_timeout())
+        transport, reason = _set_up(reference, group, same_host.oversubscribed(everyone))
         if transport is not None:
             return transport
         if not forced:  # eligible, yet setting up failed (e.g. too little memory): worth saying, once
@@ -217,20 +221,27 @@ def _open(group: Any) -> SharedMemoryTransport | None:
     return None
 
 
-def _set_up(reference: TorchDistributedTransport, token: str, oversubscribed: bool
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """What setting up a shared-memory group needs to know about this process and the group's agreement."""
+
+    rank: int
+    world_size: int
+    token: str  # rank 0's, so the same on every rank
+    timeout: timedelta  # bounds every wait in the group
+
+
+def _set_up(reference: TorchDistributedTransport, group: _Group, oversubscribed: bool
             ) -> tuple[SharedMemoryTransport | None, str | None]:  # fmt: skip
     """Creates every rank's segment, shares the locators, attaches every rank to every other, then closes the
     descriptors (peers opened the segments through them). Every rank gets the same outcome, or the first failure.
     A rank killed at any point leaves nothing behind: the segments have no name anywhere."""
-    from accel.state import PartialState
-
-    state = PartialState()
     handle = None
 
     def create() -> list[int]:
         nonlocal handle
-        handle = ops.shm_group_create(state.process_index, state.num_processes, token, _slot_bytes(),
-                                      state.timeout.total_seconds(), oversubscribed)  # fmt: skip
+        handle = ops.shm_group_create(group.rank, group.world_size, group.token, _slot_bytes(),
+                                      group.timeout.total_seconds(), oversubscribed)  # fmt: skip
         return ops.shm_group_locator(handle)
 
     locators, failure = _on_every_rank(reference, create)
@@ -242,7 +253,7 @@ def _set_up(reference: TorchDistributedTransport, token: str, oversubscribed: bo
             ops.shm_group_destroy(handle)
         return None, failure
     ops.shm_group_finish_setup(handle)  # every rank has attached (the exchange above is the barrier)
-    return SharedMemoryTransport(handle, state.process_index, state.num_processes), None
+    return SharedMemoryTransport(handle, group.rank, group.world_size), None
 
 
 def _on_every_rank(reference: TorchDistributedTransport, step: Any) -> tuple[list | None, str | None]:

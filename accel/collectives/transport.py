@@ -1,19 +1,15 @@
 """The seam between the collectives and the wire: one `Transport` call per collective, for all leaves at once.
 
-`accel.collectives.operations` flattens a pytree into its tensor leaves, asks `select_transport(leaves)` for
-an implementation, makes one call on it and rebuilds the pytree. Two implementations: `TorchDistributedTransport`
-(the reference, any backend) and the same-host `SharedMemoryTransport` (`accel.collectives.shm_transport`),
-which `select_transport` returns for the calls it can serve.
-
-Every rank must pick the same transport for a given call, so `select_transport` may only decide from facts
-that are equal on every rank (the process group, the leaves' devices, dtypes and shapes when they agree,
-settings).
+`accel.collectives.operations` flattens a pytree into its tensor leaves, asks
+`accel.collectives.transport_selection.select_transport(leaves)` for an implementation, makes one call on it and
+rebuilds the pytree. Two implementations: `TorchDistributedTransport` here (the reference, any backend) and the
+same-host `SharedMemoryTransport` (`accel.collectives.shm_transport`), which the selection returns for the calls it
+can serve.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 from typing import Any
 
 import torch
@@ -196,39 +192,3 @@ def _reduce_buffer(leaf: torch.Tensor) -> torch.Tensor:
 def _exact_op(buffer: torch.Tensor, op: str) -> dist.ReduceOp:
     # A bool "sum" saturates: it is a logical or, which MAX computes on every backend.
     return dist.ReduceOp.MAX if buffer.dtype == torch.bool and op == "sum" else _TORCH_OPS[op]
-
-
-_TORCH_DISTRIBUTED = TorchDistributedTransport()
-
-
-_forced: Transport | None = None
-
-
-@contextlib.contextmanager
-def using_transport(transport: Transport):
-    """Every collective inside uses `transport` (benchmarks and tests compare transports in one job).
-
-    Collective: every rank must enter and leave it at the same point.
-    """
-    global _forced
-    previous, _forced = _forced, transport
-    try:
-        yield transport
-    finally:
-        _forced = previous
-
-
-def select_transport(leaves: list[torch.Tensor]) -> Transport:
-    """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank.
-
-    The same-host shared-memory transport for CPU tensors when the group can use it (decided once per process
-    group, together, and cached: see `accel.collectives.shm_transport`), else torch.distributed.
-    """
-    if _forced is not None:
-        return _forced
-    for leaf in leaves:
-        if not leaf.is_cpu:
-            return _TORCH_DISTRIBUTED
-    from accel.collectives.shm_transport import shared_memory_transport
-
-    return shared_memory_transport() or _TORCH_DISTRIBUTED

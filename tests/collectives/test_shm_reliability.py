@@ -22,7 +22,7 @@ from spawn_pool import run_on_ranks
 
 from accel import _ext
 from accel.collectives import DistributedOperationException, gather, gather_object, pad_across_processes
-from accel.collectives.transport import select_transport
+from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
 
 pytestmark = pytest.mark.skipif(

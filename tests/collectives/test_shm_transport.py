@@ -17,7 +17,8 @@ from spawn_pool import run_on_ranks
 from accel import _ext
 from accel.collectives import DistributedOperationException
 from accel.collectives.padding import pad_reference
-from accel.collectives.transport import TorchDistributedTransport, select_transport
+from accel.collectives.transport import TorchDistributedTransport
+from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
 
 pytestmark = pytest.mark.skipif(
