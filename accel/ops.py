@@ -1,8 +1,9 @@
-"""Typed Python wrappers over accel's native ops, each with its fake (meta) kernel.
+"""Typed Python wrappers over accel's native ops, each with its fake (meta) kernel directly under it.
 
 Call sites do not use these directly when the extension may be missing: they go through the owner
 module (e.g. accel.collectives.padding), which checks :func:`accel._ext.native_for` and otherwise runs the
-pure-torch reference.
+pure-torch reference. The fakes give shapes and the kernels' argument checks to tracing (torch.compile,
+`torch.library.opcheck`); tests/ops/test_opcheck.py runs opcheck on every op the extension registers.
 """
 
 from __future__ import annotations
@@ -13,9 +14,32 @@ from accel import _ext
 from accel.collectives.errors import DistributedOperationException
 
 
+def _fake(op: str):
+    """`torch.library.register_fake(op)` when the extension is loaded; without it the op does not exist, and its
+    fake is a plain function nobody calls."""
+    if _ext.status().loaded:
+        return torch.library.register_fake(op)
+    return lambda fake: fake
+
+
 def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_first: bool, out: torch.Tensor) -> None:
     """Writes `src` into `out` along `dim` and `pad_value` everywhere else (before the data if `pad_first`)."""
     torch.ops.accel.pad_into.default(src, dim, pad_value, pad_first, out)
+
+
+@_fake("accel::pad_into")
+def _pad_into_fake(src, dim, pad_value, pad_first, out):
+    # The same checks as csrc/pad_into.h, so a traced program fails where the kernel would.
+    torch._check(src.dim() > 0, lambda: "accel::pad_into: src must have at least one dimension")
+    torch._check(src.dim() == out.dim(), lambda: "accel::pad_into: src and out differ in rank")
+    torch._check(src.dtype == out.dtype, lambda: "accel::pad_into: src and out differ in dtype")
+    dim = dim % src.dim()
+    for d in range(src.dim()):
+        if d == dim:
+            torch._check(out.shape[d] >= src.shape[d], lambda: f"accel::pad_into: out.size({d}) too small")
+        else:
+            torch._check(out.shape[d] == src.shape[d], lambda: f"accel::pad_into: out.size({d}) != src.size({d})")
+    return None
 
 
 def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
@@ -24,9 +48,37 @@ def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale
     torch.ops.accel.unscale_grads_.default(grads, found_inf, inv_scale, sq_norms)
 
 
+def _check_grads(op: str, grads: list[torch.Tensor], device: torch.device) -> None:
+    for i, grad in enumerate(grads):
+        torch._check(grad.device == device, lambda: f"{op}: grads[{i}] is on {grad.device}, expected {device}")
+        torch._check(grad.dtype in (torch.float32, torch.float16, torch.bfloat16),
+                     lambda: f"{op}: grads[{i}] is {grad.dtype}; the fused kernels take float32, float16, bfloat16")
+
+
+@_fake("accel::unscale_grads_")
+def _unscale_grads_fake(grads, found_inf, inv_scale, sq_norms):
+    torch._check(found_inf.numel() == 1 and found_inf.dtype == torch.float32,
+                 lambda: "accel::unscale_grads_: found_inf must be a one-element float32 tensor")
+    torch._check(inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
+                 lambda: "accel::unscale_grads_: inv_scale must be a one-element float32 tensor")
+    torch._check(sq_norms.dtype == torch.float64 and sq_norms.shape == (len(grads),),
+                 lambda: "accel::unscale_grads_: sq_norms must be a float64 vector with one entry per grad")
+    _check_grads("accel::unscale_grads_", grads, found_inf.device)
+    return None
+
+
 def clip_grads_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     """grads *= min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ scales them."""
     torch.ops.accel.clip_grads_.default(grads, total_norm, max_norm)
+
+
+@_fake("accel::clip_grads_")
+def _clip_grads_fake(grads, total_norm, max_norm):
+    if grads:
+        torch._check(total_norm.numel() == 1 and total_norm.dtype == torch.float32,
+                     lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor")
+        _check_grads("accel::clip_grads_", grads, grads[0].device)
+    return None
 
 
 def write_tensors_(path: str, header: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> None:
@@ -34,9 +86,25 @@ def write_tensors_(path: str, header: torch.Tensor, tensors: list[torch.Tensor],
     torch.ops.accel.write_tensors_.default(path, header, tensors, offsets)
 
 
+@_fake("accel::write_tensors_")
+def _write_tensors_fake(path, header, tensors, offsets):
+    torch._check(len(tensors) == len(offsets), lambda: "accel::write_tensors_: one offset per tensor")
+    return None
+
+
 def read_tensors_(path: str, offsets: list[int], outs: list[torch.Tensor]) -> None:
     """Reads the bytes at file offsets[i] of `path` into the contiguous tensors outs[i]."""
     torch.ops.accel.read_tensors_.default(path, offsets, outs)
+
+
+@_fake("accel::read_tensors_")
+def _read_tensors_fake(path, offsets, outs):
+    torch._check(len(outs) == len(offsets), lambda: "accel::read_tensors_: one offset per tensor")
+    return None
+
+
+# The group life-cycle ops below take and return integers only: no fake is needed (fake tensor mode runs them as
+# they are), and none is traceable (each call changes the process's groups).
 
 
 def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float,
@@ -92,12 +160,31 @@ def shm_all_gather(group: int, leaves: list[torch.Tensor], pad_dim: int | None =
         raise _collective_error(error) from None
 
 
+@_fake("accel::shm_all_gather")
+def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first, call):
+    # The gathered sizes depend on what the other ranks send: unknown until the call.
+    ctx = torch.library.get_ctx()
+    outputs = []
+    for leaf in leaves:
+        shape = [ctx.new_dynamic_size(), *leaf.shape[1:]]
+        if pad_dim is not None and pad_dim % leaf.dim() != 0:
+            shape[pad_dim % leaf.dim()] = ctx.new_dynamic_size()
+        outputs.append(leaf.new_empty(shape))
+    return outputs
+
+
 def shm_all_gather_bytes(group: int, data: torch.Tensor, call: str = "gather_object") -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's 1-d uint8 `data` concatenated in rank order, and each rank's length (int64)."""
     try:
         return torch.ops.accel.shm_all_gather_bytes.default(group, data, call)
     except RuntimeError as error:
         raise _collective_error(error) from None
+
+
+@_fake("accel::shm_all_gather_bytes")
+def _shm_all_gather_bytes_fake(group, data, call):
+    ctx = torch.library.get_ctx()
+    return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
 
 
 def shm_pad_across_processes(group: int, leaves: list[torch.Tensor], dim: int, pad_value: float | int | bool,
@@ -110,78 +197,26 @@ def shm_pad_across_processes(group: int, leaves: list[torch.Tensor], dim: int, p
         raise _collective_error(error) from None
 
 
-def _register_fakes() -> None:
-    @torch.library.register_fake("accel::pad_into")
-    def _pad_into_fake(src, dim, pad_value, pad_first, out):
-        # The same checks as csrc/pad_pack.h, so a traced program fails where the kernel would.
-        torch._check(src.dim() > 0, lambda: "accel::pad_into: src must have at least one dimension")
-        torch._check(src.dim() == out.dim(), lambda: "accel::pad_into: src and out differ in rank")
-        torch._check(src.dtype == out.dtype, lambda: "accel::pad_into: src and out differ in dtype")
-        dim = dim % src.dim()
-        for d in range(src.dim()):
-            if d == dim:
-                torch._check(out.shape[d] >= src.shape[d], lambda: f"accel::pad_into: out.size({d}) too small")
-            else:
-                torch._check(out.shape[d] == src.shape[d], lambda: f"accel::pad_into: out.size({d}) != src.size({d})")
-        return None
-
-    def _check_grads(op, grads, device):
-        for i, grad in enumerate(grads):
-            torch._check(grad.device == device, lambda: f"{op}: grads[{i}] is on {grad.device}, expected {device}")
-            torch._check(grad.dtype in (torch.float32, torch.float16, torch.bfloat16),
-                         lambda: f"{op}: grads[{i}] is {grad.dtype}; the fused kernels take float32, float16, bfloat16")
-
-    @torch.library.register_fake("accel::unscale_grads_")
-    def _unscale_grads_fake(grads, found_inf, inv_scale, sq_norms):
-        torch._check(found_inf.numel() == 1 and found_inf.dtype == torch.float32,
-                     lambda: "accel::unscale_grads_: found_inf must be a one-element float32 tensor")
-        torch._check(inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
-                     lambda: "accel::unscale_grads_: inv_scale must be a one-element float32 tensor")
-        torch._check(sq_norms.dtype == torch.float64 and sq_norms.shape == (len(grads),),
-                     lambda: "accel::unscale_grads_: sq_norms must be a float64 vector with one entry per grad")
-        _check_grads("accel::unscale_grads_", grads, found_inf.device)
-        return None
-
-    @torch.library.register_fake("accel::clip_grads_")
-    def _clip_grads_fake(grads, total_norm, max_norm):
-        if grads:
-            torch._check(total_norm.numel() == 1 and total_norm.dtype == torch.float32,
-                         lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor")
-            _check_grads("accel::clip_grads_", grads, grads[0].device)
-        return None
-
-    @torch.library.register_fake("accel::write_tensors_")
-    def _write_tensors_fake(path, header, tensors, offsets):
-        torch._check(len(tensors) == len(offsets), lambda: "accel::write_tensors_: one offset per tensor")
-        return None
-
-    @torch.library.register_fake("accel::read_tensors_")
-    def _read_tensors_fake(path, offsets, outs):
-        torch._check(len(outs) == len(offsets), lambda: "accel::read_tensors_: one offset per tensor")
-        return None
-
-    @torch.library.register_fake("accel::shm_all_gather")
-    def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first, call):
-        # The gathered sizes depend on what the other ranks send: unknown until the call.
-        ctx = torch.library.get_ctx()
-        outputs = []
-        for leaf in leaves:
-            shape = [ctx.new_dynamic_size(), *leaf.shape[1:]]
-            if pad_dim is not None and pad_dim % leaf.dim() != 0:
-                shape[pad_dim % leaf.dim()] = ctx.new_dynamic_size()
-            outputs.append(leaf.new_empty(shape))
-        return outputs
-
-    @torch.library.register_fake("accel::shm_all_gather_bytes")
-    def _shm_all_gather_bytes_fake(group, data, call):
-        ctx = torch.library.get_ctx()
-        return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
-
-    @torch.library.register_fake("accel::shm_pad_across_processes")
-    def _shm_pad_across_processes_fake(group, leaves, dim, pad_value, pad_first):
-        # Which leaves come back padded depends on the other ranks' shapes: not even the count is known.
-        raise torch._subclasses.fake_tensor.DynamicOutputShapeException(torch.ops.accel.shm_pad_across_processes.default)
+@_fake("accel::shm_pad_across_processes")
+def _shm_pad_across_processes_fake(group, leaves, dim, pad_value, pad_first):
+    # Which leaves come back padded depends on the other ranks' shapes: not even the count is known.
+    raise torch._subclasses.fake_tensor.DynamicOutputShapeException(torch.ops.accel.shm_pad_across_processes.default)
 
 
-if _ext.status().loaded:
-    _register_fakes()
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
+
+
+def reduce_in_order_(parts: list[torch.Tensor], op: str, out: torch.Tensor, factor: float = 1.0) -> None:
+    """out = parts[0] op parts[1] op ... elementwise, in that order (the shared-memory process group's arithmetic;
+    `op` one of REDUCE_OPS, premul_sum being the sum times `factor`)."""
+    torch.ops.accel.reduce_in_order_.default(parts, op, out, factor)
+
+
+@_fake("accel::reduce_in_order_")
+def _reduce_in_order_fake(parts, op, out, factor=1.0):
+    torch._check(len(parts) > 0, lambda: "accel::reduce_in_order_: needs at least one part")
+    torch._check(op in REDUCE_OPS, lambda: f"accel::reduce_in_order_: unknown reduction {op!r}")
+    for i, part in enumerate(parts):
+        torch._check(part.dtype == out.dtype, lambda: f"accel::reduce_in_order_: parts[{i}] is {part.dtype}")
+        torch._check(part.numel() == out.numel(), lambda: f"accel::reduce_in_order_: parts[{i}] differs in size")
+    return None

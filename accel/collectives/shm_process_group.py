@@ -232,29 +232,5 @@ class _StoreRounds:
         return [outcome for outcome, _ in outcomes], None
 
 
-# --- the reduction kernel as an op -----------------------------------------------------------------------------------
-
-
-def reduce_in_order(parts: list[torch.Tensor], op: str, out: torch.Tensor, factor: float = 1.0) -> None:
-    """out = parts[0] op parts[1] op ... elementwise, in that order (the process group's arithmetic); see
-    `accel::reduce_in_order_` in csrc/ops.cpp."""
-    torch.ops.accel.reduce_in_order_.default(parts, op, out, factor)
-
-
-_REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
-
-
-def _register_fake() -> None:
-    @torch.library.register_fake("accel::reduce_in_order_")
-    def _reduce_in_order_fake(parts, op, out, factor=1.0):
-        torch._check(len(parts) > 0, lambda: "accel::reduce_in_order_: needs at least one part")
-        torch._check(op in _REDUCE_OPS, lambda: f"accel::reduce_in_order_: unknown reduction {op!r}")
-        for i, part in enumerate(parts):
-            torch._check(part.dtype == out.dtype, lambda: f"accel::reduce_in_order_: parts[{i}] is {part.dtype}")
-            torch._check(part.numel() == out.numel(), lambda: f"accel::reduce_in_order_: parts[{i}] differs in size")
-        return None
-
-
 if _native_ready():
-    _register_fake()
     register()

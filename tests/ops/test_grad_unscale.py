@@ -1,5 +1,6 @@
 """accel::unscale_grads_ and accel::clip_grads_ against torch: unscale and found_inf bit for bit, the norm to
-rounding, the clip bit for bit given the same norm; opcheck; bad input; every CPU instruction set."""
+rounding, the clip bit for bit given the same norm; the CUDA opcheck (the CPU one: test_opcheck.py); bad input;
+every CPU instruction set."""
 
 import os
 import subprocess
@@ -285,19 +286,6 @@ def test_bad_input_names_the_problem_and_changes_nothing(args, message):
 def test_clip_bad_input():
     with pytest.raises(RuntimeError, match="total_norm must be a one-element float32"):
         torch.ops.accel.clip_grads_([torch.ones(3)], torch.tensor([1.0, 2.0]), 1.0)
-
-
-@pytest.mark.native
-def test_opcheck_unscale_grads():
-    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(7))
-    args = (grads, torch.zeros(()), torch.tensor(0.5), torch.empty(len(grads), dtype=torch.float64))
-    torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
-
-
-@pytest.mark.native
-def test_opcheck_clip_grads():
-    grads = gradient_set("mixed", DTYPES, torch.Generator().manual_seed(8))
-    torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0), 1.0))
 
 
 CAPABILITY_CHECK = textwrap.dedent(

@@ -1,5 +1,6 @@
 """accel::reduce_in_order_, the arithmetic of the shared-memory process group, in one process: every op and dtype
-against torch reducing in the same order (bit for bit), vector tails, the parallel split, odd layouts, opcheck."""
+against torch reducing in the same order (bit for bit), vector tails, the parallel split, odd layouts (opcheck:
+test_opcheck.py)."""
 
 import pytest
 import torch
@@ -19,9 +20,9 @@ FACTOR = 0.1  # not a power of two: its rounding shows if it were applied per pa
 
 
 def _reduce(parts, op, out, factor=FACTOR):
-    from accel.collectives.shm_process_group import reduce_in_order
+    from accel.ops import reduce_in_order_
 
-    reduce_in_order(parts, op, out, factor)
+    reduce_in_order_(parts, op, out, factor)
     return out
 
 
@@ -108,16 +109,3 @@ def test_bad_arguments_name_the_problem():
         _reduce([a], "sum", torch.empty(5))
     with pytest.raises(RuntimeError, match="at least one part"):
         _reduce([], "sum", torch.empty(5))
-
-
-SAMPLES = [
-    ([torch.randn(5), torch.randn(5)], "sum", torch.empty(5), 1.0),
-    ([torch.randn(3, 4).to(torch.bfloat16)] * 3, "avg", torch.empty(3, 4, dtype=torch.bfloat16), 1.0),
-    ([torch.randint(0, 9, (17,))] * 2, "bxor", torch.empty(17, dtype=torch.int64), 1.0),
-    ([torch.randn(2, 3).t(), torch.randn(3, 2)], "premul_sum", torch.empty(3, 2), 0.5),
-]
-
-
-@pytest.mark.parametrize("sample", SAMPLES)
-def test_opcheck(sample):
-    torch.library.opcheck(torch.ops.accel.reduce_in_order_.default, sample)

@@ -1,0 +1,207 @@
+"""`torch.library.opcheck` on every op of `torch.ops.accel` (schema, autograd registration, fake kernel, AOT tracing).
+
+The ops are read from the dispatcher, not listed here, so an op added to csrc/ops.cpp cannot skip this: one without
+samples in SAMPLES fails `test_every_op_has_samples`. The op-specific files compare each op with its pure-torch
+reference; CUDA opchecks live there too (tests marked gpu).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Callable
+
+import pytest
+import torch
+
+from accel import ops
+
+pytestmark = pytest.mark.native
+
+EVERY_CHECK = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+# Ops whose call changes the process's shared-memory groups (or whose outputs depend on other ranks) give another
+# result each time they run, so tracing cannot replay them: everything but the AOT check.
+UNTRACEABLE = EVERY_CHECK[:3]
+
+
+@dataclasses.dataclass
+class Sample:
+    args: tuple
+    checks: tuple[str, ...] = EVERY_CHECK
+
+
+class Resources:
+    """What samples need: a folder for the file ops and shared-memory groups of one process (all destroyed after,
+    those opcheck creates itself included: handles are numbered in order)."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path = tmp_path
+        self.first_group = self._create()
+
+    def _create(self) -> int:
+        return ops.shm_group_create(0, 1, secrets.token_hex(16), 4096, 10.0)
+
+    def created_group(self) -> int:
+        return self._create()
+
+    def ready_group(self) -> int:
+        handle = self._create()
+        ops.shm_group_attach(handle, ops.shm_group_locator(handle))
+        ops.shm_group_finish_setup(handle)
+        return handle
+
+    def close(self) -> None:
+        for handle in range(self.first_group, self._create() + 1):
+            ops.shm_group_destroy(handle)  # a handle already destroyed is ignored
+
+
+def _pad_into(res: Resources) -> list[Sample]:
+    def sample(src, dim, size, pad_value, pad_first):
+        shape = list(src.shape)
+        shape[dim] = size
+        return Sample((src, dim, pad_value, pad_first, torch.empty(shape, dtype=src.dtype)))
+
+    return [
+        sample(torch.randn(3, 4), 1, 6, -1.0, False),
+        sample(torch.randn(2, 3, 5), 0, 4, 0, True),
+        sample(torch.randint(0, 9, (4,), dtype=torch.int64), 0, 7, 3, False),
+        sample(torch.tensor([True, False]), 0, 5, False, True),
+        sample(torch.randn(5, 2, dtype=torch.bfloat16), -2, 8, 1.5, False),
+    ]
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    """Sizes around the vector width and the chunk size, in every dtype the kernels take."""
+    generator = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    sizes = [0, 1, 17, 4096, 40_000, 7, 100_003, 3]
+    return [(torch.randn(size, generator=generator) * 1000).to(dtypes[i % 3]) for i, size in enumerate(sizes)]
+
+
+def _unscale_grads(res: Resources) -> list[Sample]:
+    grads = _grads(7)
+    return [Sample((grads, torch.zeros(()), torch.tensor(0.5), torch.empty(len(grads), dtype=torch.float64)))]
+
+
+def _clip_grads(res: Resources) -> list[Sample]:
+    return [Sample((_grads(8), torch.tensor(40.0), 1.0)), Sample(([], torch.tensor(1.0), 1.0))]
+
+
+def _safetensors_file(res: Resources) -> tuple[str, torch.Tensor, torch.Tensor]:
+    """A path, an 8-byte-aligned header for one float32 tensor of 5 elements, and that tensor."""
+    body = b'{"w":{"dtype":"F32","shape":[5],"data_offsets":[0,20]}}'
+    body += b" " * (-len(body) % 8)
+    header = len(body).to_bytes(8, "little") + body
+    return str(res.tmp_path / "w.safetensors"), torch.frombuffer(bytearray(header), dtype=torch.uint8), torch.randn(5)
+
+
+def _write_tensors(res: Resources) -> list[Sample]:
+    path, header, tensor = _safetensors_file(res)
+    return [Sample((path, header, [tensor], [0]))]
+
+
+def _read_tensors(res: Resources) -> list[Sample]:
+    path, header, tensor = _safetensors_file(res)
+    ops.write_tensors_(path, header, [tensor], [0])
+    return [Sample((path, [header.numel()], [torch.empty(5)]))]
+
+
+def _shm_group_create(res: Resources) -> list[Sample]:
+    return [Sample((0, 1, secrets.token_hex(16), 4096, 10.0, False), UNTRACEABLE)]
+
+
+def _shm_group_locator(res: Resources) -> list[Sample]:
+    return [Sample((res.created_group(),), UNTRACEABLE)]
+
+
+def _shm_group_attach(res: Resources) -> list[Sample]:
+    handle = res.created_group()
+    return [Sample((handle, ops.shm_group_locator(handle)), UNTRACEABLE)]
+
+
+def _shm_group_finish_setup(res: Resources) -> list[Sample]:
+    return [Sample((res.ready_group(),), UNTRACEABLE)]
+
+
+def _shm_group_destroy(res: Resources) -> list[Sample]:
+    return [Sample((res.ready_group(),), UNTRACEABLE)]
+
+
+LEAVES = [
+    [torch.arange(12, dtype=torch.float32).view(3, 4)],
+    [torch.ones(5, dtype=torch.bool), torch.zeros(0, 2, dtype=torch.int64), torch.randn(3, 4, 5)[:, ::2]],
+    [torch.randn(3000, 3)],  # several 4 KiB rounds
+]
+
+
+def _shm_all_gather(res: Resources) -> list[Sample]:
+    group = res.ready_group()
+    return [Sample((group, leaves, pad_dim, pad_value, pad_first, "gather"))
+            for leaves in LEAVES for pad_dim, pad_value, pad_first in ((None, 0, False), (-1, 1.5, True))]  # fmt: skip
+
+
+def _shm_all_gather_bytes(res: Resources) -> list[Sample]:
+    data = torch.arange(10000, dtype=torch.int64).to(torch.uint8)
+    return [Sample((res.ready_group(), data, "gather_object")), Sample((res.ready_group(), data[:0], "barrier"))]
+
+
+def _shm_pad_across_processes(res: Resources) -> list[Sample]:
+    # Which leaves come back padded depends on the other ranks: the fake kernel says so and the op is tagged
+    # dynamic_output_shape (opcheck's fake-tensor comparison skips it); it cannot be traced.
+    group = res.ready_group()
+    return [Sample((group, leaves, 0, 1, False), UNTRACEABLE) for leaves in LEAVES]
+
+
+def _reduce_in_order(res: Resources) -> list[Sample]:
+    return [
+        Sample(([torch.randn(5), torch.randn(5)], "sum", torch.empty(5), 1.0)),
+        Sample(([torch.randn(3, 4).to(torch.bfloat16)] * 3, "avg", torch.empty(3, 4, dtype=torch.bfloat16), 1.0)),
+        Sample(([torch.randint(0, 9, (17,))] * 2, "bxor", torch.empty(17, dtype=torch.int64), 1.0)),
+        Sample(([torch.randn(2, 3).t(), torch.randn(3, 2)], "premul_sum", torch.empty(3, 2), 0.5)),
+    ]
+
+
+# Every op of the namespace -> its samples (given the test's Resources).
+SAMPLES: dict[str, Callable[[Resources], list[Sample]]] = {
+    "pad_into": _pad_into,
+    "unscale_grads_": _unscale_grads,
+    "clip_grads_": _clip_grads,
+    "write_tensors_": _write_tensors,
+    "read_tensors_": _read_tensors,
+    "shm_group_create": _shm_group_create,
+    "shm_group_locator": _shm_group_locator,
+    "shm_group_attach": _shm_group_attach,
+    "shm_group_finish_setup": _shm_group_finish_setup,
+    "shm_group_destroy": _shm_group_destroy,
+    "shm_all_gather": _shm_all_gather,
+    "shm_all_gather_bytes": _shm_all_gather_bytes,
+    "shm_pad_across_processes": _shm_pad_across_processes,
+    "reduce_in_order_": _reduce_in_order,
+}
+
+
+def registered_ops() -> list[str]:
+    """The names of every op the dispatcher knows in the accel namespace (what the extension registered)."""
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("accel::"))
+
+
+def test_every_op_has_samples():
+    ops_here = registered_ops()
+    assert ops_here, "no accel op is registered although the extension loaded"
+    assert sorted(set(ops_here) - SAMPLES.keys()) == [], "ops without opcheck samples: add them to SAMPLES"
+    assert sorted(SAMPLES.keys() - set(ops_here)) == [], "SAMPLES names ops the extension does not register"
+
+
+@pytest.fixture
+def resources(tmp_path):
+    res = Resources(tmp_path)
+    yield res
+    res.close()
+
+
+@pytest.mark.parametrize("op_name", sorted(SAMPLES))
+def test_opcheck(op_name, resources):
+    samples = SAMPLES[op_name](resources)
+    assert samples, f"{op_name}: no samples"
+    for sample in samples:
+        torch.library.opcheck(getattr(torch.ops.accel, op_name).default, sample.args, test_utils=sample.checks)
