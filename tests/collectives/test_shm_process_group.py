@@ -19,8 +19,6 @@ from spawn_pool import run_on_ranks
 from accel import _ext
 from accel.state import PartialState
 
-NATIVE = _ext.status().loaded and _ext.has_kernel("reduce_in_order_", "CPU")
-needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native extension (the process group is native)")
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -133,7 +131,7 @@ def _all_reduce_matrix(combinations, sizes) -> list[str]:
     return failures
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("settings", [{}, SMALL_SLOTS], ids=["default", "small-slots"])
 def test_every_op_and_dtype_reduces_in_rank_order_on_every_rank(monkeypatch, settings):
     for name, value in settings.items():
@@ -142,7 +140,7 @@ def test_every_op_and_dtype_reduces_in_rank_order_on_every_rank(monkeypatch, set
         assert failures == [], "\n".join(failures)
 
 
-@needs_native
+@pytest.mark.native
 def test_three_ranks_split_uneven_slices(monkeypatch):
     for name, value in SMALL_SLOTS.items():
         monkeypatch.setenv(name, value)
@@ -161,7 +159,7 @@ def _nan_propagation():
     return results
 
 
-@needs_native
+@pytest.mark.native
 def test_min_and_max_propagate_nan():
     nan = float("nan")
     expected = {"min": [nan, nan, 3.0], "max": [nan, nan, 4.0], "sum": [nan, nan, 7.0]}
@@ -203,7 +201,7 @@ def _other_collectives() -> dict:
     return out
 
 
-@needs_native
+@pytest.mark.native
 def test_broadcast_all_gather_reduce_scatter_match_their_definitions(monkeypatch):
     for name, value in SMALL_SLOTS.items():
         monkeypatch.setenv(name, value)
@@ -246,7 +244,7 @@ def _non_contiguous() -> dict:
             "in_place": in_place, "scattered": scattered}  # fmt: skip
 
 
-@needs_native
+@pytest.mark.native
 def test_non_contiguous_tensors_are_reduced_and_written_in_place():
     world = 2
     results = run_on_ranks(_non_contiguous, world)
@@ -275,7 +273,7 @@ def _mismatch():
     return messages, after.tolist()
 
 
-@needs_native
+@pytest.mark.native
 def test_ranks_calling_different_collectives_all_raise_and_the_group_stays_usable():
     for messages, after in run_on_ranks(_mismatch, 2):
         assert len(messages) == 2 and after == [3.0, 3.0, 3.0]
@@ -300,7 +298,7 @@ def _sequence_of_mixed_collectives(iterations: int) -> float:
     return time.monotonic() - started
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.timeout(120)
 def test_four_ranks_on_two_cores_do_not_starve():
     # More ranks than cores: waits sleep early instead of spinning, so every rank gets the core it needs.
@@ -327,7 +325,7 @@ def _concurrent_subgroups() -> dict:
     return results
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.timeout(120)
 def test_subgroups_share_memory_and_run_concurrently():
     results = run_on_ranks(_concurrent_subgroups, 4, timeout=100)
@@ -354,7 +352,7 @@ def test_accel_transport_torch_keeps_gloo(monkeypatch):
 
 
 def test_the_group_shares_memory_exactly_when_the_extension_is_there():
-    assert run_on_ranks(_backend_name, 2) == ["accel" if NATIVE else "gloo"] * 2
+    assert run_on_ranks(_backend_name, 2) == ["accel" if _ext.status().loaded else "gloo"] * 2
 
 
 # --- training ------------------------------------------------------------------------------------------------------
@@ -393,7 +391,7 @@ def _ddp_training(hook: str, share: bool, steps: int = 4) -> tuple[list[float], 
     return losses, [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
 
 
-@needs_native
+@pytest.mark.native
 @pytest.mark.parametrize("hook", HOOKS)
 def test_ddp_with_each_comm_hook_trains_as_on_gloo(monkeypatch, hook):
     shared = run_on_ranks(_ddp_training, 2, hook, True)
@@ -442,7 +440,7 @@ def test_ddp_trains_on_gloo_when_memory_is_not_shared(monkeypatch):
         assert torch.equal(ours, theirs)
 
 
-@needs_native
+@pytest.mark.native
 def test_fsdp2_trains_as_on_gloo(monkeypatch):
     shared = run_on_ranks(_fsdp2_training, 2, True, timeout=120)
     monkeypatch.setenv("ACCEL_TRANSPORT", "torch")
@@ -451,7 +449,7 @@ def test_fsdp2_trains_as_on_gloo(monkeypatch):
         assert shared[rank] == pytest.approx(plain[rank], rel=1e-5, abs=1e-6)
 
 
-@needs_native
+@pytest.mark.native
 def test_the_backend_is_registered_for_cpu_by_name():
     import accel.collectives.shm_process_group  # noqa: F401  (registers it)
 

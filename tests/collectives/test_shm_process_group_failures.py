@@ -16,13 +16,9 @@ import torch.distributed as dist
 from separate_ranks import run_separate_ranks
 from spawn_pool import run_on_ranks
 
-from accel import _ext
 from accel.state import PartialState
 
-pytestmark = pytest.mark.skipif(
-    not (_ext.status().loaded and _ext.has_kernel("reduce_in_order_", "CPU")),
-    reason="needs the native extension (the shared-memory process group is native)",
-)
+pytestmark = pytest.mark.native
 
 GROUP_TIMEOUT_S = 60
 

@@ -20,15 +20,11 @@ import torch
 from separate_ranks import run_separate_ranks
 from spawn_pool import run_on_ranks
 
-from accel import _ext
 from accel.collectives import DistributedOperationException, gather, gather_object, pad_across_processes
 from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
 
-pytestmark = pytest.mark.skipif(
-    not (_ext.status().loaded and _ext.has_kernel("shm_pad_across_processes", "CompositeExplicitAutograd")),
-    reason="needs the native extension (the shared-memory transport is native)",
-)
+pytestmark = pytest.mark.native
 
 SLOT = 4096
 PAGE = 4096  # the control block's page; the slots follow (csrc/shm/control_block.h)

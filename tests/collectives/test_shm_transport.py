@@ -14,17 +14,13 @@ import torch
 from separate_ranks import run_separate_ranks
 from spawn_pool import run_on_ranks
 
-from accel import _ext
 from accel.collectives import DistributedOperationException
 from accel.collectives.padding import pad_reference
 from accel.collectives.transport import TorchDistributedTransport
 from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
 
-pytestmark = pytest.mark.skipif(
-    not (_ext.status().loaded and _ext.has_kernel("shm_all_gather", "CompositeExplicitAutograd")),
-    reason="needs the native extension (the shared-memory transport is native)",
-)
+pytestmark = pytest.mark.native
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64]  # fmt: skip

@@ -5,11 +5,7 @@ test_opcheck.py)."""
 import pytest
 import torch
 
-from accel import _ext
-
-pytestmark = pytest.mark.skipif(
-    not (_ext.status().loaded and _ext.has_kernel("reduce_in_order_", "CPU")), reason="needs the native extension"
-)
+pytestmark = pytest.mark.native
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)

@@ -10,12 +10,7 @@ import secrets
 import pytest
 import torch
 
-from accel import _ext
-
-pytestmark = pytest.mark.skipif(
-    not (_ext.status().loaded and _ext.has_kernel("shm_all_gather", "CompositeExplicitAutograd")),
-    reason="needs the native extension",
-)
+pytestmark = pytest.mark.native
 
 
 @pytest.fixture
