@@ -3,7 +3,7 @@
 // rank SIGKILLed inside an exchange, which the others must report (PeerDied, or PeerAborted naming it) fast;
 // and what a process forked from a rank (a DataLoader worker) gets: no mapping, and an error if it tries.
 // Every child _exits; the parent reaps all of them under a deadline and kills leftovers.
-// Not built under TSan (see cmake/CMakeLists.txt).
+// Not built under TSan (see tests/cpp/CMakeLists.txt).
 #include "exchange_check.h"
 
 #include <fcntl.h>
