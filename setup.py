@@ -69,7 +69,9 @@ def get_extensions():
         return []
     debug = env_toggle("DEBUG")
     cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
-    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp")), *sorted(glob.glob("csrc/shm/*.cpp"))]
+    sources = ["csrc/ops.cpp"]
+    for folder in ("cpu", "shm", "shm_bindings"):  # CPU kernels, the shared-memory core, its torch bindings
+        sources += sorted(glob.glob(f"csrc/{folder}/*.cpp"))
     variants = cpu_isa_variants()
     args = {
         "extra_compile_args": {"cxx": cxx_flags + ["-fopenmp"]},

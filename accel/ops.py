@@ -136,7 +136,7 @@ def shm_group_destroy(group: int) -> None:
     torch.ops.accel.shm_group_destroy.default(group)
 
 
-# Starts the message of a native error raised because the ranks' calls disagree (csrc/cpu/shm_transport.cpp).
+# Starts the message of a native error raised because the ranks' calls disagree (csrc/shm_bindings/shm_transport.cpp).
 _MISMATCH = "accel collective mismatch: "
 
 

@@ -7,7 +7,7 @@
 
 extern "C" {
 // Importing accel._C runs the static registrations below; the module itself holds no op, only the process group
-// backend's class (a c10d::Backend has to reach Python as one, see cpu/shm_process_group.cpp).
+// backend's class (a c10d::Backend has to reach Python as one, see shm_bindings/shm_process_group.cpp).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);
@@ -33,14 +33,14 @@ TORCH_LIBRARY(accel, m) {
   // element) read where it lives, so a CUDA caller never waits for it.
   m.def("clip_grads_(Tensor(a!)[] grads, Tensor total_norm, float max_norm) -> ()");
 
-  // The safetensors byte mover (cpu/shard_copy.cpp). Writes `header` at the start of a new file at `path`, then
+  // The safetensors byte mover (cpu/tensor_file_io.cpp, cuda/tensor_file_io.cu). Writes `header` at the start of a new file at `path`, then
   // each tensor's bytes at header.numel() + offsets[i], with the size reserved first, then fsyncs; a failure
   // removes the file. Python plans the header and offsets (accel/checkpoint/safetensors_io.py).
   m.def("write_tensors_(str path, Tensor header, Tensor[] tensors, int[] offsets) -> ()");
   // Reads the bytes at file offsets[i] of `path` into outs[i] (contiguous), straight into their memory.
   m.def("read_tensors_(str path, int[] offsets, Tensor(a!)[] outs) -> ()");
 
-  // The same-host shared-memory transport (csrc/shm/, binding in cpu/shm_transport.cpp). A group is an integer
+  // The same-host shared-memory transport (csrc/shm/, binding in shm_bindings/shm_transport.cpp). A group is an integer
   // handle: created on every rank with the same token, attached once every rank knows every locator (the
   // [pid, fd] where a peer opens a rank's segment), set up once every rank has attached.
   m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s, bool oversubscribed) -> int");

@@ -5,7 +5,7 @@
 
 namespace accel {
 
-// Adds the shared-memory process group's backend class (cpu/shm_process_group.cpp) to `module`. Returns 0, or -1
+// Adds the shared-memory process group's backend class (shm_bindings/shm_process_group.cpp) to `module`. Returns 0, or -1
 // with a Python exception set.
 int add_python_types(PyObject* module);
 

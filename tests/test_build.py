@@ -29,7 +29,7 @@ def broken_source_tree(tmp_path: Path) -> Path:
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(ROOT / "csrc", tree / "csrc")
     shutil.copytree(ROOT / "accel", tree / "accel", ignore=shutil.ignore_patterns("*.so", "_build_info.json", "__pycache__"))
-    kernel = tree / "csrc" / "cpu" / "pad_pack.cpp"
+    kernel = tree / "csrc" / "cpu" / "pad_into.cpp"
     kernel.write_text(kernel.read_text().replace("namespace accel {", "namespace accel { deliberate_compile_error;", 1))
     return tree
 
@@ -51,7 +51,7 @@ def test_a_broken_native_build_installs_pure_python_and_records_the_compiler_err
         info = json.loads(archive.read("accel/_build_info.json"))
     assert not [n for n in names if n.startswith("accel/_C")], names
     assert info["native"] is False
-    assert "pad_pack.cpp" in info["build_error"] and "deliberate_compile_error" in info["build_error"]
+    assert "pad_into.cpp" in info["build_error"] and "deliberate_compile_error" in info["build_error"]
 
     status = _ext.try_load("accel_wheel_without_extension._C", info=info)
     assert not status.loaded and "deliberate_compile_error" in status.reason and "pip install" in status.fix

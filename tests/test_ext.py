@@ -41,9 +41,9 @@ def test_built_for_another_torch_is_not_loaded(monkeypatch):
 
 def test_a_failed_build_reports_the_compile_error(monkeypatch):
     monkeypatch.delenv("ACCEL_DISABLE_NATIVE", raising=False)
-    info = {"torch": torch.__version__, "native": False, "build_error": "CompileError: pad_pack.cpp:3: error: boom"}
+    info = {"torch": torch.__version__, "native": False, "build_error": "CompileError: pad_into.cpp:3: error: boom"}
     status = _ext.try_load("accel_no_such_package._C", info=info)
-    assert not status.loaded and "native build failed at install: CompileError: pad_pack.cpp:3" in status.reason
+    assert not status.loaded and "native build failed at install: CompileError: pad_into.cpp:3" in status.reason
 
 
 def test_a_missing_module_without_build_info_says_it_was_not_built(monkeypatch):

@@ -27,7 +27,7 @@ Turn it off with `ACCEL_TRANSPORT=torch` (or `ACCEL_DISABLE_NATIVE=1`): the grou
 makes a group that cannot share memory an error instead of a fallback.
 
 Design decisions, measured on torch 2.13 (2 cores):
-- A C++ `c10d::Backend` (`csrc/cpu/shm_process_group.cpp`), not a Python `dist.ProcessGroup` subclass: DDP's
+- A C++ `c10d::Backend` (`csrc/shm_bindings/shm_process_group.cpp`), not a Python `dist.ProcessGroup` subclass: DDP's
   reducer and FSDP2 call the backend from C++ through the c10d dispatcher, ~1.5 us per call on top of the work,
   while a Python subclass costs ~5 us to reach Python plus ~5 us for the native op it would call (GIL included).
   Python sets it up through `accel._C.SharedMemoryBackend`, a subclass of torch's `Backend` (so a group's

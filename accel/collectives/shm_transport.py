@@ -1,7 +1,7 @@
 """The same-host transport: collectives of CPU tensors through POSIX shared memory, one rendezvous per call.
 
 Processes on one host do not need TCP. Each rank owns one shared-memory segment that its peers map (the
-protocol is `csrc/shm/`, the tensor side `csrc/cpu/shm_transport.cpp`); a gather of a whole pytree is one
+protocol is `csrc/shm/`, the tensor side `csrc/shm_bindings/shm_transport.cpp`); a gather of a whole pytree is one
 `accel::shm_all_gather` call, where gloo needs a shape exchange plus a collective per leaf.
 
 A group uses it only when every rank agrees that it can (`accel.collectives.same_host`, the rules the shared-memory

@@ -1,5 +1,5 @@
 // Collectives of byte arrays among the ranks of one host, on a Group's exchanges: the algorithms of accel's
-// shared-memory process group (cpu/shm_process_group.cpp binds them to tensors and the reduction kernels).
+// shared-memory process group (shm_bindings/shm_process_group.cpp binds them to tensors and the reduction kernels).
 // Torch-free, so the C++ tests run them as threads and processes under the sanitizers.
 //
 // Every call is collective: all ranks of the group make the same call (same kind, sizes, root, and the caller's

@@ -52,7 +52,7 @@ def _mapping_of(name: str) -> int:
 
 
 def _call_words(kind: int, name: str) -> list[int]:
-    """The fixed words of a meta (csrc/cpu/shm_transport.cpp): kind, pad dim, pad first, name, count."""
+    """The fixed words of a meta (csrc/shm_bindings/shm_transport.cpp): kind, pad dim, pad first, name, count."""
     packed = name.encode().ljust(32, b"\0")
     return [kind, NO_PAD_DIM, 0, *struct.unpack("<4q", packed)]
 

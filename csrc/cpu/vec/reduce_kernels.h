@@ -1,4 +1,4 @@
-// The elementwise reductions behind accel's shared-memory process group (cpu/shm_process_group.cpp) and
+// The elementwise reductions behind accel's shared-memory process group (shm_bindings/shm_process_group.cpp) and
 // accel::reduce_in_order_, compiled once per instruction set as grad_kernels.cpp is (see grad_kernels.h):
 // reduce_kernels.cpp is built three times (DEFAULT, AVX2, AVX512), each copy exports one ReduceKernels table, and
 // cpu/reduce_in_order.cpp picks the one torch itself runs with. Shared by both sides, so plain types only.

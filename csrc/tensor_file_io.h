@@ -1,4 +1,4 @@
-// Shared by cpu/shard_copy.cpp and cuda/shard_copy.cu: the file handling, error collection and chunked
+// Shared by cpu/tensor_file_io.cpp and cuda/tensor_file_io.cu: the file handling, error collection and chunked
 // pwrite/pread of accel::write_tensors_ / accel::read_tensors_. Host code only.
 #pragma once
 
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace accel::shard_io {
+namespace accel::tensor_file_io {
 
 
 constexpr int64_t kChunkBytes = 8 << 20;  // large enough for the disk, small enough to spread over threads
@@ -221,4 +221,4 @@ inline void finish_write(File& file) {
   file.commit();
 }
 
-}  // namespace accel::shard_io
+}  // namespace accel::tensor_file_io

@@ -6,14 +6,14 @@
 // from the tensors' memory with pwrite, in chunks of 8 MiB spread over torch's threads, then fsync'd. Reading is
 // the same in reverse with pread, straight into the destination tensors. No intermediate buffers either way. A read
 // fails, naming the file, when the file is too short for what is asked or changed (size, mtime) while being read.
-#include "../shard_io.h"
+#include "../tensor_file_io.h"
 
 #include <torch/library.h>
 
 namespace accel {
 namespace {
 
-using namespace shard_io;
+using namespace tensor_file_io;
 
 void check_on_cpu(at::TensorList tensors, const char* op) {
   for (size_t i = 0; i < tensors.size(); ++i) {

@@ -800,7 +800,7 @@ std::vector<int64_t> padded_sizes(const std::vector<RankMeta>& ranks, int self, 
   return targets;
 }
 
-// accel::pad_into, the one padding kernel (cpu/pad_pack.cpp), through the dispatcher.
+// accel::pad_into, the one padding kernel (cpu/pad_into.cpp), through the dispatcher.
 at::Tensor padded(const at::Tensor& leaf, int64_t dim, int64_t size, const c10::Scalar& pad_value, bool pad_first) {
   static const auto pad_into =
       c10::Dispatcher::singleton()

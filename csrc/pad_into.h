@@ -1,4 +1,4 @@
-// Shared by cpu/pad_pack.cpp and cuda/pad_pack.cu: argument checks and the geometry of a pad.
+// Shared by cpu/pad_into.cpp and cuda/pad_into.cu: argument checks and the geometry of a pad.
 #pragma once
 
 #include <ATen/MemoryOverlap.h>

@@ -1,5 +1,5 @@
 // CUDA kernel of accel::pad_into: one grid-stride pass over out, each element either copied or padded.
-#include "../pad_pack.h"
+#include "../pad_into.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

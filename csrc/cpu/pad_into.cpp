@@ -1,5 +1,5 @@
 // CPU kernel of accel::pad_into: memcpy for the data, a typed pattern store for the padding.
-#include "../pad_pack.h"
+#include "../pad_into.h"
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

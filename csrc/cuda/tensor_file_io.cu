@@ -5,7 +5,7 @@
 // one buffer, a side stream copies chunk i+1 into the other (write), or the other way round (read). Peak extra
 // memory is those two buffers, whatever the checkpoint's size. The side stream first waits for the current
 // stream (the tensors are ready there); after a read the current stream waits for the side stream.
-#include "../shard_io.h"
+#include "../tensor_file_io.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -20,7 +20,7 @@
 namespace accel {
 namespace {
 
-using namespace shard_io;
+using namespace tensor_file_io;
 
 // The CPU tensors of a list, and the chunks of its CUDA ones (memory = device pointer).
 struct SplitIo {
