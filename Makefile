@@ -62,7 +62,7 @@ bench-gather: setup
 	    $(BENCH_ARGS) --benchmark-json=build/bench-gather-$$n.json \
 	    || exit 1; \
 	done
-	$(VENV)/bin/python tools/bench_gather_report.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
+	$(VENV)/bin/python benchmarks/report/gather.py $(BENCH_OUT) build/bench-gather-2.json build/bench-gather-4.json
 
 # accelerator.clip_grad_norm_ after backward under fp16, against HF Accelerate 1.15 (installed into the venv), the
 # kernels alone and the streaming limit;
@@ -71,7 +71,7 @@ bench-unscale: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_unscale.py $(BENCH_ARGS) --benchmark-json=build/bench-unscale.json
-	$(VENV)/bin/python tools/bench_unscale_report.py $(BENCH_OUT) build/bench-unscale.json
+	$(VENV)/bin/python benchmarks/report/unscale.py $(BENCH_OUT) build/bench-unscale.json
 
 # Saving and loading 256 MiB / 1 GiB of weights against HF Accelerate (installed into the venv), torch and the
 # disk; regenerates docs/benchmarks/checkpoint.md and checkpoint.png.
@@ -79,7 +79,7 @@ bench-checkpoint: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0 matplotlib
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_checkpoint.py $(BENCH_ARGS) --benchmark-json=build/bench-checkpoint.json
-	$(VENV)/bin/python tools/bench_checkpoint_report.py $(BENCH_OUT) build/bench-checkpoint.json
+	$(VENV)/bin/python benchmarks/report/checkpoint.py $(BENCH_OUT) build/bench-checkpoint.json
 
 # load_checkpoint_and_dispatch of 1 GiB against HF Accelerate (installed into the venv): time and peak memory;
 # writes docs/benchmarks/big_model.md.
@@ -87,7 +87,7 @@ bench-big-model: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_big_model.py $(BENCH_ARGS) --benchmark-json=build/bench-big-model.json
-	$(VENV)/bin/python benchmarks/bench_big_model.py $(BENCH_OUT) build/bench-big-model.json
+	$(VENV)/bin/python benchmarks/report/big_model.py $(BENCH_OUT) build/bench-big-model.json
 
 # all_reduce on 2 and 4 real ranks, accel's shared-memory process group against gloo and the memcpy limit, then
 # training steps per second on 2 processes against HF Accelerate 1.15 (installed into the venv) and FSDP2 against
@@ -101,7 +101,7 @@ bench-process-group: setup
 	    || exit 1; \
 	done
 	$(VENV)/bin/pytest benchmarks/bench_training.py $(BENCH_ARGS) --benchmark-json=build/bench-training.json
-	$(VENV)/bin/python tools/bench_process_group_report.py $(BENCH_OUT) build/bench-allreduce-2.json \
+	$(VENV)/bin/python benchmarks/report/process_group.py $(BENCH_OUT) build/bench-allreduce-2.json \
 	  build/bench-allreduce-4.json build/bench-training.json
 
 cuda-check:

@@ -19,7 +19,7 @@ and the memory's limits measured in the same run.
 
 Medians over rounds; a ratio is the median of the per-round ratios. pytest-benchmark's own column is the length of
 a whole round; the per-variant samples and medians are in each benchmark's `extra_info`
-(`tools/bench_checkpoint_report.py` turns the JSON into docs/benchmarks/checkpoint.md and its plot).
+(`benchmarks/report/checkpoint.py` turns the JSON into docs/benchmarks/checkpoint.md and its plot).
 
 Run:  .venv/bin/pytest benchmarks/bench_checkpoint.py --benchmark-only -p no:cacheprovider -s
       (HF's variants need `pip install accelerate==1.15.0`; without it they are left out, with a notice).

@@ -16,7 +16,7 @@ an order that alternates between rounds, the same number of calls of:
 - `reference`: accel's two calls through its torch.distributed transport (gloo).
 The ratio HF/accel is the median over rounds of each round's ratio (interleaved pairs), so drifts of a busy
 machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way.
-Everything lands in each benchmark's `extra_info` (tools/bench_gather_report.py reads it); pytest-benchmark's
+Everything lands in each benchmark's `extra_info` (benchmarks/report/gather.py reads it); pytest-benchmark's
 own statistics are those of one whole round.
 """
 

@@ -38,7 +38,7 @@ its untimed setup); the per-variant times are in each benchmark's `extra_info`.
 
 Run:  .venv/bin/pytest benchmarks/bench_unscale.py --benchmark-only -p no:cacheprovider -s
       (needs `pip install accelerate==1.15.0` for the HF variants; without it they are left out, with a notice).
-Report: tools/bench_unscale_report.py OUT_DIR results.json (`make bench-unscale` runs both).
+Report: benchmarks/report/unscale.py OUT_DIR results.json (`make bench-unscale` runs both).
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""Turns bench_checkpoint.py's pytest-benchmark JSON into a table of where each target stands, and a plot.
+"""bench_checkpoint.py's pytest-benchmark JSON -> OUT_DIR/checkpoint.md and checkpoint.png.
 
-    python tools/bench_checkpoint_report.py OUT_DIR results.json
+    python benchmarks/report/checkpoint.py OUT_DIR results.json
 
-Writes OUT_DIR/checkpoint.md and OUT_DIR/checkpoint.png. bench_checkpoint.py runs its variants interleaved, round
-by round, and stores each variant's samples, medians and per-round ratios in the benchmark's extra_info.
+bench_checkpoint.py runs its variants interleaved, round by round, and stores each variant's samples, medians and
+per-round ratios in the benchmark's extra_info.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+import scaffold
+from scaffold import MISSING, row
 
 SAVE = [  # (sample, label)
     ("accel", "accel, default (complete on return, fsync in the background)"),
@@ -29,40 +30,39 @@ TARGETS = [  # (ratio key in extra_info, what it measures, goal)
 ]
 
 
-def load(path: str) -> tuple[dict, dict, dict]:
-    """(save_model extra_info, load extra_info, machine info)."""
-    data = json.loads(Path(path).read_text())
-    groups = {bench["group"].split()[0]: bench["extra_info"] for bench in data["benchmarks"]}
-    return groups.get("save_model", {}), groups.get("load", {}), data.get("machine_info", {})
+def by_group(benchmarks: list[tuple[str, dict]]) -> tuple[dict, dict]:
+    """(save_model extra_info, load extra_info)."""
+    groups = {group.split()[0]: info for group, info in benchmarks}
+    return groups.get("save_model", {}), groups.get("load", {})
 
 
 def _ms(info: dict, name: str) -> str:
     seconds = info.get(f"{name}_s")
     if seconds is None:
-        return "—"
+        return MISSING
     return f"{seconds * 1e3:,.0f} ms ({info.get('bytes', 0) / seconds / 2**30:.2f} GiB/s)"
 
 
 def _spread(info: dict, name: str) -> str:
     samples = sorted(info.get("samples", {}).get(name, []))
     if len(samples) < 2:
-        return "—"
+        return MISSING
     return f"{samples[0] * 1e3:,.0f}–{samples[-1] * 1e3:,.0f} ms"
 
 
 def save_table(info: dict) -> list[str]:
-    lines = ["| what the training loop waits for (251 MiB, 2 shards) | median | range over rounds | until durable |",
-             "|---|---|---|---|"]  # fmt: skip
+    rows = []
     for name, label in SAVE:
         after = info.get(f"{name}_durable_after_s")
-        until = "—" if after is None else f"{after * 1e3:,.0f} ms"
-        lines.append(f"| {label} | {_ms(info, name)} | {_spread(info, name)} | {until} |")
-    return lines
+        until = MISSING if after is None else f"{after * 1e3:,.0f} ms"
+        rows.append(row(label, _ms(info, name), _spread(info, name), until))
+    header = ["what the training loop waits for (251 MiB, 2 shards)", "median", "range over rounds", "until durable"]
+    return scaffold.table(header, rows)
 
 
 def load_table(info: dict) -> list[str]:
-    lines = ["| load_checkpoint_in_model (251 MiB, page cache) | median | range over rounds |", "|---|---|---|"]
-    lines += [f"| {label} | {_ms(info, name)} | {_spread(info, name)} |" for name, label in LOAD]
+    rows = [row(label, _ms(info, name), _spread(info, name)) for name, label in LOAD]
+    lines = scaffold.table(["load_checkpoint_in_model (251 MiB, page cache)", "median", "range over rounds"], rows)
     if "hf/accel" in info:
         lines += ["", f"accel loads {info['hf/accel']:.1f}× faster than HF Accelerate "
                       f"({info.get('raw_read/accel', 0):.0%} of the raw read's time)."]  # fmt: skip
@@ -70,43 +70,34 @@ def load_table(info: dict) -> list[str]:
 
 
 def targets(info: dict) -> list[str]:
-    rows = ["| target (issue 13) | measured (median of per-round ratios) | |", "|---|---|---|"]
+    rows = []
     for key, what, goal in TARGETS:
         value = info.get(key)
         shown = "not measured" if value is None else f"{value:.2f}×" if "fsync" not in key else f"{value:.0%}"
-        verdict = "—" if value is None else ("met" if value >= goal else "not met")
-        rows.append(f"| {what} | {shown} | {verdict} |")
-    return rows
+        verdict = MISSING if value is None else ("met" if value >= goal else "not met")
+        rows.append(row(what, shown, verdict))
+    return ["| target (issue 13) | measured (median of per-round ratios) | |", "|---|---|---|", *rows]
 
 
-def plot(save: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(save: dict, path) -> None:
     names = [(name, label.split(" (")[0]) for name, label in SAVE if f"{name}_s" in save]
-    figure, axis = plt.subplots(figsize=(9, 4.5))
     values = [save[f"{name}_s"] * 1e3 for name, _ in names]
-    axis.barh([label for _, label in names], values, color=["C0", "C0", "C0", "C1", "C7", "C7", "C7"][: len(names)])
-    axis.invert_yaxis()
-    axis.set(xlabel="ms the caller waits (median; lower is better)", title="save_model, 251 MiB in 2 shards")
-    axis.grid(True, axis="x", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    with scaffold.figure(path, 1, (9, 4.5)) as (axis,):
+        axis.barh([label for _, label in names], values, color=["C0", "C0", "C0", "C1", "C7", "C7", "C7"][: len(names)])
+        axis.invert_yaxis()
+        axis.set(xlabel="ms the caller waits (median; lower is better)", title="save_model, 251 MiB in 2 shards")
+        axis.grid(True, axis="x", alpha=0.3)
 
 
 def main(out_dir: str, path: str) -> None:
-    save, load_info, machine = load(path)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cpu = machine.get("cpu", {})
+    benchmarks, machine = scaffold.load([path])
+    save, load_info = by_group(benchmarks)
     notices = {info.get("notice") for info in (save, load_info) if info.get("notice")}
     text = [
         "# Checkpoint save and load through the public API: measured results",
         "",
-        f"Generated by `make bench-checkpoint` (benchmarks/bench_checkpoint.py) on {cpu.get('brand_raw', 'unknown CPU')}",
-        f"({cpu.get('count', '?')} cores), writing to the repository's disk. `accelerator.save_model` of a 251 MiB",
+        f"Generated by `make bench-checkpoint` (benchmarks/bench_checkpoint.py) on {scaffold.cpu_name(machine)}",
+        f"({scaffold.cpu_count(machine)} cores), writing to the repository's disk. `accelerator.save_model` of a 251 MiB",
         "fp32 model (two shards) by accel in its three save modes and by HF Accelerate 1.15, and the limits, in the",
         "same run, interleaved (one of each per round, order rotated; the dirty page cache written out between",
         "variants, untimed). The time is what the caller waits for; `until durable` adds accel's background work.",
@@ -122,9 +113,7 @@ def main(out_dir: str, path: str) -> None:
         "![checkpoint](checkpoint.png)",
         "",
     ]
-    (out / "checkpoint.md").write_text("\n".join(text))
-    if save:
-        plot(save, out / "checkpoint.png")
+    scaffold.write(out_dir, "checkpoint", text, (lambda png: plot(save, png)) if save else None)
 
 
 if __name__ == "__main__":
