@@ -25,7 +25,7 @@ def strategy_for(state: PartialState, ddp_kwargs: DistributedDataParallelKwargs 
         strategy = STRATEGIES[state.distributed_type]
     except KeyError:
         raise NotImplementedError(f"{state.distributed_type} is not supported by accel yet") from None
-    return strategy(state, ddp_kwargs) if issubclass(strategy, DDPStrategy) else strategy(state)
+    return strategy.create(state, ddp_kwargs)
 
 
 __all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "strategy_for"]

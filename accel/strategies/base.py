@@ -34,6 +34,12 @@ class Strategy(abc.ABC):
     def __init__(self, state: PartialState):
         self.state = state
 
+    @classmethod
+    def create(cls, state: PartialState, ddp_kwargs: Any = None) -> Strategy:
+        """The strategy for `state`, built from the Accelerator's settings it uses: only the state here; a strategy
+        that needs more (DDP's `DistributedDataParallelKwargs`) overrides this."""
+        return cls(state)
+
     @property
     def device(self) -> torch.device:
         """The device this process's models go to."""

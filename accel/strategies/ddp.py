@@ -24,6 +24,10 @@ class DDPStrategy(Strategy):
         super().__init__(state)
         self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
 
+    @classmethod
+    def create(cls, state, ddp_kwargs: DistributedDataParallelKwargs | None = None) -> DDPStrategy:
+        return cls(state, ddp_kwargs)
+
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         """DDP around the model, compiled as torch advises for DDP.
 
