@@ -5,7 +5,8 @@ Each rank states its facts (`local_facts`), the ranks exchange them, and every r
 same list (`why_not`, `oversubscribed`), so all reach the same answer: one host and one /dev/shm (compared, not
 assumed from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead peers are found by pid), the native code
 loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. `ACCEL_TRANSPORT=shm` asks for an error instead
-of a fallback. Nothing here imports torch.distributed or the state: both users sit above it.
+of a fallback. Setting up is collective too: `on_every_rank` runs a step on each rank and gives every rank the same
+outcome. Nothing here imports torch.distributed or the state: both users sit above it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import os
 import secrets
 import socket
+from typing import Any, Callable
 
 from accel._env import get_setting
 
@@ -110,3 +112,19 @@ def _boot_id() -> str | None:
 def _host_identity() -> tuple:
     namespaces = tuple(_inode(f"/proc/self/ns/{name}") for name in ("mnt", "pid"))
     return socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces
+
+
+def on_every_rank(step: Callable[[], Any], all_gather: Callable[[Any], list]) -> tuple[list | None, str | None]:
+    """Runs `step` here and gathers every rank's outcome with `all_gather` (a barrier too): (every rank's result,
+    None), or (None, the first failure, naming its rank) on every rank alike. A `RuntimeError` is a failure."""
+    result, error = None, None
+    try:
+        result = step()
+    except RuntimeError as failure:
+        error = str(failure)
+    outcomes = all_gather((result, error))
+    failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        return None, f"process {rank}: {message}"
+    return [outcome for outcome, _ in outcomes], None

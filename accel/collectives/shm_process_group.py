@@ -217,19 +217,8 @@ class _StoreRounds:
         return [pickle.loads(self.store.get(f"{prefix}/{rank}")) for rank in range(self.world_size)]
 
     def on_every_rank(self, name: str, step: Callable[[], Any]) -> tuple[list | None, str | None]:
-        """Runs `step` here and gathers every rank's outcome: (every rank's result, None), or (None, the first
-        failure) on every rank alike."""
-        result, error = None, None
-        try:
-            result = step()
-        except RuntimeError as failure:
-            error = str(failure)
-        outcomes = self.all_gather(name, (result, error))
-        failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            return None, f"process {rank}: {message}"
-        return [outcome for outcome, _ in outcomes], None
+        """`same_host.on_every_rank` over this store, under the round `name`."""
+        return same_host.on_every_rank(step, lambda outcome: self.all_gather(name, outcome))
 
 
 if _native_ready():

@@ -244,29 +244,13 @@ def _set_up(reference: TorchDistributedTransport, group: _Group, oversubscribed:
                                       group.timeout.total_seconds(), oversubscribed)  # fmt: skip
         return ops.shm_group_locator(handle)
 
-    locators, failure = _on_every_rank(reference, create)
+    locators, failure = same_host.on_every_rank(create, reference.all_gather_object)
     if failure is None:
         flat = [number for locator in locators for number in locator]
-        _, failure = _on_every_rank(reference, lambda: ops.shm_group_attach(handle, flat))
+        _, failure = same_host.on_every_rank(lambda: ops.shm_group_attach(handle, flat), reference.all_gather_object)
     if failure is not None:
         if handle is not None:
             ops.shm_group_destroy(handle)
         return None, failure
     ops.shm_group_finish_setup(handle)  # every rank has attached (the exchange above is the barrier)
     return SharedMemoryTransport(handle, group.rank, group.world_size), None
-
-
-def _on_every_rank(reference: TorchDistributedTransport, step: Any) -> tuple[list | None, str | None]:
-    """Runs `step` here and gathers every rank's outcome (a barrier too): (every rank's result, None), or (None,
-    the first failure) on every rank alike."""
-    result, error = None, None
-    try:
-        result = step()
-    except RuntimeError as failure:
-        error = str(failure)
-    outcomes = reference.all_gather_object((result, error))
-    failed = [(rank, message) for rank, (_, message) in enumerate(outcomes) if message is not None]
-    if failed:
-        rank, message = failed[0]
-        return None, f"process {rank}: {message}"
-    return [outcome for outcome, _ in outcomes], None
