@@ -84,7 +84,8 @@ def plot(reductions: dict, training: dict, path) -> None:
                 labels.append(f"{workload}\n{name}")
                 values.append(rate)
         axis = axes[-1]
-        axis.bar(range(len(values)), values, color=["tab:orange" if "accel" in label else "tab:gray" for label in labels])
+        colors = ["tab:orange" if "accel" in label else "tab:gray" for label in labels]
+        axis.bar(range(len(values)), values, color=colors)
         axis.set(xticks=range(len(labels)), xticklabels=labels, ylabel="median steps per second",
                  title="training on 2 processes")  # fmt: skip
         axis.grid(True, axis="y", alpha=0.3)

@@ -182,7 +182,8 @@ SAMPLES: dict[str, Callable[[Resources], list[Sample]]] = {
 
 def registered_ops() -> list[str]:
     """The names of every op the dispatcher knows in the accel namespace (what the extension registered)."""
-    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("accel::"))
+    names = torch._C._dispatch_get_all_op_names()
+    return sorted(name.split("::", 1)[1] for name in names if name.startswith("accel::"))
 
 
 def test_every_op_has_samples():
