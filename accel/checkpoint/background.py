@@ -1,17 +1,26 @@
-"""What a save leaves for after it returns: durability (fsync, then a marker) and asynchronous writes.
+"""What a save leaves for after it returns: durability (fsync, then the durability record), asynchronous writes and
+the freeing of removed files' blocks; and what waits for the next call the user makes (rotation).
 
 Three save modes (`SaveMode`), chosen per call or by `ProjectConfiguration(async_save=..., durable_save=...)`:
 
 - default: the call returns once every file is complete at its final name, in the page cache (as HF's save
   does, at the same speed). A process killed at any moment leaves the previous checkpoint or the new one, never
-  a mix. Durability against power loss follows in the background: every file and the folder are fsync'd, then
-  the marker `.accel-durable` is written into a save_state folder. Until then the folder holds `.accel-unsynced`
-  (this machine's boot id): `load_state()` without a path skips a checkpoint that was not made durable before
-  the machine restarted, and completes the durability of one from this boot itself.
-- durable: the call returns once everything is fsync'd and the marker written (the mode of accel until now).
+  a mix. Durability against power loss follows in the background: every file, the folder and its parent are
+  fsync'd, then the folder's durability record (`.accel-durability`, created before the folder was published,
+  saying "unsynced" and this machine's boot id) is rewritten in place to say "durable". `load_state()` without a
+  path skips a checkpoint that was not made durable before the machine restarted, and completes the durability
+  of one from this boot itself.
+- durable: the call returns once everything is fsync'd and the record says "durable".
 - async: the call returns after an in-memory snapshot of the state (one extra copy, kept for the next
-  asynchronous save); writing, publishing and durability run in the background. The next save, `load_state`,
+  asynchronous save); writing, fsync and publishing run in the background. The next save, `load_state`,
   `end_training` and `wait_for_checkpoint()` join it, and a failure is raised there.
+
+Unlike an asynchronous save, a default-mode save changes no directory entry after it returns (HF's save has
+nothing pending either, and a user may remove, move or list the folder at once): the background only fsyncs,
+rewrites the record's content through the descriptor it opened (a folder removed or replaced meanwhile is left
+alone) and closes removed files (`unlink_now_free_later`: their names go before the call returns, their blocks,
+the slow part, are freed on close). Work that changes entries and must wait for durability (rotating out the
+newest durable checkpoint) is deferred to the join points the user calls (`BackgroundSaves.defer`).
 
 One worker thread per process runs the jobs in the order they were submitted, and the interpreter waits for it at
 exit, so a script that ends right after a save still leaves a durable checkpoint.
@@ -19,16 +28,18 @@ exit, so a script that ends right after a save still leaves a durable checkpoint
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from accel.checkpoint.names import DURABLE_MARKER, UNSYNCED_MARKER
-from accel.checkpoint.atomic_files import create_exclusive, fsync_directory
+from accel.checkpoint.atomic_files import UnlinkedFiles, create_exclusive, fsync_directory
+from accel.checkpoint.names import DURABILITY_RECORD
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +60,8 @@ class SaveMode:
 
 
 class BackgroundSaves:
-    """A FIFO of save jobs on one worker thread; failures are kept until the next join raises them."""
+    """A FIFO of save jobs on one worker thread; failures are kept until the next join raises them. Work deferred
+    to the join points (`defer`) runs in the caller's thread there."""
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
@@ -57,6 +69,8 @@ class BackgroundSaves:
         self._pending: list[Future] = []
         self._failures: list[BaseException] = []
         self._last_asynchronous: Future | None = None
+        self._deferred: dict[str, Callable[[], bool]] = {}
+        self._runs_deferred_at_exit = False
 
     def submit(self, job: Callable[[], None], what: str, asynchronous: bool = False) -> Future:
         """Runs `job` after every job submitted before it; `what` names it in logs and errors."""
@@ -80,8 +94,10 @@ class BackgroundSaves:
 
     def join(self, asynchronous_only: bool = False) -> None:
         """Waits for the queued jobs (with `asynchronous_only`, until the last asynchronous save is written: the
-        durability of default-mode saves may go on), then raises the first failure since the last join."""
-        while True:  # a job may queue more (a durability job discards rotated-out checkpoints)
+        durability of default-mode saves may go on), then raises the first failure since the last join, or else
+        runs the deferred work (`defer`). Only the user's calls join (a save, load_state, wait_for_checkpoint,
+        end_training), never the worker."""
+        while True:  # a job may queue more (an asynchronous save_model frees the blocks of the files it replaced)
             with self._lock:
                 if asynchronous_only:
                     waited = [self._last_asynchronous] if self._last_asynchronous is not None else []
@@ -100,10 +116,50 @@ class BackgroundSaves:
             failures, self._failures = self._failures, []
         if failures:
             raise RuntimeError(f"a checkpoint saved in the background failed: {failures[0]}") from failures[0]
+        self.run_deferred()
 
     def busy(self) -> bool:
         with self._lock:
             return any(not f.done() for f in self._pending)
+
+    def defer(self, key: str, work: Callable[[], bool]) -> None:
+        """Leaves `work` to the join points: it runs in the thread of the user's next save, load_state,
+        wait_for_checkpoint or end_training (or at interpreter exit, after the worker finished), and again at
+        each one until it returns True (done). It is how a change to directory entries that must wait for the
+        worker (removing a checkpoint once a newer one is durable) happens inside a call the user makes, never
+        behind their back. A later `defer` with the same `key` replaces it."""
+        with self._lock:
+            self._deferred[key] = work
+            register_exit = not self._runs_deferred_at_exit
+            self._runs_deferred_at_exit = True
+        if register_exit:  # atexit runs after the interpreter joined the worker: what waited for it can finish
+            atexit.register(self._run_deferred_at_exit)
+
+    def run_deferred(self) -> None:
+        """Runs the deferred work (see `defer`) in the calling thread; what is done is dropped."""
+        with self._lock:
+            work = dict(self._deferred)
+        for key, function in work.items():
+            if function():
+                with self._lock:
+                    if self._deferred.get(key) is function:
+                        del self._deferred[key]
+
+    def _run_deferred_at_exit(self) -> None:
+        try:
+            self.run_deferred()
+        except Exception as error:  # noqa: BLE001 - nobody left to raise it to
+            logger.warning("checkpoint work left for the end of the program failed: %s", error)
+
+    def free_later(self, unlinked: UnlinkedFiles) -> None:
+        """Closes `unlinked` on the worker (freeing their blocks there), or now once the interpreter is shutting
+        down and the worker takes no more jobs."""
+        if not len(unlinked):
+            return
+        try:
+            self.submit(unlinked.close, "freeing the blocks of removed checkpoint files")
+        except RuntimeError:  # cannot schedule new futures after interpreter shutdown
+            unlinked.close()
 
 
 saves = BackgroundSaves()
@@ -119,6 +175,33 @@ def finish() -> None:
         snapshot.buffers.release()
 
 
+# --- removing files -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _freed_later() -> Iterator[UnlinkedFiles]:
+    unlinked = UnlinkedFiles()
+    try:
+        yield unlinked
+    finally:  # also what was removed before a failure: its descriptors are closed, never leaked
+        saves.free_later(unlinked)
+
+
+def unlink_now_free_later(paths: list[str]) -> None:
+    """Removes the files `paths` (those that are there) before returning; the blocks of the large ones are freed on
+    the worker (see accel.checkpoint.atomic_files.UnlinkedFiles)."""
+    with _freed_later() as unlinked:
+        for path in paths:
+            unlinked.unlink(path)
+
+
+def remove_tree_now_free_later(folder: str) -> None:
+    """Removes `folder` and everything in it before returning; the blocks of its large files are freed on the
+    worker."""
+    with _freed_later() as unlinked:
+        unlinked.remove_tree(folder)
+
+
 # --- durability -----------------------------------------------------------------------------------------------------
 
 
@@ -132,31 +215,81 @@ def boot_identity() -> str:
     return f"{socket.gethostname()} {boot}"
 
 
-def mark_unsynced(folder: str) -> None:
-    """Records, in a folder about to be published without fsync, the boot whose page cache holds its bytes."""
-    fd = create_exclusive(os.path.join(folder, UNSYNCED_MARKER))
-    with os.fdopen(fd, "w") as f:
-        f.write(boot_identity() + "\n")
+class Durability:
+    """A save_state folder on its way to durable, through its durability record (`.accel-durability`).
 
+    `start` creates the record ("unsynced <host> <boot>") in a folder about to be published; `complete` fsyncs
+    every entry of the folder, the folder and its parent, then rewrites the record's content to "durable <host>
+    <boot>" and fsyncs it. Both work through descriptors opened while the save still runs (`moved_to` re-opens the
+    folder where the publish put the files), never by path later: a folder the user removed, moved or replaced
+    meanwhile is never written into, and no directory entry changes (the record is rewritten in place, not
+    replaced). The record's content says "durable" only once everything it describes is on disk; a reader that
+    meets it half rewritten finds neither word and answers "unknown", which the readers treat as durable (as
+    it is by then).
+    """
 
-def make_durable(folder: str, mark: bool = True) -> None:
-    """fsyncs every file of `folder`, the folder and its parent; then (`mark`) writes the durable marker, fsync'd
-    too. Works on the folder it opened even if it is renamed meanwhile; a folder removed meanwhile is skipped."""
-    try:
-        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        for name in os.listdir(folder_fd):
-            _fsync_entry(folder_fd, name)
-        os.fsync(folder_fd)
-        fsync_directory(os.path.dirname(os.path.normpath(folder)) or ".")
-        if mark:
-            _write_marker(folder_fd)
-    except FileNotFoundError:  # the folder was removed meanwhile (rotated out by a later save): nothing to keep
-        pass
-    finally:
-        os.close(folder_fd)
+    def __init__(self, folder: str, record_fd: int) -> None:
+        self._record_fd: int | None = record_fd
+        self._folder_fd: int | None = None
+        self._parent = "."
+        try:
+            self.moved_to(folder)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def start(cls, folder: str) -> Durability:
+        """Creates the record of `folder` (which must not have one yet) saying "unsynced" with this boot's id."""
+        fd = create_exclusive(os.path.join(folder, DURABILITY_RECORD))
+        try:
+            os.write(fd, f"unsynced {boot_identity()}\n".encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(folder, fd)
+
+    @classmethod
+    def resume(cls, folder: str) -> Durability | None:
+        """The durability of `folder` published earlier (its record there), or None when it has no record."""
+        try:
+            fd = os.open(os.path.join(folder, DURABILITY_RECORD), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return cls(folder, fd)
+
+    def moved_to(self, folder: str) -> None:
+        """Follows the files to `folder`, where publishing put them (opened now, while the save runs)."""
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)
+        self._folder_fd = fd
+        self._parent = os.path.dirname(os.path.normpath(folder)) or "."
+
+    def complete(self) -> None:
+        """fsyncs the folder's files, the folder and its parent, then records "durable"; closes the descriptors.
+        Nothing is done for a folder removed meanwhile."""
+        if self._folder_fd is None:  # closed: completed already, or given up
+            return
+        try:
+            try:
+                names = os.listdir(self._folder_fd)
+            except FileNotFoundError:  # removed meanwhile (rotated out, or by the user): nothing left to keep
+                return
+            for name in names:
+                _fsync_entry(self._folder_fd, name)
+            os.fsync(self._folder_fd)
+            fsync_directory(self._parent)
+            _rewrite(self._record_fd, f"durable {boot_identity()}\n".encode())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Closes the descriptors (idempotent): on a failure before `complete`, or after it."""
+        for fd in (self._folder_fd, self._record_fd):
+            if fd is not None:
+                os.close(fd)
+        self._folder_fd = self._record_fd = None
 
 
 def _fsync_entry(folder_fd: int, name: str) -> None:
@@ -170,30 +303,31 @@ def _fsync_entry(folder_fd: int, name: str) -> None:
         os.close(fd)
 
 
-def _write_marker(folder_fd: int) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(DURABLE_MARKER, flags, 0o644, dir_fd=folder_fd)
-    try:
-        os.write(fd, (boot_identity() + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.unlink(UNSYNCED_MARKER, dir_fd=folder_fd)
-    except FileNotFoundError:
-        pass
-    os.fsync(folder_fd)
+def _rewrite(fd: int, content: bytes) -> None:
+    """Replaces a small file's content in place through `fd`, durably."""
+    os.pwrite(fd, content, 0)
+    os.ftruncate(fd, len(content))
+    os.fsync(fd)
+
+
+def make_durable(folder: str) -> None:
+    """Completes, now, the durability of a folder published earlier in the default mode (see `Durability`)."""
+    durability = Durability.resume(folder)
+    if durability is not None:
+        durability.complete()
 
 
 def durability_of(folder: str) -> str:
-    """"durable" (marker written), "this-boot" (published without fsync during this boot: the page cache still
+    """"durable" (everything fsync'd), "this-boot" (published without fsync during this boot: the page cache still
     holds it), "lost-boot" (published without fsync before the machine restarted: its bytes may be gone), or
-    "unknown" (no marker: written by HF Accelerate or an older accel)."""
-    if os.path.exists(os.path.join(folder, DURABLE_MARKER)):
-        return "durable"
+    "unknown" (no record, or one accel did not write: written by HF Accelerate or an older accel)."""
     try:
-        with open(os.path.join(folder, UNSYNCED_MARKER)) as f:
-            written = f.read().strip()
-    except OSError:
+        with open(os.path.join(folder, DURABILITY_RECORD), "rb") as f:
+            words = f.read(4096).decode().split()
+    except (OSError, UnicodeDecodeError):
         return "unknown"
-    return "this-boot" if written == boot_identity() else "lost-boot"
+    if len(words) < 2 or words[0] not in ("durable", "unsynced"):
+        return "unknown"
+    if words[0] == "durable":
+        return "durable"
+    return "this-boot" if " ".join(words[1:]) == boot_identity() else "lost-boot"

@@ -115,8 +115,9 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     (`.accel-publish.json`: renames, or swaps with the files they replace, the index last; then removal of the
     indexes of an earlier save that this one does not overwrite, in either format), so a process killed at any
     moment leaves the previous checkpoint or the new one: the next save or load replays an interrupted journal.
-    The replaced files and the earlier save's other weight files, which nothing names any more, are unlinked in
-    the background (accel.checkpoint.background; an unlink costs ~30 ms per 100 MiB). `durable`: fsync every file
+    The replaced files and the earlier save's other weight files, which nothing names any more, are unlinked before
+    it returns, and their blocks freed in the background (accel.checkpoint.background.unlink_now_free_later:
+    freeing is what costs ~30 ms per 100 MiB; nothing in the folder changes after the call). `durable`: fsync every file
     and the folder before returning; without it the files are complete in the page cache (a kill cannot lose
     them, a power loss can) and `sync_files` makes them durable later. `progress`: see accel.checkpoint.progress.
     """
@@ -150,10 +151,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
             remove_quietly(temporary)
         raise
     # Once its journal is written, the publish is decided: an interruption from here on is completed by a replay.
-    leftovers = publish_files(folder, staged, stale, durable)
-    # Unlinking a large file costs ~30 ms per 100 MiB: not on the caller's time (a kill first leaves them to the
-    # next save's clean-up of dead processes' temporary files, or to a replay).
-    background.saves.submit(functools.partial(remove_files, leftovers), f"old files of '{folder}'")
+    background.unlink_now_free_later(publish_files(folder, staged, stale, durable))
     _remove_orphan_temporaries(folder)
     return [os.path.join(folder, name) for _, name in staged]
 
@@ -171,7 +169,7 @@ def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str]
 
     An existing file is swapped with its replacement (renameat2 RENAME_EXCHANGE: cheaper than a rename over it)
     and left at the temporary name. Returns what is left to remove (those old files, the stale shards in
-    `remove`): nothing reads them any more, so the caller may remove them later (`remove_files`)."""
+    `remove`): nothing reads them any more, so the caller removes them after (`unlink_now_free_later`)."""
     plan = {"rename": [[os.path.basename(t), name, os.stat(t).st_ino] for t, name in renames], "remove": remove}
     text = json.dumps(plan)
     try:
@@ -219,14 +217,9 @@ def replay_journal(folder: str) -> None:
         return
     except ValueError:  # written atomically, so never partial: not ours
         raise CheckpointError(f"'{journal}' is not a journal accel wrote; remove it") from None
-    remove_files(_move_into_place(folder, plan) + [os.path.join(folder, name) for name in plan["remove"]])
+    leftovers = _move_into_place(folder, plan) + [os.path.join(folder, name) for name in plan["remove"]]
+    background.unlink_now_free_later(leftovers)
     remove_quietly(journal)
-
-
-def remove_files(paths: list[str]) -> None:
-    """Removes `paths` (those that are there)."""
-    for path in paths:
-        remove_quietly(path)
 
 
 def sync_files(paths: list[str]) -> None:
@@ -248,16 +241,16 @@ def save_model_files(state_dict: Mapping[str, torch.Tensor], save_directory: str
                      max_shard_size: int | str, safe_serialization: bool, mode: SaveMode) -> None:  # fmt: skip
     """`Accelerator.save_model` in the three save modes (accel.checkpoint.background): the files complete when it
     returns and durable in the background (default), durable when it returns, or written in the background from
-    a snapshot (asynchronous). An earlier asynchronous save is joined (and its failure raised) first."""
+    a snapshot (asynchronous; the worker writes it durably, then publishes). An earlier asynchronous save is joined
+    (and its failure raised) first."""
     background.saves.join(asynchronous_only=True)
     folder = os.fspath(save_directory)
     if mode.asynchronous:
         state = snapshot.buffers.take(without_shared_tensors(state_dict))
 
-        def write_and_sync() -> None:
-            sync_files(save_state_dict(state, folder, max_shard_size, safe_serialization, progress=False, durable=False))
-
-        background.saves.submit(write_and_sync, f"save_model into '{folder}'", asynchronous=True)
+        write = functools.partial(save_state_dict, state, folder, max_shard_size, safe_serialization, progress=False,
+                                  durable=True)  # fmt: skip
+        background.saves.submit(write, f"save_model into '{folder}'", asynchronous=True)
         return
     written = save_state_dict(state_dict, folder, max_shard_size, safe_serialization, durable=mode.durable)
     if not mode.durable:

@@ -29,10 +29,10 @@ WEIGHTS_PATTERN_NAME = MODEL_NAME + "{suffix}.bin"
 
 # The folders of automatic checkpoint naming (`checkpoints/checkpoint_N`).
 CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
-# accel's markers in a save_state folder: fsync'd and complete (durable), or published from the page cache of the
-# boot the file names (unsynced). See accel.checkpoint.background.
-DURABLE_MARKER = ".accel-durable"
-UNSYNCED_MARKER = ".accel-unsynced"
+# accel's record of a save_state folder's durability (hidden): "unsynced <host> <boot id>" while the folder was
+# published from the page cache of that boot, "durable <host> <boot id>" once everything in it is fsync'd. Its
+# content is rewritten in place, never its name. See accel.checkpoint.background.
+DURABILITY_RECORD = ".accel-durability"
 # A save_model folder's list of renames in progress, replayed by the next reader or writer after a crash.
 PUBLISH_JOURNAL = ".accel-publish.json"
 # Every file save_state writes (what a folder swap may replace; anything else there is the user's).
@@ -40,7 +40,7 @@ CHECKPOINT_FILE = re.compile(
     rf"({SAFE_MODEL_NAME}|{MODEL_NAME})(_\d+)?\.(safetensors|bin)|"
     rf"({OPTIMIZER_NAME}|{SCHEDULER_NAME}|{SAMPLER_NAME}|{DATALOADER_STATE_NAME})(_\d+)?\.bin|"
     rf"{re.escape(SCALER_NAME)}|{RNG_STATE_NAME}_\d+\.pkl|{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl|"
-    rf"{re.escape(DURABLE_MARKER)}|{re.escape(UNSYNCED_MARKER)}"
+    rf"{re.escape(DURABILITY_RECORD)}"
 )
 
 

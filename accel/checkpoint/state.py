@@ -18,13 +18,16 @@ What HF gets wrong and accel does not:
     renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous checkpoint intact and never a partial
     one that load_state would pick;
   - saves come in three modes (accel.checkpoint.background): by default the call returns once the files are
-    complete and published from the page cache, as fast as HF's save, and durability (fsync, then the marker
-    `.accel-durable`) follows in the background; `durable_save` waits for it; `async_save` returns after an
-    in-memory snapshot and writes in the background;
+    complete and published from the page cache, as fast as HF's save, and durability (fsync, then the record
+    `.accel-durability` rewritten to say so) follows in the background without changing any directory entry;
+    `durable_save` waits for it; `async_save` returns after an in-memory snapshot and writes in the background;
+  - a replaced or rotated-out checkpoint is gone before the call returns (its blocks are freed in the background:
+    that is the slow part of a removal);
   - with automatic_checkpoint_naming, old checkpoints are rotated out by checkpoint number (not string order),
-    after the new one is in place (the newest durable one stays until the new one is durable too);
-    `load_state()` loads the latest durable one (see latest_checkpoint) and sets the iteration so the next save
-    gets the next number;
+    after the new one is in place; the newest durable one stays until the new one is durable too, and is removed
+    at the next call that joins the background (the next save, load_state, wait_for_checkpoint, end_training, or
+    the interpreter's exit): with total_limit=N, N+1 checkpoints may exist until then. `load_state()` loads the
+    latest durable one (see latest_checkpoint) and sets the iteration so the next save gets the next number;
   - nothing is unpickled beyond weights_only=True (numpy's RNG arrays are allowlisted for the RNG files); pass
     `load_kwargs={"weights_only": False}` for custom objects whose state dicts hold arbitrary Python objects;
   - a failure on one process (a full disk, a hook raising) raises on every process, and nothing is published.
@@ -50,14 +53,14 @@ import torch
 
 from accel.checkpoint import background, snapshot
 from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly, write_atomically
-from accel.checkpoint.background import SaveMode, durability_of, make_durable, mark_unsynced
+from accel.checkpoint.background import Durability, SaveMode, durability_of, make_durable, remove_tree_now_free_later
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
     CHECKPOINT_FILE,
     CHECKPOINT_PATTERN,
     CUSTOM_CHECKPOINT_NAME,
     DATALOADER_STATE_NAME,
-    DURABLE_MARKER,
+    DURABILITY_RECORD,
     MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
@@ -65,7 +68,6 @@ from accel.checkpoint.names import (
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
-    UNSYNCED_MARKER,
     custom_checkpoint_name,
     numbered,
 )
@@ -123,7 +125,7 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
 
     When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
     moved in one by one instead (each file atomically, the folder as a whole not). `durable`: fsync the folders
-    (else accel.checkpoint.background.make_durable does it later).
+    (else accel.checkpoint.background.Durability does it later).
     """
     sync = fsync_directory if durable else (lambda folder: None)
     sync(partial)  # every entry of the folder is durable before it is renamed into place
@@ -131,9 +133,8 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
     if foreign:
         logger.warning("'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
                        "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
-        for marker in (DURABLE_MARKER, UNSYNCED_MARKER):  # the old checkpoint's: they no longer hold
-            remove_quietly(os.path.join(final, marker))
-        for name in os.listdir(partial):
+        # The new record first: it replaces the old checkpoint's, which would no longer hold for the new files.
+        for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
             os.replace(os.path.join(partial, name), os.path.join(final, name))
         sync(final)  # the renames into it, not only its own entry in the parent
         os.rmdir(partial)
@@ -217,8 +218,9 @@ def save_state(accelerator: Any, output_dir: str | None, safe_serialization: boo
 
     try:
         if writes_shared_files:
+            # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
             finish = functools.partial(_publish_and_rotate, staging if staged else None, output_dir, root,
-                                       config.total_limit, mode)  # fmt: skip
+                                       config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
             if mode.asynchronous:
                 snapshot_of_files = snapshot.buffers.take(files)
                 background.saves.submit(lambda: (write_files(staging, snapshot_of_files, durable=False), finish()),
@@ -237,42 +239,34 @@ def _prepare_staging(output_dir: str, staging: str, staged: bool) -> None:
     sweep_discarded(os.path.dirname(os.path.normpath(output_dir)) or ".")
     if staged:
         shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-    else:  # written in place: the markers of the checkpoint being overwritten no longer hold
-        for marker in (DURABLE_MARKER, UNSYNCED_MARKER):
-            remove_quietly(os.path.join(staging, marker))
+    else:  # written in place: the record of the checkpoint being overwritten no longer holds
+        remove_quietly(os.path.join(staging, DURABILITY_RECORD))
     os.makedirs(staging, exist_ok=True)
 
 
-_newest_saved: dict[str, str] = {}  # checkpoints root -> the folder this process published there last
-
-
 def _publish_and_rotate(staging: str | None, output_dir: str, root: str | None, total_limit: int | None,
-                        mode: SaveMode) -> None:  # fmt: skip
-    """Marks the complete staging folder (durable, or unsynced with this boot's id), renames it into place, then
-    rotates numbered checkpoints; without durability yet, the newest durable checkpoint is kept until the new one
-    is made durable in the background, which then rotates again."""
-    folder = staging or output_dir
-    durable = mode.durable and not mode.asynchronous
-    if durable:
-        make_durable(folder)
-    else:
-        mark_unsynced(folder)
-    if staging is not None:
-        publish(staging, output_dir, durable=durable)
-    if root is not None:
-        _newest_saved[root] = output_dir
-    if root is not None and total_limit is not None:
-        rotate(root, keep=total_limit, newest=output_dir)
-    if not durable:
-        def complete() -> None:
-            make_durable(output_dir)
-            if root is not None and total_limit is not None:  # protecting this process's newest save, not this one
-                rotate(root, keep=total_limit, newest=_newest_saved.get(root, output_dir))
-
-        if mode.asynchronous:  # already on the background thread
-            complete()
-        else:
-            background.saves.submit(complete, f"durability of '{output_dir}'")
+                        durable: bool) -> None:  # fmt: skip
+    """Creates the complete staging folder's durability record, renames the folder into place, then rotates
+    numbered checkpoints. `durable`: everything is fsync'd and recorded durable before the folder is published;
+    else that completes on the worker after, and rotation keeps the newest durable checkpoint until a join point
+    finds the new one durable (see rotate_until_complete)."""
+    durability = Durability.start(staging or output_dir)
+    try:
+        if durable:
+            durability.complete()
+        if staging is not None:
+            publish(staging, output_dir, durable=durable)
+        if not durable:
+            durability.moved_to(output_dir)  # where the files are now (the staging folder itself, mostly)
+    except BaseException:
+        durability.close()
+        raise
+    try:  # before the worker starts the fsyncs: they would hold up these unlinks (the filesystem's journal)
+        if root is not None and total_limit is not None:
+            rotate_until_complete(root, total_limit, output_dir)
+    finally:
+        if not durable:
+            background.saves.submit(durability.complete, f"durability of '{output_dir}'")
 
 
 def _node_index(accelerator: Any) -> int:
@@ -330,34 +324,51 @@ def _agree_or_raise(accelerator: Any, failure: BaseException | None, stage: str,
     raise RuntimeError(f"save_state failed on another process while {stage}; nothing was published")
 
 
-def rotate(root: str, keep: int, newest: str) -> None:
+def rotate(root: str, keep: int, newest: str) -> bool:
     """Removes the lowest-numbered checkpoints under `root` so that `keep` remain, never `newest` (the one just
     written: it may be numbered below older runs' checkpoints in the same folder), and, while `newest` is not
-    durable yet, never the newest checkpoint that is (a power loss now must leave one to load)."""
+    durable yet, never the newest checkpoint that is (a power loss now must leave one to load). Returns whether
+    the rotation is complete (False: a checkpoint was kept for `newest`'s durability)."""
     others = [f for f in numbered_checkpoints(root) if os.path.normpath(f) != os.path.normpath(newest)]
     doomed = others[: max(0, len(others) + 1 - keep)]
+    complete = True
     if durability_of(newest) not in ("durable", "unknown"):
         safe = [f for f in others if durability_of(f) in ("durable", "unknown")]
+        complete = not (safe and safe[-1] in doomed)
         doomed = [f for f in doomed if not safe or f != safe[-1]]
     for old in doomed:
         logger.warning("removing checkpoint '%s' (total_limit=%d)", old, keep)
         discard(old)
+    return complete
+
+
+def rotate_until_complete(root: str, keep: int, newest: str) -> None:
+    """Rotates now and, if a checkpoint had to be kept until `newest` is durable, again at each join point the
+    user calls (accel.checkpoint.background.BackgroundSaves.defer) until it is removed: never from the worker,
+    so no directory changes behind the user's back."""
+    if not rotate(root, keep, newest):
+        background.saves.defer(f"rotation of '{root}'", functools.partial(rotate, root, keep, newest))
 
 
 _DISCARDED = re.compile(r"\..+\.discarded-(\d+)-[0-9a-f]+")
 
 
 def discard(folder: str) -> None:
-    """Removes `folder`: renamed at once to a hidden name (`.NAME.discarded-PID-RANDOM`: out of every reader's
-    and the next save's way), deleted in the background (unlinking costs ~30 ms per 100 MiB). A process killed
-    before that leaves it to the next save into the same parent folder (`sweep_discarded`)."""
+    """Removes `folder` before returning: renamed first to a hidden name (`.NAME.discarded-PID-RANDOM`), so that a
+    process killed midway never leaves a partial checkpoint under a checkpoint's name (the next save into the same
+    parent folder sweeps it: `sweep_discarded`), then its entries removed. Only freeing the blocks of its large
+    files, the slow part (~30 ms per 100 MiB), is left to the background: nothing changes in the parent folder
+    after the call that discarded it returns."""
     parent, name = os.path.split(os.path.normpath(folder))
     hidden = os.path.join(parent, f".{name.lstrip('.')}.discarded-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.rename(folder, hidden)
     except FileNotFoundError:
         return
-    background.saves.submit(functools.partial(shutil.rmtree, hidden, ignore_errors=True), f"removal of '{folder}'")
+    try:
+        remove_tree_now_free_later(hidden)
+    except OSError as error:
+        logger.warning("could not remove the replaced checkpoint '%s' (now at '%s'): %s", folder, hidden, error)
 
 
 def sweep_discarded(parent: str) -> None:

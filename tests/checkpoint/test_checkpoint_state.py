@@ -113,7 +113,7 @@ def test_the_folder_has_hf_accelerates_layout(tmp_path):
     folder = accelerator.save_state(str(tmp_path / "state"))
     accelerator.wait_for_checkpoint()
     assert sorted(os.listdir(folder)) == [
-        ".accel-durable",  # accel's marker (hidden): fsync'd in the background, then marked
+        ".accel-durability",  # accel's record (hidden): "unsynced", rewritten "durable" once fsync'd
         "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "random_states_0.pkl",
         "sampler.bin", "scaler.pt", "scheduler.bin",
     ]  # fmt: skip

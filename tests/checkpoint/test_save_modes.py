@@ -1,5 +1,5 @@
 """The three save modes (issue 13, point 3; accel.checkpoint.background): default (complete on return, durable in
-the background, then marked), durable (fsync'd on return), asynchronous (snapshot on return, written in the
+the background, then recorded so), durable (fsync'd on return), asynchronous (snapshot on return, written in the
 background, joined later, failures raised at the join); load_state() never picks a checkpoint whose durability
 did not complete before a restart when an older durable one exists; save_model publishes its files together."""
 
@@ -18,7 +18,7 @@ import torch
 from accel.accelerator import Accelerator
 from accel.checkpoint import background, load_checkpoint_in_model, model_io, snapshot
 from accel.checkpoint.background import SaveMode
-from accel.checkpoint.names import DURABLE_MARKER, PUBLISH_JOURNAL, UNSYNCED_MARKER
+from accel.checkpoint.names import DURABILITY_RECORD, PUBLISH_JOURNAL
 from accel.settings import ProjectConfiguration
 from accel.state import AcceleratorState, GradientState
 
@@ -92,13 +92,14 @@ def test_default_save_state_returns_complete_files_and_is_made_durable_in_the_ba
     background.saves.submit(gate.wait, "hold")
     folder = accelerator.save_state(str(tmp_path / "ckpt"))
     assert fsynced == []  # nothing waited for the disk
-    assert {"model.safetensors", "optimizer.bin", UNSYNCED_MARKER} <= set(os.listdir(folder))
+    assert {"model.safetensors", "optimizer.bin", DURABILITY_RECORD} <= set(os.listdir(folder))
     assert background.durability_of(folder) == "this-boot"
     gate.set()
     accelerator.wait_for_checkpoint()
-    assert background.durability_of(folder) == "durable" and not os.path.exists(os.path.join(folder, UNSYNCED_MARKER))
-    synced = {os.path.basename(p) for p in fsynced}
-    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "ckpt", DURABLE_MARKER} <= synced
+    assert background.durability_of(folder) == "durable"
+    synced = [os.path.basename(p) for p in fsynced]
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "ckpt", DURABILITY_RECORD} <= set(synced)
+    assert synced[-1] == DURABILITY_RECORD  # "durable" is recorded once everything else is on disk
 
 
 def test_durable_save_state_is_durable_when_it_returns(tmp_path, held_worker):
@@ -129,8 +130,8 @@ def test_load_state_skips_a_checkpoint_not_made_durable_before_a_restart(tmp_pat
     saved = weights(model)
     step(model, optimizer)
     newest = accelerator.save_state()  # checkpoint_1: published, its fsync waits behind the held worker
-    with open(os.path.join(newest, UNSYNCED_MARKER), "w") as f:  # as if the machine had restarted since
-        f.write("another-host another-boot\n")
+    with open(os.path.join(newest, DURABILITY_RECORD), "w") as f:  # as if the machine had restarted since
+        f.write("unsynced another-host another-boot\n")
     accelerator.load_state()
     assert all(torch.equal(a, b) for a, b in zip(weights(model).values(), saved.values()))
     assert accelerator.project_configuration.iteration == 1
@@ -299,17 +300,11 @@ def test_save_model_killed_at_any_moment_leaves_one_whole_checkpoint(tmp_path):
         assert len(values) == 1 and all(torch.all(p == p[0, 0]) for p in target.parameters())  # never a mix
 
 
-def test_replaced_checkpoints_are_hidden_at_once_and_deleted_in_the_background(tmp_path):
+def test_a_replaced_checkpoint_is_removed_before_the_save_returns(tmp_path, held_worker):
     accelerator = fresh_accelerator()
     prepared(accelerator)
     accelerator.save_state(str(tmp_path / "ckpt"), durable=True)
-    gate = threading.Event()
-    background.saves.submit(gate.wait, "hold")
-    accelerator.save_state(str(tmp_path / "ckpt"))  # swaps the folder; the old one is only renamed away
-    hidden = [n for n in os.listdir(tmp_path) if n.startswith(".ckpt")]
-    assert len(hidden) == 1 and ".discarded-" in hidden[0]
-    gate.set()
-    accelerator.wait_for_checkpoint()
+    accelerator.save_state(str(tmp_path / "ckpt"))  # swaps the folder in; the old one goes before the return
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
