@@ -716,8 +716,9 @@ class Accelerator:
                                            mode)  # fmt: skip
 
     def wait_for_checkpoint(self) -> None:
-        """Waits until every save of this process is written, published and durable; raises a failure of one
-        that ran in the background (accel's; see accel.checkpoint.background)."""
+        """Waits until every save of this process is written, published and durable, then removes the checkpoints
+        `total_limit` kept until then; raises a failure of one that ran in the background (accel's; see
+        accel.checkpoint.background)."""
         checkpoint_background.saves.join()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
@@ -834,8 +835,8 @@ class Accelerator:
         self._tracking.log(values, step, log_kwargs, self.is_main_process)
 
     def end_training(self) -> None:
-        """Waits for this process's checkpoints (wait_for_checkpoint), finishes every tracker (all of them, even if
-        one fails), then destroys the process group."""
+        """Waits for this process's checkpoints (wait_for_checkpoint, and the rotation it completes), finishes every
+        tracker (all of them, even if one fails), then destroys the process group."""
         try:
             checkpoint_background.finish()
         finally:
