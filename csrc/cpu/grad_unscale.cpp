@@ -3,9 +3,9 @@
 // the vectorized kernels of cpu/vec/ for the instruction set torch itself uses.
 #include "../grad_unscale.h"
 #include "vec/grad_kernels.h"
+#include "vec/isa_tables.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>  // at::get_cpu_capability
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
@@ -28,22 +28,9 @@ constexpr int64_t kTaskElements = 64 << 10;
 // Below ~256 Ki elements in all, waking another thread costs more than the pass itself.
 constexpr int64_t kMinParallelElements = 256 << 10;
 
-// The kernel table for the CPU capability torch runs with (ATEN_CPU_CAPABILITY lowers it, as for torch's own
-// kernels), limited to what this build compiled.
 const GradKernels& kernels() {
-  static const GradKernels* chosen = [] {
-    const std::string isa = at::get_cpu_capability();
-#if defined(ACCEL_CPU_AVX512)
-    if (isa == "AVX512") {
-      return cpu::avx512_bf16_supported() ? &cpu::grad_kernels_ACCEL_AVX512_BF16 : &cpu::grad_kernels_ACCEL_AVX512;
-    }
-#endif
-#if defined(ACCEL_CPU_AVX2)
-    if (isa == "AVX512" || isa == "AVX2") return &cpu::grad_kernels_ACCEL_AVX2;
-#endif
-    return &cpu::grad_kernels_ACCEL_DEFAULT;
-  }();
-  return *chosen;
+  static const GradKernels& chosen = cpu::pick_for_this_cpu<GradKernels>(ACCEL_ISA_TABLES(cpu::grad_kernels_));
+  return chosen;
 }
 
 // The first chunk of each task, and chunks.size() at the end.

@@ -3,10 +3,9 @@
 // intra-op threads (each element is combined by one thread, in the fixed order, so the split changes no bit).
 #include "../reduce_in_order.h"
 
-#include "vec/grad_kernels.h"  // avx512_bf16_supported
+#include "vec/isa_tables.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>  // at::get_cpu_capability
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
@@ -28,21 +27,9 @@ constexpr std::array<const char*, static_cast<size_t>(ReduceKind::Count)> kKindN
 constexpr int64_t kMinParallelBytes = 256 << 10;
 constexpr int64_t kGrainBytes = 64 << 10;
 
-// The table for the CPU capability torch runs with (ATEN_CPU_CAPABILITY lowers it), limited to what this build has.
 const ReduceKernels& kernels() {
-  static const ReduceKernels* chosen = [] {
-    const std::string isa = at::get_cpu_capability();
-#if defined(ACCEL_CPU_AVX512)
-    if (isa == "AVX512") {
-      return cpu::avx512_bf16_supported() ? &cpu::reduce_kernels_ACCEL_AVX512_BF16 : &cpu::reduce_kernels_ACCEL_AVX512;
-    }
-#endif
-#if defined(ACCEL_CPU_AVX2)
-    if (isa == "AVX512" || isa == "AVX2") return &cpu::reduce_kernels_ACCEL_AVX2;
-#endif
-    return &cpu::reduce_kernels_ACCEL_DEFAULT;
-  }();
-  return *chosen;
+  static const ReduceKernels& chosen = cpu::pick_for_this_cpu<ReduceKernels>(ACCEL_ISA_TABLES(cpu::reduce_kernels_));
+  return chosen;
 }
 
 int dtype_code(at::ScalarType dtype) {

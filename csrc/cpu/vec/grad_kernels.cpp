@@ -3,6 +3,7 @@
 // the compiler emit is compiled for this file's instruction set, so nothing torch-side that other files share
 // (Tensor, dispatcher) is pulled in.
 #include "grad_kernels.h"
+#include "isa_tables.h"
 
 #include <ATen/cpu/vec/functional.h>  // convert_to_float / convert_from_float
 #include <ATen/cpu/vec/vec.h>
@@ -205,13 +206,8 @@ ACCEL_BF16_TARGET __attribute__((flatten)) void scale_bf16_hardware(void* data, 
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-#define ACCEL_PASTE_(a, b) a##b
-#define ACCEL_PASTE(a, b) ACCEL_PASTE_(a, b)
-#define ACCEL_STRINGIFY_(x) #x
-#define ACCEL_STRINGIFY(x) ACCEL_STRINGIFY_(x)
-
-extern const GradKernels ACCEL_PASTE(grad_kernels_, CPU_CAPABILITY) = {
-    ACCEL_STRINGIFY(CPU_CAPABILITY),
+extern const GradKernels ACCEL_THIS_ISA_TABLE(grad_kernels_) = {
+    ACCEL_THIS_ISA_NAME,
     {CPU_CAPABILITY::unscale_float, CPU_CAPABILITY::unscale_reduced<c10::Half>,
      CPU_CAPABILITY::unscale_reduced<c10::BFloat16>},
     {CPU_CAPABILITY::scale_float, CPU_CAPABILITY::scale_reduced<c10::Half>,

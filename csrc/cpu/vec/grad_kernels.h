@@ -2,8 +2,8 @@
 //
 // grad_kernels.cpp is built three times (setup.py: DEFAULT, AVX2, AVX512) with CPU_CAPABILITY naming a
 // different namespace each time, so at::vec's Vectorized<T> is 8, 16 or 32 lanes wide in each copy; each copy
-// exports one GradKernels table and grad_unscale.cpp picks the one torch itself uses (at::get_cpu_capability,
-// which honours ATEN_CPU_CAPABILITY). This header is shared by both sides, so it holds plain types only.
+// exports one GradKernels table and grad_unscale.cpp picks the one torch itself uses (isa_tables.h). This header is
+// shared by both sides, so it holds plain types only.
 #pragma once
 
 #include <cstdint>
@@ -37,9 +37,8 @@ extern const GradKernels grad_kernels_ACCEL_AVX2;
 #if defined(ACCEL_CPU_AVX512)
 extern const GradKernels grad_kernels_ACCEL_AVX512;
 // The AVX512 kernels with bf16 narrowed by AVX512-BF16's instruction (one per 32 values instead of ~16 integer
-// operations); only for CPUs that have it (avx512_bf16_supported).
+// operations); only for CPUs that have it (avx512_bf16_supported, isa_tables.h).
 extern const GradKernels grad_kernels_ACCEL_AVX512_BF16;
-bool avx512_bf16_supported();
 #endif
 
 }  // namespace accel::cpu

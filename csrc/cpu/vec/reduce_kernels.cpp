@@ -7,6 +7,7 @@
 // pass over all ranks' buffers, in deepspeed/csrc/cpu/comm/shm.cpp; its kernels are per dtype and per rank
 // count, these are per dtype and op for any count). The last partial vector goes through the same code with
 // partial loads and stores, so it is combined exactly as a full one would be.
+#include "isa_tables.h"
 #include "reduce_kernels.h"
 
 #include "bf16_narrow.h"
@@ -214,14 +215,8 @@ ReduceKernels make_hardware_bf16_table() {
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-#define ACCEL_PASTE_(a, b) a##b
-#define ACCEL_PASTE(a, b) ACCEL_PASTE_(a, b)
-#define ACCEL_STRINGIFY_(x) #x
-#define ACCEL_STRINGIFY(x) ACCEL_STRINGIFY_(x)
-
-extern const ReduceKernels ACCEL_PASTE(reduce_kernels_, CPU_CAPABILITY) =
-    CPU_CAPABILITY::make_table<CPU_CAPABILITY::Widened<c10::BFloat16, CPU_CAPABILITY::AtenNarrow>>(
-        ACCEL_STRINGIFY(CPU_CAPABILITY));
+extern const ReduceKernels ACCEL_THIS_ISA_TABLE(reduce_kernels_) =
+    CPU_CAPABILITY::make_table<CPU_CAPABILITY::Widened<c10::BFloat16, CPU_CAPABILITY::AtenNarrow>>(ACCEL_THIS_ISA_NAME);
 
 #if defined(CPU_CAPABILITY_AVX512)
 extern const ReduceKernels reduce_kernels_ACCEL_AVX512_BF16 = CPU_CAPABILITY::make_hardware_bf16_table();
