@@ -180,12 +180,8 @@ void corrupt_peer_header(uint64_t meta_size, uint64_t data_size) {
   namespace detail = accel::shm::detail;
   const std::string token = random_token();
   {
-    accel::shm::Options options;
-    options.world = 2;
-    options.token = token;
-    options.slot_bytes = kSlot;
     Groups groups;
-    for (options.rank = 0; options.rank < 2; ++options.rank) groups.push_back(std::make_unique<Group>(options));
+    for (int rank = 0; rank < 2; ++rank) groups.push_back(std::make_unique<Group>(options_for(token, rank, 2, kSlot)));
     const std::vector<accel::shm::Locator> locators{groups[0]->locator(), groups[1]->locator()};
     for (auto& group : groups) group->attach_peers(locators);
     accel::shm::Segment fake =

@@ -148,13 +148,7 @@ bool killed_by_sigkill(int status) { return status != -1 && WIFSIGNALED(status) 
 // A child's setup, as the torch binding does it with its own barriers; checks the new segment is 0600.
 std::unique_ptr<Group> setup_rank(SharedState& shared, const std::string& token, int rank, int world,
                                   std::chrono::milliseconds timeout) {
-  accel::shm::Options options;
-  options.rank = rank;
-  options.world = world;
-  options.token = token;
-  options.slot_bytes = kSlot;
-  options.timeout = timeout;
-  auto group = std::make_unique<Group>(options);
+  auto group = std::make_unique<Group>(options_for(token, rank, world, kSlot, timeout));
   shared.locators[rank] = group->locator();
   struct stat st {};
   CHECK(::fstat(static_cast<int>(shared.locators[rank].fd), &st) == 0);
@@ -259,10 +253,7 @@ void killed_peer(int world, int victim, int kill_at, bool victim_stays_zombie) {
 void forked_child_gets_no_mapping() {
   const std::string token = random_token();
   {
-    accel::shm::Options options;
-    options.token = token;
-    options.slot_bytes = kSlot;
-    auto group = std::make_unique<Group>(options);
+    auto group = std::make_unique<Group>(options_for(token, 0, 1, kSlot));
     group->attach_peers({group->locator()});
     group->finish_setup();
     CHECK(mappings(token).size() == 1);  // the parent's
@@ -283,14 +274,7 @@ void forked_child_gets_no_mapping() {
 // setup error naming it, not a death reported later from the middle of an exchange. It leaves nothing behind.
 void attach_to_exited_rank() {
   const std::string token = random_token();
-  auto options = [&](int rank) {
-    accel::shm::Options result;
-    result.rank = rank;
-    result.world = 2;
-    result.token = token;
-    result.slot_bytes = kSlot;
-    return result;
-  };
+  auto options = [&](int rank) { return options_for(token, rank, 2, kSlot); };
   // _exit skips the destructor, as if the child had crashed right after creating its segment.
   SharedMapping shared;
   Children children;

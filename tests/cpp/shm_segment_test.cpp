@@ -12,19 +12,9 @@ namespace {
 
 using namespace shm_test;
 using accel::shm::Group;
-using accel::shm::Options;
 using accel::shm::Segment;
 
 constexpr unsigned long long kTiB = 1ull << 40;
-
-Options options_for(const std::string& token, int rank, int world, size_t slot_bytes = 4096) {
-  Options options;
-  options.rank = rank;
-  options.world = world;
-  options.token = token;
-  options.slot_bytes = slot_bytes;
-  return options;
-}
 
 struct stat stat_of(const accel::shm::Locator& locator) {
   struct stat st {};

@@ -105,6 +105,18 @@ inline int run_cases(const std::vector<Case>& cases) {
   return failed == 0 ? 0 : 1;
 }
 
+// A rank's group options; the rest (oversubscribed) as Options' defaults.
+inline accel::shm::Options options_for(const std::string& token, int rank, int world, size_t slot_bytes = 4096,
+                                       std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  accel::shm::Options options;
+  options.rank = rank;
+  options.world = world;
+  options.token = token;
+  options.slot_bytes = slot_bytes;
+  options.timeout = timeout;
+  return options;
+}
+
 // A fresh group token per test, so runs (and tests) never see each other's segments.
 inline std::string random_token() {
   std::random_device device;

@@ -15,13 +15,7 @@ inline Groups make_thread_groups(int world, const std::string& token, size_t slo
                                  std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   Groups groups;
   for (int rank = 0; rank < world; ++rank) {
-    accel::shm::Options options;
-    options.rank = rank;
-    options.world = world;
-    options.token = token;
-    options.slot_bytes = slot_bytes;
-    options.timeout = timeout;
-    groups.push_back(std::make_unique<accel::shm::Group>(options));
+    groups.push_back(std::make_unique<accel::shm::Group>(options_for(token, rank, world, slot_bytes, timeout)));
   }
   std::vector<accel::shm::Locator> locators;
   for (auto& group : groups) locators.push_back(group->locator());
