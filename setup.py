@@ -70,7 +70,8 @@ def get_extensions():
     debug = env_toggle("DEBUG")
     cxx_flags = ["-O0", "-g"] if debug else ["-O3"]
     sources = ["csrc/ops.cpp"]
-    for folder in ("cpu", "shm", "shm_bindings"):  # CPU kernels, the shared-memory core, its torch bindings
+    # CPU kernels, the shared-memory core, its torch bindings, the lease-guarded checkpoint mapping
+    for folder in ("cpu", "shm", "shm_bindings", "leased_mapping"):
         sources += sorted(glob.glob(f"csrc/{folder}/*.cpp"))
     variants = cpu_isa_variants()
     args = {

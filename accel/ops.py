@@ -103,6 +103,20 @@ def _read_tensors_fake(path, offsets, outs):
     return None
 
 
+def map_file_leased(fd: int, size: int, path: str) -> torch.Tensor:
+    """The first `size` bytes of the open file `fd` as a uint8 tensor over a private mapping guarded by a read lease
+    (a writer of the file gets the bytes copied into memory first; see accel.checkpoint.leased_mapping); an empty
+    tensor when no lease can be taken. `path` names the file in warnings."""
+    return torch.ops.accel.map_file_leased.default(fd, size, path)
+
+
+@_fake("accel::map_file_leased")
+def _map_file_leased_fake(fd, size, path):
+    torch._check(size > 0, lambda: f"accel::map_file_leased: size must be positive, got {size}")
+    # `size` bytes, or none when the lease is refused: known only when the call runs.
+    return torch.empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.uint8)
+
+
 # The group life-cycle ops below take and return integers only: no fake is needed (fake tensor mode runs them as
 # they are), and none is traceable (each call changes the process's groups).
 

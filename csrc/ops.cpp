@@ -39,6 +39,10 @@ TORCH_LIBRARY(accel, m) {
   m.def("write_tensors_(str path, Tensor header, Tensor[] tensors, int[] offsets) -> ()");
   // Reads the bytes at file offsets[i] of `path` into outs[i] (contiguous), straight into their memory.
   m.def("read_tensors_(str path, int[] offsets, Tensor(a!)[] outs) -> ()");
+  // The first `size` bytes of the open file `fd` as a uint8 tensor over a private mapping guarded by a read lease
+  // (leased_mapping/leased_mapping.cpp): a writer of the file gets the bytes copied into memory first. Empty when
+  // no lease can be taken (the caller then copies); `path` names the file in warnings.
+  m.def("map_file_leased(int fd, int size, str path) -> Tensor");
 
   // The same-host shared-memory transport (csrc/shm/, binding in shm_bindings/shm_transport.cpp). A group is an integer
   // handle: created on every rank with the same token, attached once every rank knows every locator (the

@@ -16,10 +16,13 @@ machines (writing fresh memory runs at ~4 GB/s), so the mapping is guarded inste
 - Where a lease cannot be taken, the caller copies: another user's file, a file open for writing right now,
   filesystems without leases (NFS, some FUSE and overlay set-ups), or leases disabled (/proc/sys/fs/leases-enable).
 
-What is not covered: a writer in this same process that holds Python's GIL while it opens the file (torch.save's
-C++ file writer does) blocks on the lease while the watcher waits for the GIL, until the kernel breaks the lease
-after /proc/sys/fs/lease-break-time (45 s by default); forked children (DataLoader workers) keep their own
-unguarded copy of the mapping. Set ACCEL_MAP_CHECKPOINTS=0 to always copy.
+With the native extension, the mapping and its watcher are C++ (`accel::map_file_leased`,
+csrc/leased_mapping/leased_mapping.cpp): the watcher needs no GIL, so a writer in this same process that holds
+Python's GIL while it opens the file (torch.save's C++ file writer does) waits milliseconds too. Without the
+extension this module's Python watcher does the same job, except for that case: the writer holding the GIL blocks
+on the lease while the watcher waits for the GIL, until the kernel breaks the lease after
+/proc/sys/fs/lease-break-time (45 s by default), and the file then changes under the weights. Forked children
+(DataLoader workers) keep their own unguarded copy of the mapping. Set ACCEL_MAP_CHECKPOINTS=0 to always copy.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ import weakref
 
 import torch
 
-from accel.checkpoint.safetensors_io import SafetensorsFile
+from accel import _ext, ops
+from accel.checkpoint.safetensors_io import FileIdentity, SafetensorsFile
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +63,13 @@ class _Guard:
 
     fd: int
     path: str
+    identity: FileIdentity | None  # what was mapped: a file found otherwise was written before the copy
     regions: list[weakref.ref] = dataclasses.field(default_factory=list)
 
 
 class _Watcher:
-    """The thread that answers lease breaks: copies the broken files' mappings out, then lets the writer go."""
+    """The Python fallback's thread that answers lease breaks: copies the broken files' mappings out, then lets the
+    writer go (it needs the GIL to run; the native watcher does not)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -96,9 +102,13 @@ class _Watcher:
         for region in guard.regions:
             mapping = region()  # held while copying, so that it cannot be unmapped meanwhile
             if mapping is not None:
-                _swap_in_private_copy(mapping)
-        logger.warning("'%s' is being written by another program: the weights mapped from it were copied into "
-                       "memory first, so they do not change", guard.path)  # fmt: skip
+                _swap_in_private_copy(mapping, _backed_bytes(guard.fd))
+        if _identity(guard.fd) == guard.identity:
+            logger.warning("'%s' is being written by another program: the weights mapped from it were copied into "
+                           "memory first, so they do not change", guard.path)  # fmt: skip
+        else:  # the kernel broke the lease itself: this thread waited for the GIL (see the module docstring)
+            logger.warning("'%s' was written before the weights mapped from it could be copied into memory: they "
+                           "changed with it (a writer in this process held the GIL)", guard.path)  # fmt: skip
         self.release(guard)
 
     def release(self, guard: _Guard) -> None:
@@ -124,7 +134,7 @@ class _Watcher:
             os.close(fd)
             logger.debug("no read lease on '%s' (%s): its weights are copied", file.path, error)
             return None
-        guard = _Guard(fd, file.path)
+        guard = _Guard(fd, file.path, file.header.identity)
         self.guards[fd] = guard
         return guard
 
@@ -146,7 +156,30 @@ def map_file(file: SafetensorsFile) -> torch.Tensor | None:
     when it cannot be guarded (the caller then copies). Raises FileChangedError when the file changed since its
     header was read."""
     size = file.header.identity.size if file.header.identity else 0
-    if not enabled() or _LEASE_SIGNAL is None or size == 0:
+    if not enabled() or size == 0:
+        return None
+    data = _map_natively(file, size) if _native() else _map_in_python(file, size)
+    if data is not None:
+        int(data[::mmap.PAGESIZE].sum())  # touch every page now, so the first forward does not pay for it
+    return data
+
+
+def _native() -> bool:
+    # Registered for every backend (a descriptor goes in, no tensor), so not under the CPU key native_for asks.
+    return _ext.status().loaded and _ext.has_kernel("map_file_leased", "CompositeExplicitAutograd")
+
+
+def _map_natively(file: SafetensorsFile, size: int) -> torch.Tensor | None:
+    data = ops.map_file_leased(file.fd, size, file.path)
+    if data.numel() == 0:
+        logger.debug("no read lease on '%s': its weights are copied", file.path)
+        return None
+    file.check_unchanged()  # from the lease on, nobody can change it without our copy first (raising drops it)
+    return data
+
+
+def _map_in_python(file: SafetensorsFile, size: int) -> torch.Tensor | None:
+    if _LEASE_SIGNAL is None:
         return None
     watcher = _get_watcher()
     with watcher.lock:  # a break during set-up waits until the mapping is registered, then copies it
@@ -161,9 +194,7 @@ def map_file(file: SafetensorsFile) -> torch.Tensor | None:
             raise
         guard.regions.append(weakref.ref(mapping))
         weakref.finalize(mapping, watcher.release, guard)
-    data = torch.frombuffer(mapping, dtype=torch.uint8)
-    int(data[::mmap.PAGESIZE].sum())  # touch every page now, so the first forward does not pay for it
-    return data
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 # --- the copy-out --------------------------------------------------------------------------------------------------
@@ -177,9 +208,26 @@ _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctyp
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _swap_in_private_copy(mapping: mmap.mmap) -> None:
-    """Replaces the pages of `mapping` by anonymous memory holding the same bytes, at the same address: the file
-    can then change or shrink without the mapping seeing it. The mmap object still unmaps the range when freed."""
+def _identity(fd: int) -> FileIdentity | None:
+    try:
+        return FileIdentity.of(os.fstat(fd))
+    except OSError:
+        return None
+
+
+def _backed_bytes(fd: int) -> int:
+    """How much of a mapping of `fd` the file still backs, in whole pages (reading past it raises SIGBUS). All of
+    it while the lease holds; less only once the kernel broke the lease itself (see the module docstring)."""
+    try:
+        return -(-os.fstat(fd).st_size // mmap.PAGESIZE) * mmap.PAGESIZE
+    except OSError:
+        return 0
+
+
+def _swap_in_private_copy(mapping: mmap.mmap, backed: int) -> None:
+    """Replaces the pages of `mapping` by anonymous memory holding the same bytes (its first `backed` bytes; zeros
+    past the file's end), at the same address: the file can then change or shrink without the mapping seeing it.
+    The mmap object still unmaps the range when freed."""
     anchor = ctypes.c_char.from_buffer(mapping)
     address = ctypes.addressof(anchor)
     del anchor  # only the address was needed; the export would pin the mmap object
@@ -188,7 +236,7 @@ def _swap_in_private_copy(mapping: mmap.mmap) -> None:
     copy = _libc.mmap(None, length, prot, flags, -1, 0)
     if copy in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), "cannot allocate memory for a private copy of a checkpoint mapping")
-    ctypes.memmove(copy, address, length)
+    ctypes.memmove(copy, address, min(length, backed))
     if _libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) != address:
         error = ctypes.get_errno()
         _libc.munmap(copy, length)

@@ -1,6 +1,7 @@
 """CPU weights served zero-copy from a checkpoint stay what was loaded while the file is rewritten in place
-(issue 12, defect 2): `cp` over it, truncation, a rewrite with identical bytes after an edit of a weight. The
-mapping is guarded by a read lease (accel.checkpoint.leased_mapping); where none can be taken, weights are copied.
+(issue 12, defect 2): `cp` over it, truncation, a rewrite with identical bytes after an edit of a weight, torch.save
+in the same process. The mapping is guarded by a read lease (accel.checkpoint.leased_mapping); where none can be
+taken, weights are copied.
 """
 
 import json
@@ -8,7 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import pytest
 import torch
 
 from accel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
@@ -136,3 +139,18 @@ def test_loading_twice_maps_twice_and_each_survives_a_writer(tmp_path):
         f.seek(-4, os.SEEK_END)
         f.write(b"\0\0\0\0")
     assert torch.all(first[0].weight == 7.0) and torch.all(second[0].weight == 7.0)
+
+
+@pytest.mark.native  # the Python fallback's watcher needs the GIL torch.save holds: it waits for the kernel (45 s)
+@pytest.mark.timeout(60)
+def test_torch_save_over_the_file_in_this_process_gets_the_copy_first(tmp_path):
+    path = save(str(tmp_path / "ckpt"), 8.0)
+    model = load(str(tmp_path / "ckpt"))
+    assert backing_file(model[0].weight) is not None
+    started = time.monotonic()
+    torch.save({"other": torch.arange(3.0)}, path)  # its C++ writer opens the file while holding the GIL
+    assert time.monotonic() - started < 10  # the lease-break time is 45 s
+    assert backing_file(model[0].weight) is None  # now private memory
+    assert torch.all(model[0].weight == 8.0)
+    with open(path, "rb") as written:  # a file object: torch.load reads a *.safetensors path as safetensors
+        assert torch.equal(torch.load(written)["other"], torch.arange(3.0))  # and the file was written

@@ -8,6 +8,7 @@ reference; CUDA opchecks live there too (tests marked gpu).
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from typing import Callable
 
@@ -36,6 +37,7 @@ class Resources:
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
+        self.fd: int | None = None  # a file a sample opened
         self.first_group = self._create()
 
     def _create(self) -> int:
@@ -53,6 +55,8 @@ class Resources:
     def close(self) -> None:
         for handle in range(self.first_group, self._create() + 1):
             ops.shm_group_destroy(handle)  # a handle already destroyed is ignored
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def _pad_into(res: Resources) -> list[Sample]:
@@ -104,6 +108,14 @@ def _read_tensors(res: Resources) -> list[Sample]:
     path, header, tensor = _safetensors_file(res)
     ops.write_tensors_(path, header, [tensor], [0])
     return [Sample((path, [header.numel()], [torch.empty(5)]))]
+
+
+def _map_file_leased(res: Resources) -> list[Sample]:
+    path = res.tmp_path / "mapped.bin"
+    path.write_bytes(bytes(range(256)) * 20)
+    res.fd = os.open(path, os.O_RDONLY)
+    # Each call makes a new mapping under a new lease (not a function of its inputs): no AOT check.
+    return [Sample((res.fd, 5000, str(path)), UNTRACEABLE), Sample((res.fd, 1, str(path)), UNTRACEABLE)]
 
 
 def _shm_group_create(res: Resources) -> list[Sample]:
@@ -168,6 +180,7 @@ SAMPLES: dict[str, Callable[[Resources], list[Sample]]] = {
     "clip_grads_": _clip_grads,
     "write_tensors_": _write_tensors,
     "read_tensors_": _read_tensors,
+    "map_file_leased": _map_file_leased,
     "shm_group_create": _shm_group_create,
     "shm_group_locator": _shm_group_locator,
     "shm_group_attach": _shm_group_attach,
