@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from accel import collectives, data, pytree
 from accel.checkpoint import background as checkpoint_background
 from accel.checkpoint import save_file
-from accel.checkpoint import state as checkpoint_state
+from accel.checkpoint import training_state
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.model_io import save_model_files
 from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
@@ -703,7 +703,28 @@ class Accelerator:
             mode = SaveMode.resolve(self.project_configuration, async_save, durable)
             save_model_files(state_dict, save_directory, max_shard_size, safe_serialization, mode)
 
-    # --- checkpoints: accel.checkpoint.state ------------------------------------------------------------------
+    # --- checkpoints: accel.checkpoint.training_state --------------------------------------------------------
+
+    def checkpointable(self) -> training_state.Checkpointable:
+        """What `save_state` / `load_state` cover (accel's; accel.checkpoint.training_state reads nothing else of
+        the Accelerator): the prepared models, optimizers, schedulers and dataloaders, the objects registered for
+        checkpointing and the scaler (the Accelerator's own lists), how a model's weights are taken, the project
+        configuration and directory, whether this process writes the shared files, and where it runs.
+
+        Example:
+            ```python
+            parts = accelerator.checkpointable()
+            print(len(parts.models), len(parts.optimizers), parts.step)
+            ```
+        """
+        return training_state.Checkpointable(
+            models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
+            dataloaders=self._dataloaders, custom_objects=self._custom_objects, scaler=self.scaler,
+            state_dict=functools.partial(self.get_state_dict, unwrap=False),
+            project_configuration=self.project_configuration, project_dir=self.project_dir,
+            writes_shared_files=self._saves_here(), process_index=self.process_index,
+            num_processes=self.num_processes, device=self.device, step=self.step,
+        )  # fmt: skip
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,
                    async_save: bool | None = None, durable: bool | None = None, **save_model_func_kwargs: Any
@@ -712,8 +733,8 @@ class Accelerator:
         `output_dir` (or the next `checkpoints/checkpoint_N` with automatic naming), atomically; returns the folder.
         `async_save` / `durable`: the save mode (accel's; see save_model)."""
         mode = SaveMode.resolve(self.project_configuration, async_save, durable)
-        return checkpoint_state.save_state(self, output_dir, safe_serialization, list(self._save_state_pre_hooks.values()),
-                                           mode)  # fmt: skip
+        hooks = list(self._save_state_pre_hooks.values())
+        return training_state.save_state(self.checkpointable(), output_dir, safe_serialization, hooks, mode)
 
     def wait_for_checkpoint(self) -> None:
         """Waits until every save of this process is written, published and durable, then removes the checkpoints
@@ -729,8 +750,11 @@ class Accelerator:
         models' weights differ in names from the checkpoint's.
         """
         strict = load_model_func_kwargs.pop("strict", True)
-        return checkpoint_state.load_state(self, input_dir, load_kwargs, list(self._load_state_pre_hooks.values()),
-                                           strict=strict)  # fmt: skip
+        hooks = list(self._load_state_pre_hooks.values())
+        folder, step = training_state.load_state(self.checkpointable(), input_dir, load_kwargs, hooks, strict=strict)
+        if step is not None:
+            self.step = step
+        return folder
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Adds objects with `state_dict` / `load_state_dict` to what save_state / load_state cover."""

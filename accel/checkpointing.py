@@ -1,6 +1,6 @@
 """`accelerate.checkpointing`'s functions: a training state saved from and loaded into lists of objects.
 
-`Accelerator.save_state` / `load_state` (accel.checkpoint.state) are what scripts call; these are the lower-level
+`Accelerator.save_state` / `load_state` (accel.checkpoint.training_state) are what scripts call; these are the lower-level
 functions HF exposes, writing the same files (HF's layout: `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
 `sampler.bin`, `dl_state_dict.bin` (stateful dataloaders), `scaler.pt`, `random_states_{rank}.pkl`,
 `custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further objects), so a folder written by either is read by the
@@ -35,7 +35,7 @@ from accel.checkpoint.names import (
     numbered,
 )
 from accel.checkpoint.object_io import load, save
-from accel.checkpoint.state import (
+from accel.checkpoint.training_state import (
     load_model_weights,
     load_rng_state,
     loader_state,

@@ -1,6 +1,8 @@
 """Checkpoints on disk: safetensors files (safetensors_io.py), model weights in Hugging Face's layout
-(model_io.py: save_model's sharding and index, load_checkpoint_in_model), the file names (names.py) and
-atomically replaced files (atomic_files.py)."""
+(model_io.py: save_model's sharding and index, load_checkpoint_in_model), a training run's whole state
+(training_state.py: save_state / load_state), how a checkpoint folder is staged, published and rotated
+(publish.py), the three save modes and durability (background.py, snapshot.py), the file names (names.py),
+atomically replaced files (atomic_files.py) and lease-guarded mapped weights (leased_mapping.py)."""
 
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.model_io import load_checkpoint_in_model, parse_size, save_state_dict, split_into_shards

@@ -352,14 +352,14 @@ def _check_loadable(project, mode):
 def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suffix(tmp_path, monkeypatch):
     """Without renameat2 (NFS, CIFS, FUSE), publish parks the old folder at `.NAME.partial-node<K>.old` under
     save_on_each_node; a crash before the second rename must not hide the checkpoint (issue 12, defect 6)."""
-    from accel.checkpoint import state
+    from accel.checkpoint import publish
 
     folder = str(tmp_path / "ckpt")
     accelerator = fresh_accelerator(project_config=ProjectConfiguration(save_on_each_node=True))
     model, *_ = training_objects(accelerator)
     accelerator.save_state(folder)
     saved = params(accelerator, model)
-    monkeypatch.setattr(state, "exchange", lambda a, b: False)
+    monkeypatch.setattr(publish, "exchange", lambda a, b: False)
     renames = []
 
     def crash_on_second_rename(source, target):
@@ -368,7 +368,7 @@ def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suff
             raise KeyboardInterrupt("simulated crash between the two renames")
         os.replace(source, target)
 
-    monkeypatch.setattr(state.os, "rename", crash_on_second_rename)
+    monkeypatch.setattr(publish.os, "rename", crash_on_second_rename)
     with pytest.raises(KeyboardInterrupt):
         accelerator.save_state(folder)
     monkeypatch.undo()
@@ -381,7 +381,7 @@ def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suff
 
 
 def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(tmp_path, monkeypatch):
-    from accel.checkpoint import state
+    from accel.checkpoint import publish
 
     final, partial = tmp_path / "out", tmp_path / ".out.partial"
     final.mkdir()
@@ -389,7 +389,7 @@ def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(t
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"new")
     synced = []
-    monkeypatch.setattr(state, "fsync_directory", lambda path: synced.append(os.path.normpath(path)))
-    state.publish(str(partial), str(final))
+    monkeypatch.setattr(publish, "fsync_directory", lambda path: synced.append(os.path.normpath(path)))
+    publish.publish(str(partial), str(final))
     assert (final / "model.safetensors").read_bytes() == b"new" and (final / "train.log").read_text() == "kept"
     assert str(final) in synced  # the renames into it are durable, not only its parent's entry

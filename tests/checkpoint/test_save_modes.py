@@ -201,7 +201,7 @@ def test_asynchronous_snapshots_reuse_their_memory_and_report_it(tmp_path):
 
 
 def test_a_failed_asynchronous_save_raises_at_the_next_join_and_publishes_nothing(tmp_path, monkeypatch):
-    from accel.checkpoint import state
+    from accel.checkpoint import training_state
 
     accelerator = fresh_accelerator()
     prepared(accelerator)
@@ -209,7 +209,7 @@ def test_a_failed_asynchronous_save_raises_at_the_next_join_and_publishes_nothin
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(state, "write_files", full_disk)
+    monkeypatch.setattr(training_state, "write_files", full_disk)
     folder = accelerator.save_state(str(tmp_path / "ckpt"), async_save=True)
     with pytest.raises(RuntimeError, match="No space left on device"):
         accelerator.wait_for_checkpoint()
@@ -218,11 +218,11 @@ def test_a_failed_asynchronous_save_raises_at_the_next_join_and_publishes_nothin
 
 
 def test_the_next_save_raises_a_failure_of_the_previous_asynchronous_one(tmp_path, monkeypatch):
-    from accel.checkpoint import state
+    from accel.checkpoint import training_state
 
     accelerator = fresh_accelerator()
     prepared(accelerator)
-    monkeypatch.setattr(state, "write_files", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    monkeypatch.setattr(training_state, "write_files", lambda *a, **k: (_ for _ in ()).throw(OSError(5, "I/O error")))
     accelerator.save_state(str(tmp_path / "a"), async_save=True)
     background.saves.submit(lambda: None, "after the failing save").result()  # it ran (FIFO), nobody joined yet
     monkeypatch.undo()

@@ -40,11 +40,11 @@ def test_constants_have_hf_values():
 
 
 def test_checkpoint_file_names_have_one_home():
-    from accel.checkpoint import state
+    from accel.checkpoint import training_state
 
     for name in ("MODEL_NAME", "SAFE_MODEL_NAME", "OPTIMIZER_NAME", "SCHEDULER_NAME", "SAMPLER_NAME", "SCALER_NAME",
                  "RNG_STATE_NAME"):  # fmt: skip
-        assert getattr(accel.utils, name) is getattr(state, name)
+        assert getattr(accel.utils, name) is getattr(training_state, name)
     assert accel.utils.SAFE_WEIGHTS_PATTERN_NAME.format(suffix="") == accel.utils.SAFE_WEIGHTS_NAME
     assert accel.utils.WEIGHTS_PATTERN_NAME.format(suffix="") == accel.utils.WEIGHTS_NAME
 

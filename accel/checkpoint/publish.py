@@ -1,0 +1,205 @@
+"""Where a checkpoint folder goes and how it gets there: staged beside its final place, published in one rename,
+older numbered checkpoints rotated out, replaced ones discarded.
+
+A save writes into a hidden `.NAME.partial` folder next to `NAME` (`prepare_staging`), and `publish_and_rotate`
+renames it into place once every file is in it (an existing folder of that name is swapped out atomically with
+renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous checkpoint intact and never a partial one that
+load_state would pick. Where renameat2 is missing the old folder is parked at `.NAME.partial.old` between two renames,
+and `recover_interrupted_publish` puts it back after a crash. A folder that holds other things than a checkpoint
+(logs...) gets its checkpoint files replaced one by one instead. With automatic_checkpoint_naming, `rotate` removes
+the oldest `checkpoint_N` folders by number beyond total_limit, keeping the newest durable one until the new one is
+durable too. Replaced and rotated-out folders are gone before the call returns (`discard`); only freeing their blocks
+is left to the background. Durability itself (fsync, the `.accel-durability` record) is accel.checkpoint.background.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import secrets
+import shutil
+
+from accel.checkpoint import background
+from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly
+from accel.checkpoint.background import Durability, durability_of, remove_tree_now_free_later
+from accel.checkpoint.names import CHECKPOINT_FILE, CHECKPOINT_PATTERN, DURABILITY_RECORD
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_number(folder: str) -> int | None:
+    match = CHECKPOINT_PATTERN.fullmatch(os.path.basename(os.path.normpath(folder)))
+    return int(match.group(1)) if match else None
+
+
+def numbered_checkpoints(root: str) -> list[str]:
+    """The `checkpoint_N` folders under `root`, oldest (lowest N) first; anything else there is ignored."""
+    if not os.path.isdir(root):
+        return []
+    folders = [os.path.join(root, name) for name in os.listdir(root) if checkpoint_number(name) is not None]
+    return sorted((f for f in folders if os.path.isdir(f)), key=checkpoint_number)
+
+
+def partial_name(final: str, node: int | None = None) -> str:
+    """The hidden staging folder next to `final` (one per node when every node saves its own copy)."""
+    folder, name = os.path.split(os.path.normpath(final))
+    return os.path.join(folder, f".{name}.partial" + ("" if node is None else f"-node{node}"))
+
+
+def can_stage_beside(final: str) -> bool:
+    """Whether a staging folder next to `final` can be renamed onto it: the parent is writable and on the same
+    filesystem as `final` (not so when `final` is a mount point, e.g. a volume mounted for checkpoints)."""
+    parent = os.path.dirname(os.path.normpath(final)) or "."
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:  # created along with the staging folder
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return False
+    return not os.path.exists(final) or os.stat(final).st_dev == os.stat(parent).st_dev
+
+
+def foreign_entries(final: str, staged: str) -> list[str]:
+    """What an existing `final` holds besides checkpoint files and what the new checkpoint brings (logs, other
+    runs' folders...): a folder swap would delete those."""
+    if not os.path.isdir(final):
+        return []
+    new = set(os.listdir(staged))
+    return sorted(n for n in os.listdir(final) if n not in new and not CHECKPOINT_FILE.fullmatch(n))
+
+
+def publish(partial: str, final: str, durable: bool = True) -> None:
+    """Moves the complete `partial` folder to `final`; an existing `final` is swapped out in one step.
+
+    When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
+    moved in one by one instead (each file atomically, the folder as a whole not). `durable`: fsync the folders
+    (else accel.checkpoint.background.Durability does it later).
+    """
+    sync = fsync_directory if durable else (lambda folder: None)
+    sync(partial)  # every entry of the folder is durable before it is renamed into place
+    foreign = foreign_entries(final, partial)
+    if foreign:
+        logger.warning("'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
+                       "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
+        # The new record first: it replaces the old checkpoint's, which would no longer hold for the new files.
+        for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
+            os.replace(os.path.join(partial, name), os.path.join(final, name))
+        sync(final)  # the renames into it, not only its own entry in the parent
+        os.rmdir(partial)
+    elif not os.path.exists(final):
+        os.rename(partial, final)
+    elif exchange(partial, final):
+        discard(partial)  # now the previous checkpoint
+    else:  # no renameat2 here: two renames, with the old folder kept until the new one is in place
+        old = partial + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(partial, final)
+        discard(old)
+    sync(os.path.dirname(os.path.normpath(final)) or ".")
+
+
+def recover_interrupted_publish(final: str) -> None:
+    """A crash between the two renames of publish's fallback left the previous checkpoint at `.NAME.partial.old`
+    (`.NAME.partial-node<K>.old` when every node saves its own copy) and nothing at `final`: put it back."""
+    if os.path.exists(final):
+        return
+    parent, name = os.path.split(os.path.normpath(final))
+    parent = parent or "."
+    parked = re.compile(re.escape(f".{name}.partial") + r"(-node\d+)?\.old")
+    for candidate in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        old = os.path.join(parent, candidate)
+        if parked.fullmatch(candidate) and os.path.isdir(old):
+            logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
+            os.rename(old, final)
+            return
+
+
+def prepare_staging(output_dir: str, staging: str, staged: bool) -> None:
+    recover_interrupted_publish(output_dir)
+    sweep_discarded(os.path.dirname(os.path.normpath(output_dir)) or ".")
+    if staged:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
+    else:  # written in place: the record of the checkpoint being overwritten no longer holds
+        remove_quietly(os.path.join(staging, DURABILITY_RECORD))
+    os.makedirs(staging, exist_ok=True)
+
+
+def publish_and_rotate(staging: str | None, output_dir: str, root: str | None, total_limit: int | None,
+                        durable: bool) -> None:  # fmt: skip
+    """Creates the complete staging folder's durability record, renames the folder into place, then rotates
+    numbered checkpoints. `durable`: everything is fsync'd and recorded durable before the folder is published;
+    else that completes on the worker after, and rotation keeps the newest durable checkpoint until a join point
+    finds the new one durable (see rotate_until_complete)."""
+    durability = Durability.start(staging or output_dir)
+    try:
+        if durable:
+            durability.complete()
+        if staging is not None:
+            publish(staging, output_dir, durable=durable)
+        if not durable:
+            durability.moved_to(output_dir)  # where the files are now (the staging folder itself, mostly)
+    except BaseException:
+        durability.close()
+        raise
+    try:  # before the worker starts the fsyncs: they would hold up these unlinks (the filesystem's journal)
+        if root is not None and total_limit is not None:
+            rotate_until_complete(root, total_limit, output_dir)
+    finally:
+        if not durable:
+            background.saves.submit(durability.complete, f"durability of '{output_dir}'")
+
+
+def rotate(root: str, keep: int, newest: str) -> bool:
+    """Removes the lowest-numbered checkpoints under `root` so that `keep` remain, never `newest` (the one just
+    written: it may be numbered below older runs' checkpoints in the same folder), and, while `newest` is not
+    durable yet, never the newest checkpoint that is (a power loss now must leave one to load). Returns whether
+    the rotation is complete (False: a checkpoint was kept for `newest`'s durability)."""
+    others = [f for f in numbered_checkpoints(root) if os.path.normpath(f) != os.path.normpath(newest)]
+    doomed = others[: max(0, len(others) + 1 - keep)]
+    complete = True
+    if durability_of(newest) not in ("durable", "unknown"):
+        safe = [f for f in others if durability_of(f) in ("durable", "unknown")]
+        complete = not (safe and safe[-1] in doomed)
+        doomed = [f for f in doomed if not safe or f != safe[-1]]
+    for old in doomed:
+        logger.warning("removing checkpoint '%s' (total_limit=%d)", old, keep)
+        discard(old)
+    return complete
+
+
+def rotate_until_complete(root: str, keep: int, newest: str) -> None:
+    """Rotates now and, if a checkpoint had to be kept until `newest` is durable, again at each join point the
+    user calls (accel.checkpoint.background.BackgroundSaves.defer) until it is removed: never from the worker,
+    so no directory changes behind the user's back."""
+    if not rotate(root, keep, newest):
+        background.saves.defer(f"rotation of '{root}'", functools.partial(rotate, root, keep, newest))
+
+
+_DISCARDED = re.compile(r"\..+\.discarded-(\d+)-[0-9a-f]+")
+
+
+def discard(folder: str) -> None:
+    """Removes `folder` before returning: renamed first to a hidden name (`.NAME.discarded-PID-RANDOM`), so that a
+    process killed midway never leaves a partial checkpoint under a checkpoint's name (the next save into the same
+    parent folder sweeps it: `sweep_discarded`), then its entries removed. Only freeing the blocks of its large
+    files, the slow part (~30 ms per 100 MiB), is left to the background: nothing changes in the parent folder
+    after the call that discarded it returns."""
+    parent, name = os.path.split(os.path.normpath(folder))
+    hidden = os.path.join(parent, f".{name.lstrip('.')}.discarded-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(folder, hidden)
+    except FileNotFoundError:
+        return
+    try:
+        remove_tree_now_free_later(hidden)
+    except OSError as error:
+        logger.warning("could not remove the replaced checkpoint '%s' (now at '%s'): %s", folder, hidden, error)
+
+
+def sweep_discarded(parent: str) -> None:
+    """Deletes what `discard` left in `parent` for processes that died before deleting it."""
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        match = _DISCARDED.fullmatch(name)
+        if match and not process_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
