@@ -16,12 +16,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file as reference_save_file
 
-from accel import _ext
 from accel.checkpoint import safetensors_io as io
 from accel.checkpoint.safetensors_io import CheckpointError
-
-NATIVE = _ext.status().loaded
-needs_native = pytest.mark.skipif(not NATIVE, reason=f"native extension not loaded: {_ext.status().reason}")
 
 
 def every_dtype(generator):
@@ -95,7 +91,7 @@ def test_data_is_aligned_to_each_element_size(tmp_path):
         assert (info.begin - data_start) % torch.empty((), dtype=info.dtype).element_size() == 0
 
 
-@needs_native
+@pytest.mark.native
 def test_native_and_fallback_write_identical_files(tmp_path):
     tensors = sample_tensors()
     header, planned = io.plan_file(tensors, {"format": "pt"})
@@ -111,7 +107,7 @@ def test_native_and_fallback_write_identical_files(tmp_path):
     assert native.read_bytes() == python.read_bytes()
 
 
-@needs_native
+@pytest.mark.native
 def test_native_read_into_matches_python_read(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
     tensors = sample_tensors()
@@ -249,11 +245,10 @@ FULL_DISK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.native, id="native"),
+                                    pytest.param(False, id="fallback")])  # fmt: skip
 def test_a_full_disk_is_a_clear_error_and_leaves_no_temporary_file(tmp_path, native):
     """A 1 MiB tmpfs, mounted in a user namespace of a child process (skipped where that is not allowed)."""
-    if native and not NATIVE:
-        pytest.skip("native extension not loaded")
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-Urm", "true"], capture_output=True).returncode != 0:
         pytest.skip("cannot create a mount namespace here (unshare -Urm)")
@@ -273,16 +268,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_temporary_file(tmp_path, nat
     assert "FILES ['ok.safetensors']" in result.stdout  # the temporary file is gone, the earlier file intact
 
 
-@needs_native
-def test_native_ops_opcheck(tmp_path):
-    header, planned = io.plan_file({"w": torch.randn(5)})
-    header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    path = str(tmp_path / "w.safetensors")
-    torch.library.opcheck(torch.ops.accel.write_tensors_.default, (path, header_tensor, [planned[0][1]], [0]))
-    torch.library.opcheck(torch.ops.accel.read_tensors_.default, (path, [len(header)], [torch.empty(5)]))
-
-
-@needs_native
+@pytest.mark.native
 def test_native_bad_arguments_name_the_problem(tmp_path):
     header = torch.zeros(8, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match=r"tensors\[0\] is not contiguous"):
@@ -297,12 +283,8 @@ def test_native_bad_arguments_name_the_problem(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and NATIVE and _ext.status().cuda_kernels),
-                                reason="needs a GPU and accel's CUDA kernels")  # fmt: skip
-
-
 @pytest.mark.gpu
-@needs_cuda
+@pytest.mark.native_cuda
 def test_gpu_tensors_stream_through_the_pinned_buffers(tmp_path):
     """Several 8 MiB chunks per tensor, so both buffers are reused; CPU and GPU tensors in one file."""
     generator = torch.Generator().manual_seed(3)
