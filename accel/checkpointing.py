@@ -42,6 +42,7 @@ from accel.checkpoint.training_state import (
     restore_loader_files,
     save_rng_state,
 )
+from accel.state import PartialState
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ def _map_location(map_location: str | None) -> str | torch.device:
     if map_location not in (None, "cpu", "on_device"):
         raise TypeError(f"Unsupported optimizer map location {map_location!r}: choose one of None, 'cpu' or 'on_device'")
     if map_location == "on_device":
-        from accel.state import PartialState
-
         return PartialState().device
     return "cpu"
 

@@ -13,6 +13,10 @@ parallelism; `checks` refuses them at `Accelerator(...)`.
 
 from __future__ import annotations
 
+import os
+
+from accel._env import parse_bool
+
 DDP_INSTEAD = (
     "accel runs DDP on CPUs and GPUs (`accel launch --num_processes N`, or --multi_gpu) with mixed_precision "
     "'no', 'bf16' or 'fp16'."
@@ -22,9 +26,5 @@ DDP_INSTEAD = (
 def env_flag(name: str, default: bool = False) -> bool:
     """The boolean environment variable `name` (exactly that name: FSDP_*, MEGATRON_LM_*, PARALLELISM_CONFIG_*
     are read unprefixed, as HF Accelerate's launcher exports them); unset or empty means `default`."""
-    import os
-
-    from accel._env import parse_bool
-
     value = os.environ.get(name)
     return default if value is None or not value.strip() else parse_bool(value, name)

@@ -15,9 +15,10 @@ import dataclasses
 import functools
 import json
 import os
+import warnings
 from typing import Any, Callable
 
-from accel._env import get_setting
+from accel._env import get_setting, parse_bool
 from accel.backends import DDP_INSTEAD
 from accel.unsupported import refuse
 
@@ -239,13 +240,9 @@ class DeepSpeedPlugin:
 
     def _resolve_zero3_init(self) -> None:
         if self.zero3_init_flag is None:
-            from accel._env import parse_bool
-
             value = get_setting("DEEPSPEED_ZERO3_INIT", str(self.hf_ds_config.is_zero3()))
             self.zero3_init_flag = parse_bool(value, "ACCEL_DEEPSPEED_ZERO3_INIT")
         if self.zero3_init_flag and not self.hf_ds_config.is_zero3():
-            import warnings
-
             warnings.warn("DeepSpeed Zero3 Init flag is only applicable for ZeRO Stage 3. Setting it to False.")
             self.zero3_init_flag = False
 

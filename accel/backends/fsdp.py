@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from accel._env import parse_bool
 from accel.backends import DDP_INSTEAD, env_flag
 from accel.unsupported import refuse
 
@@ -45,8 +46,6 @@ def _fsdp_enum(value: Any, enum_cls: type, names: list[str]) -> Any:
 
 
 def _bool(value: str) -> bool:
-    from accel._env import parse_bool
-
     return parse_bool(value, "reshard_after_forward")
 
 

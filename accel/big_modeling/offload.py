@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from accel.big_modeling.hooks import set_module_tensor_to_device
 from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.safetensors_io import read_header, read_into
 from accel.unsupported import refuse
 
 
@@ -118,8 +120,6 @@ class OffloadedWeightsLoader(Mapping):
         return load_offloaded_weight(os.path.join(self.save_folder, f"{key}.dat"), info)
 
     def _from_safetensors(self, key: str, info: Mapping) -> torch.Tensor:
-        from accel.checkpoint.safetensors_io import read_header, read_into
-
         path = info["safetensors_file"]
         if path not in self._headers:
             self._headers[path] = read_header(path)
@@ -164,8 +164,6 @@ def load_offloaded_weights(model: torch.nn.Module, index: Mapping[str, dict] | N
                            offload_folder: str | os.PathLike) -> None:  # fmt: skip
     """Loads every weight `index` names from `offload_folder` into `model`, on the CPU (the model no longer needs the
     folder afterwards: the weights are copies, not mappings of its files)."""
-    from accel.big_modeling.hooks import set_module_tensor_to_device
-
     quantized = [name for name in (index or {}) if name.endswith(".SCB")]
     if quantized:
         raise refuse("bitsandbytes 8-bit weights", f"the offload index entry '{quantized[0]}'",

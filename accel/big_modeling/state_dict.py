@@ -16,6 +16,7 @@ from accel.big_modeling.attach import align_module_device, has_offloaded_params,
 from accel.big_modeling.device_map import Device
 from accel.big_modeling.dispatch import device_for
 from accel.big_modeling.sizes import named_module_tensors
+from accel.checkpoint.safetensors_io import read_header, read_into
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: Mapping[str,
     path = os.fspath(checkpoint_file)
     if not path.endswith(".safetensors"):
         return torch.load(path, map_location="cpu", weights_only=True)
-    from accel.checkpoint.safetensors_io import read_header, read_into
-
     header = read_header(path)
     _check_format(path, header.metadata)
     devices = {name: _target(device_for(device_map or {}, name) or "cpu") for name in header.tensors}

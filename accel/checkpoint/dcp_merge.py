@@ -27,6 +27,7 @@ import torch
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.names import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from accel.checkpoint.safetensors_io import save_file
+from accel.state import PartialState
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,6 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
         MergeError: `checkpoint_dir` is not a DCP folder (the message points to one inside it, if any), or it
             holds non-tensor entries and `safe_serialization` is True.
     """
-    from accel.state import PartialState
-
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / ".metadata").is_file():
         raise MergeError(_missing_folder_message(checkpoint_dir))

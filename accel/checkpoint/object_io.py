@@ -28,6 +28,7 @@ import torch
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.safetensors_io import save_file
+from accel.state import PartialState
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,6 @@ def save(obj: Any, f: str | os.PathLike | IO[bytes], save_on_each_node: bool = F
 
         save(model.state_dict(), "weights.safetensors", safe_serialization=True)   # written by process 0 only
     """
-    from accel.state import PartialState
-
     state = PartialState()
     if not (state.is_local_main_process if save_on_each_node else state.is_main_process):
         return

@@ -18,6 +18,7 @@ import socket
 from typing import Any, Callable
 
 from accel._env import get_setting
+from accel.cpu_affinity import inherited_cpus
 
 TRANSPORT_CHOICES = ("auto", "shm", "torch")
 
@@ -53,8 +54,6 @@ class Facts:
 
 def local_facts(native: bool) -> Facts:
     """This rank's facts; `native` says whether the caller's native code is loaded here."""
-    from accel.cpu_affinity import inherited_cpus
-
     return Facts(_host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(),
                  _cpu_quota())  # fmt: skip
 

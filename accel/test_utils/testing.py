@@ -29,7 +29,9 @@ import torch
 
 import accel
 from accel import availability
+from accel.collectives import gather
 from accel.environment import check_cuda_fp8_capability, parse_flag_from_env, variables_restored
+from accel.state import AcceleratorState, GradientState, PartialState
 
 # --- the device tests run on -------------------------------------------------------------------------------------
 
@@ -270,8 +272,6 @@ class AccelerateTestCase(unittest.TestCase):
 
     def tearDown(self) -> None:
         super().tearDown()
-        from accel.state import AcceleratorState, GradientState
-
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
 
@@ -308,9 +308,6 @@ def mockenv_context(*remove: str, **update: str) -> Iterator[None]:
 
 def are_the_same_tensors(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is equal on every process (a collective: every process calls it)."""
-    from accel.collectives import gather
-    from accel.state import PartialState
-
     local = tensor[None].clone().to(PartialState().device)
     everyone = gather(local).cpu()
     return all(torch.equal(row, local[0].cpu()) for row in everyone)

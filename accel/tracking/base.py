@@ -27,7 +27,7 @@ def on_main_process(function: Callable) -> Callable:
     def run_where_the_tracker_says(self, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "main_process_only", False):
             return function(self, *args, **kwargs)
-        from accel.state import PartialState
+        from accel.state import PartialState  # here, not at the top: `accel plot` reads runs without torch
 
         return PartialState().on_main_process(function)(self, *args, **kwargs)
 

@@ -62,6 +62,7 @@ class JSONLTracker(GeneralTracker):
     @on_main_process
     def store_init_configuration(self, values: dict) -> None:
         """Writes `config.json` (flattened, plain values) atomically: a temporary file renamed over it."""
+        # Here, not at the top: importing accel.checkpoint imports torch, and `accel plot` reads runs without it.
         from accel.checkpoint.atomic_files import fsync_directory, temporary_name
 
         text = json.dumps(plain_config(values), indent=2, sort_keys=True)

@@ -1,5 +1,6 @@
 """`accelerate.utils.versions` import path: re-exports of accel.availability's version checks."""
 
+from accel import availability
 from accel.availability import STR_OPERATION_TO_FUNC, compare_versions, is_torch_version
 
 __all__ = ["STR_OPERATION_TO_FUNC", "compare_versions", "is_torch_version", "torch_version"]
@@ -7,7 +8,5 @@ __all__ = ["STR_OPERATION_TO_FUNC", "compare_versions", "is_torch_version", "tor
 
 def __getattr__(name):
     if name == "torch_version":  # HF's module constant: the installed torch's version
-        from accel import availability
-
         return availability.torch_version
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
