@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,4 +207,5 @@ def test_conftest_guards_fail_the_leaking_test_and_protect_the_next(tmp_path):
     assert "left a torch.distributed process group initialized" in run.stdout
     assert "left child processes alive" in run.stdout and "time.sleep(60)" in run.stdout
     assert "left shared-memory entries behind: /dev/shm/accel-guard-test-" in run.stdout
-    assert "10 passed, 4 errors" in run.stdout
+    # A pure install also reports its one "native kernels unavailable" warning in the summary line.
+    assert re.search(r"\b10 passed, (\d+ warnings?, )?4 errors\b", run.stdout), run.stdout
