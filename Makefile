@@ -14,7 +14,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ test-pure: $(PURE_VENV)/.installed
 
 bench: setup
 	$(VENV)/bin/pytest benchmarks/bench_*.py $(BENCH_ARGS)
+
+# Every public-path benchmark against HF Accelerate, one after another (run it on a quiet machine): regenerates every
+# table and plot under docs/benchmarks/.
+bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
 # regenerates docs/benchmarks/gather.md and gather.png.
