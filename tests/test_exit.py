@@ -11,10 +11,8 @@ import ctypes
 import threading
 
 import pytest
-import torch
 
 from accel import process_group
-from spawn_pool import run_on_ranks
 
 PR_SET_NAME = 15
 
@@ -64,26 +62,3 @@ def test_a_worker_that_stays_busy_ends_the_wait_at_its_deadline(monkeypatch):
     monkeypatch.setattr(process_group, "_gloo_worker_states", lambda: ["R"])
     assert not process_group.wait_for_gloo_workers(timeout_s=0.05)
 
-
-def _group_freed_by_destroy() -> bool:
-    """After accel's collectives used the default group, destroy_process_group frees it (nothing of accel's keeps
-    it, or its gloo threads, alive into interpreter shutdown)."""
-    import gc
-    import weakref
-
-    import torch.distributed as dist
-
-    from accel.collectives import gather
-    from accel.state import PartialState
-
-    state = PartialState()
-    gather(torch.ones(2))
-    state.wait_for_everyone()
-    group = weakref.ref(dist.group.WORLD)
-    state.destroy_process_group()
-    gc.collect()
-    return group() is None
-
-
-def test_destroy_process_group_frees_the_group_accel_used():
-    assert run_on_ranks(_group_freed_by_destroy, 2) == [True, True]

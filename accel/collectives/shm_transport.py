@@ -27,7 +27,6 @@ import atexit
 import dataclasses
 import pickle
 import warnings
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -157,11 +156,7 @@ def _reduce_in_rank_order(parts: torch.Tensor, op: str) -> torch.Tensor:
 
 @dataclasses.dataclass
 class _Opened:
-    # The default group it was opened for (a new one needs a new decision), held weakly: a group destroyed by
-    # `destroy_process_group` must go at once. Kept alive here, gloo's worker threads outlived the call, and one
-    # releasing a finished work during interpreter shutdown took the GIL and aborted the process ("terminate
-    # called without an active exception", tests/test_exit.py).
-    process_group: weakref.ref
+    process_group: Any  # the default group it was opened for (a new one needs a new decision)
     transport: SharedMemoryTransport | None
 
 
@@ -176,13 +171,13 @@ def shared_memory_transport() -> SharedMemoryTransport | None:
     """
     global _opened
     group = _default_group()
+    opened = _opened
+    if opened is not None and opened.process_group is group:
+        return opened.transport
     if group is None:
         return None
-    opened = _opened
-    if opened is not None and opened.process_group() is group:
-        return opened.transport
     close()
-    _opened = _Opened(weakref.ref(group), _open(group.rank(), group.size()) if group.size() > 1 else None)
+    _opened = _Opened(group, _open(group.rank(), group.size()) if group.size() > 1 else None)
     return _opened.transport
 
 
