@@ -42,6 +42,9 @@ def llama():
 
 
 def outputs(model):
+    """The model's logits (or last hidden state). Compared at float32 tolerance, not bit for bit: the same weights
+    in other memory (a mapped file, the offload folder) can take other CPU kernel paths; CI under load once saw a
+    1.9e-6 difference on gpt2."""
     with torch.no_grad():
         result = model(torch.arange(24).reshape(2, 12) % 500)
     return result.logits if hasattr(result, "logits") else result.last_hidden_state
@@ -66,7 +69,7 @@ def test_a_model_split_between_cpu_and_disk_computes_what_the_original_does(tmp_
         if type(module).__name__ == layer:
             assert name in model.hf_device_map or any(name.startswith(k + ".") for k in model.hf_device_map)
     assert os.path.exists(tmp_path / "offload" / "index.json")
-    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+    torch.testing.assert_close(outputs(model), outputs(original))
 
 
 def test_gpt2_generates_the_same_tokens_when_offloaded(tmp_path):
@@ -129,7 +132,7 @@ def test_cpu_offload_and_disk_offload_keep_the_outputs(tmp_path):
         model = cls(config).eval()
         model = cpu_offload(model, "cpu") if offload == "cpu" else disk_offload(model, tmp_path / "off", "cpu")
         assert model.transformer.h[0].attn.c_attn.weight.device.type == "meta"  # weights come in per forward
-        torch.testing.assert_close(outputs(model), expected, rtol=0, atol=0)
+        torch.testing.assert_close(outputs(model), expected)
 
 
 def test_hooks_wrap_and_unwrap_forward():
@@ -164,7 +167,7 @@ def test_cpu_weights_map_the_file_privately_and_never_write_it(tmp_path):
     with init_empty_weights():
         model = cls(config)
     model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"}).eval()
-    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+    torch.testing.assert_close(outputs(model), outputs(original))
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight.add_(1.0)  # copy-on-write: this process only
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
@@ -213,7 +216,7 @@ def test_a_bin_checkpoint_loads_with_weights_only(tmp_path):
     model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
                                          max_memory={"cpu": compute_module_sizes(model)[""] // 2, "disk": 10**10},
                                          no_split_module_classes=no_split, offload_folder=tmp_path / "off").eval()  # fmt: skip
-    torch.testing.assert_close(outputs(model), outputs(original), rtol=0, atol=0)
+    torch.testing.assert_close(outputs(model), outputs(original))
 
 
 def test_persistent_buffers_of_disk_modules_stay_in_memory_and_hooked_models_deepcopy(tmp_path):
