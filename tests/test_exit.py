@@ -35,13 +35,20 @@ def gloo_named_thread():
     thread.join(5)
 
 
-def test_gloo_worker_states_reads_each_worker_thread(gloo_named_thread):
-    assert process_group._gloo_worker_states() == ["S"]  # asleep on its event
+@pytest.fixture
+def gloo_threads_before():
+    """The gloo worker threads this test process already has (earlier tests' DDP keeps their groups' threads)."""
+    return len(process_group._gloo_worker_states())
+
+
+def test_gloo_worker_states_reads_each_worker_thread(gloo_threads_before, gloo_named_thread):
+    states = process_group._gloo_worker_states()
+    assert len(states) == gloo_threads_before + 1 and set(states) == {"S"}  # ours asleep on its event, all idle
     assert process_group.wait_for_gloo_workers(timeout_s=1.0)
 
 
-def test_no_gloo_threads_means_no_wait():
-    assert process_group._gloo_worker_states() == []
+def test_no_gloo_threads_means_no_wait(monkeypatch):
+    monkeypatch.setattr(process_group, "_gloo_worker_states", lambda: [])
     assert process_group.wait_for_gloo_workers(timeout_s=0.0)
 
 
