@@ -22,7 +22,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from accel import collectives, data, pytree
-from accel.checkpoint import background as checkpoint_background
 from accel.checkpoint import save_file
 from accel.checkpoint import training_state
 from accel.checkpoint.background import SaveMode
@@ -737,10 +736,10 @@ class Accelerator:
         return training_state.save_state(self.checkpointable(), output_dir, safe_serialization, hooks, mode)
 
     def wait_for_checkpoint(self) -> None:
-        """Waits until every save of this process is written, published and durable, then removes the checkpoints
-        `total_limit` kept until then; raises a failure of one that ran in the background (accel's; see
-        accel.checkpoint.background)."""
-        checkpoint_background.saves.join()
+        """Waits until every save of every process is written, published and durable, then removes the checkpoints
+        `total_limit` kept until then; raises, on every process, a failure of one that ran in the background
+        (accel's; every process calls it; see accel.checkpoint.background)."""
+        training_state.join_saves(self.checkpointable())
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
                    ) -> str:  # fmt: skip
@@ -859,10 +858,10 @@ class Accelerator:
         self._tracking.log(values, step, log_kwargs, self.is_main_process)
 
     def end_training(self) -> None:
-        """Waits for this process's checkpoints (wait_for_checkpoint, and the rotation it completes), finishes every
+        """Waits for every process's checkpoints (wait_for_checkpoint, and the rotation it completes), finishes every
         tracker (all of them, even if one fails), then destroys the process group."""
         try:
-            checkpoint_background.finish()
+            training_state.finish(self.checkpointable())
         finally:
             try:
                 self._tracking.finish()

@@ -91,7 +91,7 @@ def save_accelerator_state(
             save(dataloader.state_dict(), output_dir / numbered(DATALOADER_STATE_NAME, i, ".bin"), save_on_each_node)
     if scaler is not None:
         save(scaler.state_dict(), output_dir / SCALER_NAME, save_on_each_node)
-    save_rng_state(os.fspath(output_dir), process_index, step)
+    save_rng_state(os.fspath(output_dir), process_index, step, PartialState().num_processes)
     logger.info("training state saved in %s", output_dir)
     return output_dir
 

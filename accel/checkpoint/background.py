@@ -23,7 +23,8 @@ the slow part, are freed on close). Work that changes entries and must wait for 
 newest durable checkpoint) is deferred to the join points the user calls (`BackgroundSaves.defer`).
 
 One worker thread per process runs the jobs in the order they were submitted, and the interpreter waits for it at
-exit, so a script that ends right after a save still leaves a durable checkpoint.
+exit, so a script that ends right after a save still leaves a durable checkpoint; a failure there that no join
+point raised makes the process exit with status 1 (`BackgroundSaves.exit_on_unreported_failure`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -151,6 +154,24 @@ class BackgroundSaves:
         except Exception as error:  # noqa: BLE001 - nobody left to raise it to
             logger.warning("checkpoint work left for the end of the program failed: %s", error)
 
+    def exit_on_unreported_failure(self) -> None:
+        """At interpreter exit, once the worker has run its queue: a background failure that no join point raised
+        (a script that ends right after an asynchronous save onto a full disk) ends the process with status 1 and
+        the error printed, instead of a log line and status 0. Registered before any handler accel's saves add,
+        so it runs after them (atexit runs handlers in reverse); os._exit skips the handlers registered before it,
+        so it shuts logging down itself."""
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if not failures:
+            return
+        print("accel: a checkpoint saved in the background failed and no later call raised it; exiting with "
+              "status 1:", file=sys.stderr)  # fmt: skip
+        traceback.print_exception(failures[0], file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
     def free_later(self, unlinked: UnlinkedFiles) -> None:
         """Closes `unlinked` on the worker (freeing their blocks there), or now once the interpreter is shutting
         down and the worker takes no more jobs."""
@@ -163,16 +184,7 @@ class BackgroundSaves:
 
 
 saves = BackgroundSaves()
-
-
-def finish() -> None:
-    """The end of training: waits for every save (raising a failure), then frees the asynchronous snapshot."""
-    from accel.checkpoint import snapshot
-
-    try:
-        saves.join()
-    finally:
-        snapshot.buffers.release()
+atexit.register(saves.exit_on_unreported_failure)
 
 
 # --- removing files -----------------------------------------------------------------------------------------------
@@ -310,11 +322,21 @@ def _rewrite(fd: int, content: bytes) -> None:
     os.fsync(fd)
 
 
-def make_durable(folder: str) -> None:
-    """Completes, now, the durability of a folder published earlier in the default mode (see `Durability`)."""
-    durability = Durability.resume(folder)
-    if durability is not None:
-        durability.complete()
+def sync_published(folder: str) -> None:
+    """fsyncs, now, a folder published earlier in the default mode (its files, itself, its parent) without touching
+    its record: what a load does for a checkpoint whose writer has not finished that (a load changes nothing on
+    disk; the record stays the writer's to complete)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        for name in os.listdir(fd):
+            _fsync_entry(fd, name)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_directory(os.path.dirname(os.path.normpath(folder)) or ".")
 
 
 def durability_of(folder: str) -> str:

@@ -1,15 +1,19 @@
 """Where a checkpoint folder goes and how it gets there: staged beside its final place, published in one rename,
 older numbered checkpoints rotated out, replaced ones discarded.
 
-A save writes into a hidden `.NAME.partial` folder next to `NAME` (`prepare_staging`), and `publish_and_rotate`
-renames it into place once every file is in it (an existing folder of that name is swapped out atomically with
-renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous checkpoint intact and never a partial one that
-load_state would pick. Where renameat2 is missing the old folder is parked at `.NAME.partial.old` between two renames,
-and `recover_interrupted_publish` puts it back after a crash. A folder that holds other things than a checkpoint
-(logs...) gets its checkpoint files replaced one by one instead. With automatic_checkpoint_naming, `rotate` removes
-the oldest `checkpoint_N` folders by number beyond total_limit, keeping the newest durable one until the new one is
-durable too. Replaced and rotated-out folders are gone before the call returns (`discard`); only freeing their blocks
-is left to the background. Durability itself (fsync, the `.accel-durability` record) is accel.checkpoint.background.
+A save writes into a hidden staging folder next to `NAME`, created exclusively under a name nobody can predict
+(`.NAME.partial-PID-RANDOM`, `create_staging`): never reused, so a link or folder planted at a staging name is
+never written through. `publish_and_rotate` renames it into place once every file is in it (an existing folder of
+that name is swapped out atomically with renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous
+checkpoint intact and never a partial one that load_state would pick. Where renameat2 is missing the old folder is
+parked at `<staging>.old` between two renames; the writer's next save puts it back after a crash
+(`recover_interrupted_publish`), and a load reads it where it is (`readable_folder`): loading never renames. The
+writer holds the folder's lock (accel.checkpoint.target_lock) throughout, which is also what makes the staging
+folders of dead writers safe to sweep. A folder that holds other things than a checkpoint (logs...) gets its
+checkpoint files replaced one by one instead. With automatic_checkpoint_naming, `rotate` removes the oldest
+`checkpoint_N` folders by number beyond total_limit, keeping the newest durable one until the new one is durable
+too. Replaced and rotated-out folders are gone before the call returns (`discard`); only freeing their blocks is
+left to the background. Durability itself (fsync, the `.accel-durability` record) is accel.checkpoint.background.
 """
 
 from __future__ import annotations
@@ -42,10 +46,22 @@ def numbered_checkpoints(root: str) -> list[str]:
     return sorted((f for f in folders if os.path.isdir(f)), key=checkpoint_number)
 
 
-def partial_name(final: str, node: int | None = None) -> str:
-    """The hidden staging folder next to `final` (one per node when every node saves its own copy)."""
+def create_staging(final: str) -> str:
+    """Creates the hidden staging folder of a save into `final`, next to it, and returns its path. The name is new
+    (this pid and 64 random bits) and mkdir creates it exclusively: a name someone planted (a link, a folder) makes
+    it fail instead of being used."""
     folder, name = os.path.split(os.path.normpath(final))
-    return os.path.join(folder, f".{name}.partial" + ("" if node is None else f"-node{node}"))
+    staging = os.path.join(folder, f".{name}.partial-{os.getpid()}-{secrets.token_hex(8)}")
+    os.makedirs(folder or ".", exist_ok=True)
+    os.mkdir(staging)
+    return staging
+
+
+def _staging_pattern(final: str, parked: bool) -> re.Pattern:
+    """The staging folders of `final` (with `parked`: the previous checkpoint parked by publish's fallback), in
+    this version's names and the fixed ones older versions used (`.NAME.partial`, `.NAME.partial-node<K>`)."""
+    name = re.escape(f".{os.path.basename(os.path.normpath(final))}.partial")
+    return re.compile(name + r"(-\d+-[0-9a-f]{16}|-node\d+)?" + (r"\.old" if parked else ""))
 
 
 def can_stage_beside(final: str) -> bool:
@@ -91,38 +107,72 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
     elif exchange(partial, final):
         discard(partial)  # now the previous checkpoint
     else:  # no renameat2 here: two renames, with the old folder kept until the new one is in place
-        old = partial + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = partial + ".old"  # a new name, as the staging folder's is
         os.rename(final, old)
         os.rename(partial, final)
         discard(old)
     sync(os.path.dirname(os.path.normpath(final)) or ".")
 
 
-def recover_interrupted_publish(final: str) -> None:
-    """A crash between the two renames of publish's fallback left the previous checkpoint at `.NAME.partial.old`
-    (`.NAME.partial-node<K>.old` when every node saves its own copy) and nothing at `final`: put it back."""
-    if os.path.exists(final):
-        return
-    parent, name = os.path.split(os.path.normpath(final))
-    parent = parent or "."
-    parked = re.compile(re.escape(f".{name}.partial") + r"(-node\d+)?\.old")
+def parked_checkpoint(final: str) -> str | None:
+    """The previous checkpoint of `final` that a crash between the two renames of publish's fallback left parked
+    at `<staging>.old` while nothing is at `final`, else None."""
+    if os.path.lexists(final):
+        return None
+    parent = os.path.dirname(os.path.normpath(final)) or "."
+    parked = _staging_pattern(final, parked=True)
     for candidate in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         old = os.path.join(parent, candidate)
-        if parked.fullmatch(candidate) and os.path.isdir(old):
-            logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
-            os.rename(old, final)
-            return
+        if parked.fullmatch(candidate) and os.path.isdir(old) and not os.path.islink(old):
+            return old
+    return None
 
 
-def prepare_staging(output_dir: str, staging: str, staged: bool) -> None:
+def recover_interrupted_publish(final: str) -> None:
+    """The writer's side of `parked_checkpoint`: puts the parked previous checkpoint back at `final`."""
+    old = parked_checkpoint(final)
+    if old is not None:
+        logger.warning("restoring '%s' from '%s' (a save was interrupted)", final, old)
+        os.rename(old, final)
+
+
+def readable_folder(folder: str) -> str:
+    """Where a load finds the checkpoint of `folder`: the folder itself, or, after a crash between the two renames
+    of publish's fallback, the previous checkpoint where it is parked (read there: a load renames nothing; the
+    writer's next save puts it back)."""
+    old = parked_checkpoint(folder)
+    if old is None:
+        return folder
+    logger.warning("'%s' is missing after an interrupted save: loading the previous checkpoint from '%s'", folder, old)
+    return old
+
+
+def sweep_orphan_staging(final: str) -> None:
+    """Removes the staging folders that writers of `final` which died midway left next to it (current names only:
+    a fixed old-style name may be a planted link and is left alone). Only the holder of `final`'s lock calls it:
+    every live writer of `final` holds that lock, so no staging folder there is in use."""
+    parent = os.path.dirname(os.path.normpath(final)) or "."
+    staging = _staging_pattern(final, parked=False)
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        path = os.path.join(parent, name)
+        match = staging.fullmatch(name)
+        if match and match.group(1) and not match.group(1).startswith("-node") and not os.path.islink(path):
+            discard(path)
+
+
+def prepare_staging(output_dir: str, staged: bool) -> str:
+    """The writer's preparation of a save into `output_dir` (it holds the folder's lock): recovers an interrupted
+    publish, sweeps what dead writers left, and returns the new staging folder (`output_dir` itself when the save
+    is written in place, not staged)."""
     recover_interrupted_publish(output_dir)
     sweep_discarded(os.path.dirname(os.path.normpath(output_dir)) or ".")
     if staged:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crashed save
-    else:  # written in place: the record of the checkpoint being overwritten no longer holds
-        remove_quietly(os.path.join(staging, DURABILITY_RECORD))
-    os.makedirs(staging, exist_ok=True)
+        sweep_orphan_staging(output_dir)
+        return create_staging(output_dir)
+    # Written in place: the record of the checkpoint being overwritten no longer holds.
+    os.makedirs(output_dir, exist_ok=True)
+    remove_quietly(os.path.join(output_dir, DURABILITY_RECORD))
+    return output_dir
 
 
 def publish_and_rotate(staging: str | None, output_dir: str, root: str | None, total_limit: int | None,

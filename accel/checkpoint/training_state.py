@@ -13,10 +13,16 @@ Files (HF's names, so its users find what they expect):
   custom_checkpoint_{i}.pkl                     register_for_checkpointing objects' state dicts
 
 What HF gets wrong and accel does not:
-  - the checkpoint is written into a hidden `.NAME.partial` folder next to its final place and renamed there only
-    once every process's files are in it (an existing folder of that name is swapped out atomically with
+  - the checkpoint is written into a new hidden staging folder next to its final place (created exclusively under
+    an unpredictable name, so nothing planted there is written through) and renamed there only once every
+    process's files are in it (an existing folder of that name is swapped out atomically with
     renameat2(RENAME_EXCHANGE)), so a crash mid-save leaves the previous checkpoint intact and never a partial
-    one that load_state would pick (staging, publishing, rotation: accel.checkpoint.publish);
+    one that load_state would pick (staging, publishing, rotation: accel.checkpoint.publish); the publishing
+    process holds the folder's lock meanwhile, so two jobs saving into one folder never mix their files
+    (accel.checkpoint.target_lock);
+  - load_state, wait_for_checkpoint and end_training wait for every process's asynchronous save, so all
+    processes load the same checkpoint; the step comes from the main process's file, and a checkpoint saved by
+    another number of processes loads with a warning and distinct RNG states on every process;
   - saves come in three modes (accel.checkpoint.background): by default the call returns once the files are
     complete and published from the page cache, as fast as HF's save, and durability (fsync, then the record
     `.accel-durability` rewritten to say so) follows in the background without changing any directory entry;
@@ -30,10 +36,11 @@ What HF gets wrong and accel does not:
     latest durable one (see latest_checkpoint) and sets the iteration so the next save gets the next number;
   - nothing is unpickled beyond weights_only=True (numpy's RNG arrays are allowlisted for the RNG files); pass
     `load_kwargs={"weights_only": False}` for custom objects whose state dicts hold arbitrary Python objects;
-  - a failure on one process (a full disk, a hook raising) raises on every process, and nothing is published.
+  - a failure on one process (a full disk, a hook raising) raises on every process, and nothing is published;
+    a failed asynchronous save raises at the next join point, or makes the process exit with status 1.
 Two cases give up atomicity rather than data: a folder that holds other things than a checkpoint (logs...) gets
 its checkpoint files replaced one by one, and a folder that cannot be staged beside (a mount point, a read-only
-parent) is written in place. save_state is collective: every process must call it.
+parent) is written in place. save_state and load_state are collective: every process must call them.
 
 What is saved comes from the Accelerator through one seam, `Accelerator.checkpointable()` (a `Checkpointable`).
 """
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import random
@@ -52,11 +60,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from accel import collectives
 from accel.checkpoint import background, snapshot
 from accel.checkpoint.atomic_files import write_atomically
-from accel.checkpoint.background import SaveMode, durability_of, make_durable
+from accel.checkpoint.background import SaveMode, durability_of, sync_published
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
     CUSTOM_CHECKPOINT_NAME,
@@ -74,15 +83,17 @@ from accel.checkpoint.names import (
 from accel.checkpoint.publish import (
     can_stage_beside,
     checkpoint_number,
+    discard,
     numbered_checkpoints,
-    partial_name,
     prepare_staging,
     publish_and_rotate,
-    recover_interrupted_publish,
+    readable_folder,
 )
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
+from accel.process_group import group_timeout, requested_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +133,11 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     save modes of accel.checkpoint.background.
 
     Every process calls it (it synchronizes them three times: the staging folder exists, every file is in place,
-    the checkpoint is published); a failure on any process raises on all of them and publishes nothing. With
-    `mode.asynchronous`, the saving process snapshots its files' contents and writes and publishes them in the
-    background; the others return once their own files are written.
+    the checkpoint is published); a failure on any process raises on all of them and publishes nothing. The
+    process that publishes holds the folder's lock (accel.checkpoint.target_lock) from staging to publishing, so a
+    second job saving into the same folder waits for it. With `mode.asynchronous`, the saving process snapshots
+    its files' contents and writes and publishes them in the background (holding the lock until then); the others
+    return once their own files are written.
     """
     config = parts.project_configuration
     root, output_dir = _target(parts, output_dir)
@@ -132,22 +145,52 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     # do) writes a whole checkpoint there, so that its load_state finds one (and its staging folder is published).
     own_folder = not _same_folder_as_main(parts, output_dir)  # a collective: every process calls it
     writes_shared_files = parts.writes_shared_files or own_folder
-    node = _node_index(parts) if config.save_on_each_node else None
     staged = can_stage_beside(output_dir)
-    staging = partial_name(output_dir, node) if staged else output_dir
     if not staged and writes_shared_files:
         logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
                        "not atomically", output_dir)  # fmt: skip
-    failure = None
+    lock = staging = failure = None
     try:
-        background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises) first
-        if writes_shared_files:
-            prepare_staging(output_dir, staging, staged)
-    except Exception as error:  # noqa: BLE001 - reported on every process below
-        failure = error
-    _agree_or_raise(parts, failure, "preparing")  # the staging folder exists for every process
+        try:
+            background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises)
+            if writes_shared_files:
+                lock = TargetLock.acquire(output_dir, _wait_limit_s())
+                staging = prepare_staging(output_dir, staged)
+        except Exception as error:  # noqa: BLE001 - reported on every process below
+            failure = error
+        staging = _agree_on_staging(parts, failure, output_dir, staging)  # it exists for every process
+        cleanup = staging if staged and writes_shared_files else None
+        files = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks, mode, cleanup)
+        failure = None
+        try:
+            if writes_shared_files:
+                # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
+                finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
+                                           config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
+                if mode.asynchronous:
+                    job = functools.partial(_write_and_publish, staging, snapshot.buffers.take(files), finish, lock,
+                                            cleanup)  # fmt: skip
+                    background.saves.submit(job, f"save_state into '{output_dir}'", asynchronous=True)
+                    lock = None  # the worker releases it once published
+                else:
+                    finish()
+        except Exception as error:  # noqa: BLE001
+            failure = error
+    finally:
+        if lock is not None:
+            lock.release()
+    _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
+    config.iteration += 1
+    return output_dir
 
+
+def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
+                     pre_hooks: list[Callable], mode: SaveMode, cleanup: str | None) -> dict[str, Any]:  # fmt: skip
+    """Writes this process's files into `staging` (all of them but an asynchronous save's shared files, which are
+    returned for the worker); every process agrees on the outcome, and on a failure anywhere `cleanup` is
+    removed and every process raises."""
     files: dict[str, Any] = {}
+    failure = None
     try:
         os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
         weights = [parts.state_dict(model) for model in parts.models]
@@ -157,27 +200,60 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
             files = shared_files(parts, weights, safe_serialization)
             if not mode.asynchronous:
                 write_files(staging, files, durable=mode.durable)
-        save_rng_state(staging, parts.process_index, parts.step, durable=mode.durable)
+        save_rng_state(staging, parts.process_index, parts.step, parts.num_processes, durable=mode.durable)
     except Exception as error:  # noqa: BLE001
         failure = error
-    _agree_or_raise(parts, failure, "writing", cleanup=staging if staged and writes_shared_files else None)
+    _agree_or_raise(parts, failure, "writing", cleanup=cleanup)
+    return files
 
+
+def _write_and_publish(staging: str, files: dict[str, Any], finish: Callable[[], None], lock: TargetLock,
+                       cleanup: str | None) -> None:  # fmt: skip
+    """An asynchronous save's work on the worker: the shared files, then the publish; the staging folder goes if
+    either fails, and the folder's lock is released either way."""
     try:
-        if writes_shared_files:
-            # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
-            finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
-                                       config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
-            if mode.asynchronous:
-                snapshot_of_files = snapshot.buffers.take(files)
-                background.saves.submit(lambda: (write_files(staging, snapshot_of_files, durable=False), finish()),
-                                        f"save_state into '{output_dir}'", asynchronous=True)  # fmt: skip
-            else:
-                finish()
-    except Exception as error:  # noqa: BLE001
-        failure = error
-    _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
-    config.iteration += 1
-    return output_dir
+        write_files(staging, files, durable=False)
+        finish()
+    except BaseException:
+        if cleanup is not None:
+            discard(cleanup)
+        raise
+    finally:
+        lock.release()
+
+
+def _wait_limit_s() -> float:
+    """How long a save waits for another writer of its folder: the process group's timeout, which bounds every
+    cross-process wait (torch's default, 30 minutes, without a group)."""
+    if dist.is_available() and dist.is_initialized():
+        return group_timeout().total_seconds()
+    timeout = requested_timeout(None)
+    return 1800.0 if timeout is None else timeout.total_seconds()
+
+
+def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str,
+                      staging: str | None) -> str:  # fmt: skip
+    """The staging folder this process writes into: the one it created, else its writer's (the main process's,
+    or with save_on_each_node its node's), learnt in one exchange that also tells every process whether any
+    failed to prepare (then all raise)."""
+    node = _node_index(parts) if parts.project_configuration.save_on_each_node else None
+    if parts.num_processes == 1:
+        if failure is not None:
+            raise failure
+        return staging
+    reports = collectives.gather_object([(failure is not None, output_dir, node, staging)])
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, report in enumerate(reports) if report[0]]
+    if failed:
+        raise RuntimeError(f"save_state failed on process {failed[0]} while preparing; nothing was published")
+    if staging is not None:
+        return staging
+    for _, folder, writer_node, writer_staging in reports:
+        if writer_staging is not None and folder == output_dir and writer_node == node:
+            return writer_staging
+    raise RuntimeError(f"save_state into '{output_dir}': no process writes the shared files for this one "
+                       f"(process {parts.process_index}, node {node})")  # fmt: skip
 
 
 def _node_index(parts: Checkpointable) -> int:
@@ -217,17 +293,48 @@ def _same_folder_as_main(parts: Checkpointable, output_dir: str) -> bool:
 def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage: str, cleanup: str | None = None
                     ) -> None:  # fmt: skip
     """A barrier that also tells every process whether any failed, so all raise instead of some waiting forever."""
-    failed = failure is not None
-    if parts.num_processes > 1:
-        flag = torch.tensor([1 if failed else 0], device=parts.device)
-        failed = bool(collectives.reduce(flag, reduction="sum").item())
-    if not failed:
+    if not _any_failed(parts, failure):
         return
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
     if failure is not None:
         raise failure
     raise RuntimeError(f"save_state failed on another process while {stage}; nothing was published")
+
+
+def _any_failed(parts: Checkpointable, failure: BaseException | None) -> bool:
+    """Whether `failure` happened here or on any other process (a collective: every process calls it)."""
+    failed = failure is not None
+    if parts.num_processes > 1:
+        flag = torch.tensor([1 if failed else 0], device=parts.device)
+        failed = bool(collectives.reduce(flag, reduction="sum").item())
+    return failed
+
+
+def join_saves(parts: Checkpointable, asynchronous_only: bool = False) -> None:
+    """A join point on every process: waits for this process's background saves (with `asynchronous_only`, until
+    its last asynchronous save is published), then for every other process's, so that what any process saved
+    is published everywhere on return; a failure of any process's raises on all of them. Every process calls it
+    (load_state, wait_for_checkpoint and end_training do)."""
+    failure = None
+    try:
+        background.saves.join(asynchronous_only=asynchronous_only)
+    except Exception as error:  # noqa: BLE001 - reported on every process below
+        failure = error
+    if not _any_failed(parts, failure):
+        return
+    if failure is not None:
+        raise failure
+    raise RuntimeError("a checkpoint saved in the background on another process failed (its error is raised there)")
+
+
+def finish(parts: Checkpointable) -> None:
+    """The end of training: waits for every process's saves (raising a failure on every process), then frees the
+    asynchronous snapshot."""
+    try:
+        join_saves(parts)
+    finally:
+        snapshot.buffers.release()
 
 
 def shared_files(parts: Checkpointable, weights: list[dict], safe_serialization: bool) -> dict[str, Any]:
@@ -272,11 +379,13 @@ def loader_state(loader: Any) -> dict:
     return {"iteration": getattr(loader, "iteration", 0), "initial_seed": getattr(sampler, "initial_seed", None)}
 
 
-def save_rng_state(folder: str, process_index: int, step: int, durable: bool = True) -> None:
-    """Writes this process's python / numpy / torch (/ CUDA) RNG states and `step` to
-    `folder/random_states_{process_index}.pkl` (fsync'd when `durable`)."""
+def save_rng_state(folder: str, process_index: int, step: int, num_processes: int, durable: bool = True) -> None:
+    """Writes this process's python / numpy / torch (/ CUDA) RNG states, `step` and the number of processes that
+    saved to `folder/random_states_{process_index}.pkl` (fsync'd when `durable`). HF's loader reads the same file
+    and ignores the extra key."""
     states = {
         "step": step,
+        "num_processes": num_processes,
         "random_state": random.getstate(),
         "numpy_random_seed": np.random.get_state(),
         "torch_manual_seed": torch.get_rng_state(),
@@ -292,8 +401,9 @@ def save_rng_state(folder: str, process_index: int, step: int, durable: bool = T
 
 def latest_checkpoint(project_dir: str | None) -> str:
     """The newest `checkpoints/checkpoint_N` that is durable (or unmarked: HF's, an older accel's). One published
-    without fsync during this boot is made durable now (its bytes are in the page cache); one published without
-    fsync before the machine restarted is passed over for an older durable one (its bytes may be lost)."""
+    without fsync during this boot is fsync'd now (its bytes are in the page cache; its record stays the writer's
+    to complete: a load changes nothing on disk); one published without fsync before the machine restarted is
+    passed over for an older durable one (its bytes may be lost)."""
     root = os.path.join(project_dir or ".", "checkpoints")
     folders = numbered_checkpoints(root)
     if not folders:
@@ -301,7 +411,7 @@ def latest_checkpoint(project_dir: str | None) -> str:
     for folder in reversed(folders):
         state = durability_of(folder)
         if state == "this-boot":
-            make_durable(folder)
+            sync_published(folder)
         if state != "lost-boot":
             if folder != folders[-1]:
                 logger.warning("loading '%s': the newer checkpoints were saved without fsync before this machine "
@@ -315,44 +425,59 @@ def latest_checkpoint(project_dir: str | None) -> str:
 def load_state(parts: Checkpointable, input_dir: str | None, load_kwargs: dict | None, pre_hooks: list[Callable],
                strict: bool = True) -> tuple[str, int | None]:  # fmt: skip
     """Restores everything in `parts` from `input_dir` (default: the latest numbered checkpoint); returns the folder
-    and the step saved with this process's RNG states (None when it has none: the step stays as it is).
+    and the step saved with the main process's RNG states (None when it has none: the step stays as it is).
 
-    Every file it needs is checked to be there before anything is restored, so a wrong folder changes nothing.
+    Every process calls it. It first waits until every process's asynchronous save is published (so all load
+    the same checkpoint), and every file it needs is checked to be there on every process before anything is
+    restored, so a wrong folder changes nothing. The step comes from the main process's file, the same on every
+    process. A checkpoint saved by another number of processes loads with a warning: each process restores its
+    own RNG states where the checkpoint has them, and derives new ones from process (index mod saved count)'s
+    otherwise. Loading changes nothing on disk.
     """
     config = parts.project_configuration
-    background.saves.join(asynchronous_only=True)  # this process's asynchronous save is published first
-    if input_dir is None:
-        if not config.automatic_checkpoint_naming:
-            raise ValueError("load_state needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
-        input_dir = latest_checkpoint(parts.project_dir)
-    input_dir = os.path.expanduser(os.fspath(input_dir))
-    recover_interrupted_publish(input_dir)
-    if not os.path.isdir(input_dir):
-        raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
-    if durability_of(input_dir) == "lost-boot":
-        logger.warning("'%s' was saved without fsync before this machine restarted: its files may be incomplete",
-                       input_dir)  # fmt: skip
+    join_saves(parts, asynchronous_only=True)
     load_kwargs = {"weights_only": True, **(load_kwargs or {})}
     models = list(parts.models)  # a hook may pop the models it loads itself (HF's diffusers pattern)
-    for hook in pre_hooks:
-        hook(models, input_dir)
-    _check_complete(parts, models, input_dir)
-    for i, model in enumerate(models):
-        load_model_weights(model, input_dir, i, strict)
-    for i, optimizer in enumerate(parts.optimizers):
-        optimizer.load_state_dict(_load(os.path.join(input_dir, numbered(OPTIMIZER_NAME, i, ".bin")), load_kwargs))
-    for i, scheduler in enumerate(parts.schedulers):
-        scheduler.load_state_dict(_load(os.path.join(input_dir, numbered(SCHEDULER_NAME, i, ".bin")), load_kwargs))
-    for i, loader in enumerate(parts.dataloaders):
-        restore_loader_files(loader, input_dir, i, load_kwargs)
-    if parts.scaler is not None and os.path.exists(os.path.join(input_dir, SCALER_NAME)):
-        parts.scaler.load_state_dict(_load(os.path.join(input_dir, SCALER_NAME), load_kwargs))
-    _load_custom_objects(parts.custom_objects, input_dir, load_kwargs)
-    step = load_rng_state(input_dir, parts.process_index)
+    failure = folder = None
+    try:
+        input_dir, folder = _folder_to_load(config, parts.project_dir, input_dir)
+        for hook in pre_hooks:
+            hook(models, folder)
+        _check_complete(parts, models, folder)
+    except Exception as error:  # noqa: BLE001 - reported on every process below
+        failure = error
+    if _any_failed(parts, failure):
+        raise failure or RuntimeError("load_state failed on another process (its error is raised there); nothing "
+                                      "was loaded")  # fmt: skip
+    failure = own_rng = None
+    try:
+        _restore_files(parts, models, folder, load_kwargs, strict)
+        own_rng = _read_rng_states(folder, parts.process_index)
+    except Exception as error:  # noqa: BLE001 - reported on every process below
+        failure = error
+    step, saved_by = _agree_on_saved_run(parts, failure, folder, own_rng)
+    _restore_rng_states(parts, folder, own_rng, saved_by)
     number = checkpoint_number(input_dir)
     if config.automatic_checkpoint_naming and number is not None:
         config.iteration = number + 1  # the next save_state continues the numbering
     return input_dir, step
+
+
+def _folder_to_load(config: Any, project_dir: str | None, input_dir: str | None) -> tuple[str, str]:
+    """(the checkpoint asked for, the folder its files are read from: the same, or where an interrupted save
+    parked it)."""
+    if input_dir is None:
+        if not config.automatic_checkpoint_naming:
+            raise ValueError("load_state needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
+        input_dir = latest_checkpoint(project_dir)
+    input_dir = os.path.expanduser(os.fspath(input_dir))
+    folder = readable_folder(input_dir)
+    if not os.path.isdir(folder):
+        raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
+    if durability_of(folder) == "lost-boot":
+        logger.warning("'%s' was saved without fsync before this machine restarted: its files may be incomplete",
+                       input_dir)  # fmt: skip
+    return input_dir, folder
 
 
 def _check_complete(parts: Checkpointable, models: list, folder: str) -> None:
@@ -466,16 +591,88 @@ def _numpy_rng_globals() -> list:
 
 def load_rng_state(folder: str, process_index: int) -> int | None:
     """Restores the RNG states `save_rng_state` wrote for `process_index`; returns the step saved with them (None
-    when the file is missing)."""
-    path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
-    if not os.path.exists(path):
+    when the file is missing). One process's view; load_state uses `restore_rng_states`."""
+    states = _read_rng_states(folder, process_index)
+    if states is None:
         logger.info("no random states for process %d in '%s'", process_index, folder)
         return None
+    _set_rng_states(states)
+    return states.get("step")
+
+
+def _restore_files(parts: Checkpointable, models: list, folder: str, load_kwargs: dict, strict: bool) -> None:
+    for i, model in enumerate(models):
+        load_model_weights(model, folder, i, strict)
+    for i, optimizer in enumerate(parts.optimizers):
+        optimizer.load_state_dict(_load(os.path.join(folder, numbered(OPTIMIZER_NAME, i, ".bin")), load_kwargs))
+    for i, scheduler in enumerate(parts.schedulers):
+        scheduler.load_state_dict(_load(os.path.join(folder, numbered(SCHEDULER_NAME, i, ".bin")), load_kwargs))
+    for i, loader in enumerate(parts.dataloaders):
+        restore_loader_files(loader, folder, i, load_kwargs)
+    if parts.scaler is not None and os.path.exists(os.path.join(folder, SCALER_NAME)):
+        parts.scaler.load_state_dict(_load(os.path.join(folder, SCALER_NAME), load_kwargs))
+    _load_custom_objects(parts.custom_objects, folder, load_kwargs)
+
+
+def _agree_on_saved_run(parts: Checkpointable, failure: BaseException | None, folder: str, own_rng: dict | None
+                        ) -> tuple[int | None, int]:  # fmt: skip
+    """(the saved step, how many processes saved) as the main process's folder says, the same on every process,
+    in one exchange that also tells every process whether any failed to load (then all raise). The count is
+    the one the RNG files record, else the number of them (HF's, older accel's)."""
+    saved_by = own_rng.get("num_processes") if own_rng is not None else None
+    if saved_by is None and failure is None:
+        saved_by = sum(1 for name in os.listdir(folder) if re.fullmatch(rf"{RNG_STATE_NAME}_\d+\.pkl", name))
+    report = (failure is not None, own_rng.get("step") if own_rng is not None else None, saved_by)
+    reports = collectives.gather_object([report]) if parts.num_processes > 1 else [report]
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, (failed, _, _) in enumerate(reports) if failed]
+    if failed:
+        raise RuntimeError(f"load_state failed on process {failed[0]} (its error is raised there)")
+    return reports[0][1], reports[0][2]
+
+
+def _restore_rng_states(parts: Checkpointable, folder: str, own: dict | None, saved_by: int) -> None:
+    """Restores this process's RNG states from `folder` (`own`: its file's content, if it has one). When the
+    checkpoint was saved by another number of processes, a process without its own file derives its states from
+    process (index mod `saved_by`)'s, distinct per process, and the main process warns naming both numbers."""
+    if saved_by and saved_by != parts.num_processes and parts.process_index == 0:
+        logger.warning("'%s' was saved by %d processes and is loaded by %d: the step is the main process's; "
+                       "processes without random states of their own derive them from another process's, so "
+                       "random numbers (and the data order) differ from an uninterrupted run", folder, saved_by,
+                       parts.num_processes)  # fmt: skip
+    if own is not None:
+        _set_rng_states(own)
+        return
+    base = _read_rng_states(folder, parts.process_index % saved_by) if saved_by else None
+    if base is None:
+        logger.info("no random states for process %d in '%s'", parts.process_index, folder)
+        return
+    _set_rng_states(base)
+    _reseed_for(base, parts.process_index)
+
+
+def _read_rng_states(folder: str, process_index: int) -> dict | None:
+    path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
+    if not os.path.exists(path):
+        return None
     with torch.serialization.safe_globals(_numpy_rng_globals()):  # numpy's RNG state is an array
-        states = torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True)
+
+
+def _set_rng_states(states: dict) -> None:
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])
     if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
-    return states.get("step")
+
+
+def _reseed_for(base: dict, process_index: int) -> None:
+    """Seeds every generator from `base`'s torch state and `process_index`: the same on every load, different
+    for every process (two processes with one state would draw the same dropout masks)."""
+    digest = hashlib.sha256(base["torch_manual_seed"].numpy().tobytes() + process_index.to_bytes(8, "little"))
+    seed = int.from_bytes(digest.digest()[:8], "little")
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

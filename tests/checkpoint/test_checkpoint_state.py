@@ -3,6 +3,7 @@ hooks, and crash safety under SIGKILL."""
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -349,9 +350,10 @@ def _check_loadable(project, mode):
         assert value == int(os.path.basename(folder).split("_")[1])
 
 
-def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suffix(tmp_path, monkeypatch):
-    """Without renameat2 (NFS, CIFS, FUSE), publish parks the old folder at `.NAME.partial-node<K>.old` under
-    save_on_each_node; a crash before the second rename must not hide the checkpoint (issue 12, defect 6)."""
+def test_a_publish_interrupted_between_its_renames_is_loaded_where_it_is_parked(tmp_path, monkeypatch):
+    """Without renameat2 (NFS, CIFS, FUSE), publish parks the old folder at `<staging>.old` (also under
+    save_on_each_node); a crash before the second rename must not hide the checkpoint (issue 12, defect 6), and
+    the load reads it where it is parked, renaming nothing (issue 19, defect 1): the next save puts it back."""
     from accel.checkpoint import publish
 
     folder = str(tmp_path / "ckpt")
@@ -372,12 +374,17 @@ def test_a_publish_interrupted_between_its_renames_is_recovered_with_a_node_suff
     with pytest.raises(KeyboardInterrupt):
         accelerator.save_state(folder)
     monkeypatch.undo()
-    assert not os.path.exists(folder) and renames[0][1].endswith(".ckpt.partial-node0.old")
+    parked = os.path.basename(renames[0][1])
+    assert not os.path.exists(folder) and re.fullmatch(r"\.ckpt\.partial-\d+-[0-9a-f]{16}\.old", parked)
     with torch.no_grad():
         for p in accelerator.unwrap_model(model).parameters():
             p.zero_()
+    listing = sorted(os.listdir(tmp_path))
     accelerator.load_state(folder)
     assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), saved))
+    assert sorted(os.listdir(tmp_path)) == listing  # the load renamed nothing
+    accelerator.save_state(folder)  # the writer puts the parked checkpoint back before staging its own
+    assert os.path.isdir(folder) and not any(name.endswith(".old") for name in os.listdir(tmp_path))
 
 
 def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(tmp_path, monkeypatch):

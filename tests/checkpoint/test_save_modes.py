@@ -138,7 +138,8 @@ def test_load_state_skips_a_checkpoint_not_made_durable_before_a_restart(tmp_pat
     assert "saved without fsync before this machine restarted" in caplog.text
 
 
-def test_load_state_completes_the_durability_of_a_checkpoint_from_this_boot(tmp_path, held_worker):
+def test_load_state_syncs_a_checkpoint_from_this_boot_and_leaves_its_record_to_the_writer(tmp_path, held_worker,
+                                                                                            fsynced):  # fmt: skip
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     accelerator = fresh_accelerator(project_config=config)
     model, optimizer = prepared(accelerator)
@@ -147,8 +148,11 @@ def test_load_state_completes_the_durability_of_a_checkpoint_from_this_boot(tmp_
     newest = accelerator.save_state()
     saved = weights(model)
     step(model, optimizer)
+    record = open(os.path.join(newest, DURABILITY_RECORD)).read()
+    fsynced.clear()
     assert accelerator.load_state() == newest  # a process kill, not a restart: the page cache holds it
-    assert background.durability_of(newest) == "durable"
+    assert os.path.join(newest, "model.safetensors") in fsynced  # made durable by the load...
+    assert open(os.path.join(newest, DURABILITY_RECORD)).read() == record  # ...which changes nothing on disk
     assert all(torch.equal(a, b) for a, b in zip(weights(model).values(), saved.values()))
 
 

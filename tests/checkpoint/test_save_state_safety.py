@@ -1,0 +1,315 @@
+"""save_state / load_state under adversity (issue 19, defects 2-6): links planted at staging names, two jobs
+saving into one folder, asynchronous saves joined on every process, a failed asynchronous save at exit, and a
+checkpoint loaded by another number of processes than saved it."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from spawn_pool import run_on_ranks
+
+from accel.accelerator import Accelerator
+from accel.checkpoint import background, publish, training_state
+from accel.checkpoint.target_lock import TargetLock, WriterBusyError
+from accel.settings import GradientAccumulationPlugin, ProjectConfiguration
+from accel.state import AcceleratorState, GradientState
+
+
+def fresh_accelerator(**kwargs):
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(**kwargs)
+
+
+def prepared_linear(accelerator, value=0.0):
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return accelerator.prepare(model, optimizer)
+
+
+def set_weights(model, value):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+
+
+def weight_value(model):
+    values = {p.detach().flatten()[0].item() for p in model.parameters()}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+@pytest.fixture(autouse=True)
+def _idle_worker():
+    yield
+    try:
+        background.saves.join()
+    except RuntimeError:  # a failure a test provoked and checked
+        pass
+
+
+def _leftovers(folder):
+    """What a save may never leave next to or in a checkpoint: staging folders, temporaries, lock files."""
+    names = os.listdir(folder)
+    return [n for n in names if re.search(r"\.partial|\.tmp-|\.lock$|\.discarded-", n)]
+
+
+# --- defect 2: staging never follows a planted link ------------------------------------------------------------
+
+
+def test_a_link_planted_at_an_old_staging_name_is_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "model.safetensors").write_bytes(b"the victim's file")
+    for name in (".ckpt.partial", ".ckpt.partial-node0"):
+        os.symlink(victim, tmp_path / name)
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator, 1.0)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    assert (victim / "model.safetensors").read_bytes() == b"the victim's file"
+    assert os.listdir(victim) == ["model.safetensors"]
+    assert os.path.isdir(tmp_path / "ckpt") and not os.path.islink(tmp_path / "ckpt")
+    assert load_file(str(tmp_path / "ckpt" / "model.safetensors"))["weight"][0, 0].item() == 1.0
+    assert os.path.islink(tmp_path / ".ckpt.partial")  # someone else's entry: left alone
+
+
+def test_staging_names_are_new_and_created_exclusively(tmp_path, monkeypatch):
+    """Even a name guessed right (here: the randomness pinned) is refused rather than written through."""
+    monkeypatch.setattr(publish.secrets, "token_hex", lambda n: "ab" * n)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.symlink(victim, tmp_path / f".ckpt.partial-{os.getpid()}-{'ab' * 8}")
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator)
+    with pytest.raises(FileExistsError):
+        accelerator.save_state(str(tmp_path / "ckpt"))
+    assert os.listdir(victim) == [] and not os.path.exists(tmp_path / "ckpt")
+    monkeypatch.undo()
+    first = publish.create_staging(str(tmp_path / "other"))
+    second = publish.create_staging(str(tmp_path / "other"))
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
+
+
+# --- defect 3: one writer at a time -----------------------------------------------------------------------------
+
+
+def test_a_second_writer_waits_for_the_first_then_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCEL_PROCESS_GROUP_TIMEOUT", "0.3")
+    target = str(tmp_path / "ckpt")
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator, 2.0)
+    with TargetLock.acquire(target, timeout_s=1):  # another writer, as far as the save can tell
+        started = time.monotonic()
+        with pytest.raises(WriterBusyError, match=rf"pid {os.getpid()} on"):
+            accelerator.save_state(target)
+        assert time.monotonic() - started >= 0.3
+    assert os.listdir(tmp_path) == []  # nothing staged, nothing published, no lock file
+    accelerator.save_state(target)
+    assert _leftovers(tmp_path) == [] and os.path.isdir(target)
+
+
+JOB_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from accel.accelerator import Accelerator
+    folder, job, saves, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    accelerator = Accelerator()
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.SGD(model.parameters(), lr=job)  # the optimizer's file names its job too
+    model, optimizer = accelerator.prepare(model, optimizer)
+    while not __import__("os").path.exists(start):
+        pass
+    for i in range(saves):
+        with torch.no_grad():
+            model.weight.fill_(job * 1000 + i)
+        accelerator.save_state(folder)
+    """
+)
+
+
+def _published_pair(folder):
+    """(the model's job, the optimizer's job) of the checkpoint published at `folder` now, both read from that
+    one folder (through a descriptor of it), or None when it was replaced while being read."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        base = f"/proc/self/fd/{fd}"
+        weight = load_file(f"{base}/model.safetensors")["weight"][0, 0].item()
+        lr = torch.load(f"{base}/optimizer.bin", weights_only=True)["param_groups"][0]["lr"]
+    except (FileNotFoundError, OSError, RuntimeError):  # this folder was discarded while we read it
+        return None
+    finally:
+        os.close(fd)
+    return int(weight) // 1000, int(lr)
+
+
+def test_two_jobs_saving_into_one_folder_publish_only_whole_checkpoints(tmp_path):
+    script, folder, start = tmp_path / "job.py", str(tmp_path / "ckpt"), str(tmp_path / "go")
+    script.write_text(JOB_SCRIPT)
+    jobs = [subprocess.Popen([sys.executable, str(script), folder, str(job), "15", start], stderr=subprocess.PIPE,
+                             text=True) for job in (1, 2)]  # fmt: skip
+    time.sleep(1.0)
+    open(start, "w").close()
+    seen = set()
+    try:
+        while any(job.poll() is None for job in jobs):
+            pair = _published_pair(folder)
+            if pair is not None:
+                seen.add(pair)
+        errors = [job.communicate(timeout=60)[1] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert [job.returncode for job in jobs] == [0, 0], errors
+    seen.add(_published_pair(folder))
+    assert seen <= {(1, 1), (2, 2)}, f"a checkpoint mixed two jobs' files: {seen}"
+    assert _leftovers(tmp_path) == [] and _leftovers(folder) == []
+
+
+# --- defect 4: every join point waits for every process's asynchronous save ----------------------------------
+
+
+def _async_save_then_load(folder):
+    accelerator = fresh_accelerator()
+    model, _ = prepared_linear(accelerator, 1.0)
+    accelerator.save_state(folder)
+    set_weights(model, 2.0)
+    real = training_state.write_files
+    if accelerator.process_index == 0:  # the main process's background write is slow
+        training_state.write_files = lambda *args, **kwargs: (time.sleep(1.0), real(*args, **kwargs))
+    try:
+        accelerator.save_state(folder, async_save=True)
+        set_weights(model, 3.0)
+        accelerator.load_state(folder)
+        loaded = weight_value(model)
+        set_weights(model, 4.0)
+        accelerator.save_state(folder, async_save=True)
+        accelerator.wait_for_checkpoint()
+    finally:
+        training_state.write_files = real
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    return loaded, next(t for name, t in tensors.items() if name.endswith("weight"))[0, 0].item()
+
+
+def test_load_state_and_wait_for_checkpoint_wait_for_the_asynchronous_save_of_every_process(tmp_path):
+    results = run_on_ranks(_async_save_then_load, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert results == [(2.0, 4.0), (2.0, 4.0)]
+
+
+# --- defect 5: a failed asynchronous save is never lost --------------------------------------------------------
+
+
+def _fail_background_writes(monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(training_state, "write_files", no_space)
+
+
+def test_a_failed_asynchronous_save_raises_at_the_next_join_point_and_leaves_no_partial_folder(tmp_path,
+                                                                                                monkeypatch):  # fmt: skip
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator)
+    _fail_background_writes(monkeypatch)
+    accelerator.save_state(str(tmp_path / "ckpt"), async_save=True)
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        accelerator.wait_for_checkpoint()
+    assert os.listdir(tmp_path) == []
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from accel.accelerator import Accelerator
+    from accel.checkpoint import training_state
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    training_state.write_files = no_space
+    accelerator = Accelerator()
+    accelerator.prepare(torch.nn.Linear(4, 4))
+    accelerator.save_state(sys.argv[1], async_save=True)
+    print("script finished", flush=True)
+    """
+)
+
+
+def test_a_failed_asynchronous_save_makes_the_process_exit_non_zero(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run([sys.executable, str(script), str(out / "ckpt")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert "script finished" in done.stdout
+    assert done.returncode == 1, done.stderr
+    assert "No space left on device" in done.stderr and "exiting with status 1" in done.stderr
+    assert os.listdir(out) == []  # the partial folder is gone
+
+
+# --- defect 6: the step is the checkpoint's on every process; another world size is handled ---------------------
+
+
+def _train_steps(accelerator, model, optimizer, steps):
+    for _ in range(steps):
+        with accelerator.accumulate(model):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _save_after_steps(folder, steps):
+    accelerator = fresh_accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    model, optimizer = prepared_linear(accelerator)
+    _train_steps(accelerator, model, optimizer, steps)
+    accelerator.save_state(folder)
+    return accelerator.step
+
+
+def _load_and_step(folder):
+    accelerator = fresh_accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    model, optimizer = prepared_linear(accelerator)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("accel.checkpoint.training_state").addHandler(handler)
+    try:
+        accelerator.load_state(folder)
+    finally:
+        logging.getLogger("accel.checkpoint.training_state").removeHandler(handler)
+    step = accelerator.step
+    draw = torch.rand(3).tolist()
+    with accelerator.accumulate(model):
+        sync = accelerator.sync_gradients
+    return step, sync, draw, [r for r in records if "saved by" in r]
+
+
+def test_a_checkpoint_saved_by_one_process_loads_on_two_with_one_step_and_distinct_random_states(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    assert _save_after_steps(folder, 3) == 3
+    first = run_on_ranks(_load_and_step, 2, folder, timeout=120)
+    (step_0, sync_0, draw_0, warned_0), (step_1, sync_1, draw_1, warned_1) = first
+    assert step_0 == step_1 == 3 and sync_0 == sync_1 is True
+    assert draw_0 != draw_1  # process 1 derived its own states instead of sharing process 0's
+    assert len(warned_0) == 1 and "saved by 1 processes and is loaded by 2" in warned_0[0] and warned_1 == []
+    again = run_on_ranks(_load_and_step, 2, folder, timeout=120)
+    assert [r[2] for r in again] == [draw_0, draw_1]  # derived the same way on every load
+
+
+def test_a_checkpoint_saved_by_two_processes_loads_in_one_with_its_step(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    assert run_on_ranks(_save_after_steps, 2, folder, 5, timeout=120) == [5, 5]
+    step, sync, _, warned = _load_and_step(folder)
+    assert step == 5 and sync is True
+    assert len(warned) == 1 and "saved by 2 processes and is loaded by 1" in warned[0]
