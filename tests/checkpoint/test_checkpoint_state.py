@@ -280,9 +280,10 @@ def _save_under_ddp(folder):
     accelerator = fresh_accelerator()
     model, *_ = training_objects(accelerator)
     hooked = []
-    accelerator.register_save_state_pre_hook(lambda models, weights, out: hooked.extend(type(m).__name__ for m in models))
+    accelerator.register_save_state_pre_hook(lambda models, weights, out: hooked.extend(map(type, models)))
     accelerator.save_state(folder)
-    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()], type(model).__name__, hooked
+    weights = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return weights, type(model).__name__, [cls.__name__ for cls in hooked]
 
 
 @pytest.fixture
