@@ -440,17 +440,16 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> torch.nn.Module:
         """Places, autocasts (bf16/fp16), wraps (DDP) and compiles (dynamo) a model."""
         placement = self.device_placement if device_placement is None else device_placement
+        # The model as given, not its DDP / compile wrappers, as HF Accelerate keeps it: save_state writes its names
+        # (HF loads them strictly into a model as given) and the save / load hooks get it.
         self._models.append(model)
         model = self.precision.wrap_forward(model)
         plugin = self.state.dynamo_plugin
         if plugin is not None and plugin.enabled and plugin.use_regional_compilation:
             warnings.warn("accel does not support regional compilation yet; compiling the whole model")
         if evaluation_mode:
-            model = SingleDeviceStrategy(self.state).setup_model(model, placement, plugin)
-        else:
-            model = self.strategy.setup_model(model, placement, plugin)
-        self._models[-1] = model
-        return model
+            return SingleDeviceStrategy(self.state).setup_model(model, placement, plugin)
+        return self.strategy.setup_model(model, placement, plugin)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
         placement = self.device_placement if device_placement is None else device_placement
@@ -706,7 +705,8 @@ class Accelerator:
 
     def checkpointable(self) -> training_state.Checkpointable:
         """What `save_state` / `load_state` cover (accel's; accel.checkpoint.training_state reads nothing else of
-        the Accelerator): the prepared models, optimizers, schedulers and dataloaders, the objects registered for
+        the Accelerator): the prepared models (as given to `prepare`, without the DDP / compile wrappers, as HF
+        keeps them), optimizers, schedulers and dataloaders, the objects registered for
         checkpointing and the scaler (the Accelerator's own lists), how a model's weights are taken, the project
         configuration and directory, whether this process writes the shared files, and where it runs.
 

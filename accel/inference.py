@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from accel.big_modeling import calculate_maximum_sizes, infer_auto_device_map
+from accel.formatting import convert_bytes
 from accel.pytree import ignorant_find_batch_size
 from accel.unsupported import refuse
 
@@ -29,15 +30,17 @@ def generate_device_map(model: nn.Module, num_processes: int = 1, no_split_modul
     """A device map splitting `model` into `num_processes` contiguous stages of about equal size (stage i on device
     i), uncleaned (one entry per unsplit module), as HF computes the split points of `prepare_pippy`.
 
-    Without `max_memory`, each device gets a share of the model plus its largest layer, with 10% headroom (HF rounds
-    the share to a whole number of its printed unit first; accel computes it in bytes).
+    Without `max_memory`, each device gets a share of the model plus its largest layer, rounded up to a whole number
+    of its printed unit (`convert_bytes`), with 10% headroom, as HF computes it (HF cannot parse a share under 1 KB;
+    accel takes it in bytes). The first device keeps room for the largest layer (`infer_auto_device_map`).
     """
     if num_processes == 1:
         return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
                                      clean_result=False)  # fmt: skip
     if max_memory is None:
         model_size, (largest_layer, _) = calculate_maximum_sizes(model)
-        share = math.ceil((model_size + largest_layer) / num_processes * 1.1)
+        value, unit = convert_bytes((model_size + largest_layer) / num_processes).split(" ")
+        share = f"{math.ceil(float(value)) * 1.1} {unit}" if unit != "bytes" else math.ceil(float(value) * 1.1)
         max_memory = dict.fromkeys(range(num_processes), share)
     return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
                                  clean_result=False)  # fmt: skip

@@ -12,12 +12,25 @@ from accel.state import PartialState
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
-    """`log(..., main_process_only=True, in_order=False)`: main process only, or every process in rank order."""
+    """`log(..., main_process_only=True, in_order=False)`: main process only, or every process in rank order.
+
+    Every message is prefixed with `[RANK n]`, the process index of the process that logs it, as HF Accelerate's
+    adapter does (so log lines from different processes can be told apart, and parsers of HF's output still match).
+    """
+
+    def __init__(self, logger: logging.Logger, extra: Any = None) -> None:
+        super().__init__(logger, extra)
+        self._warned: set = set()
 
     @staticmethod
     def _should_log(main_process_only: bool) -> bool:
         state = PartialState()
         return not main_process_only or state.is_main_process
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[str, Any]:
+        """Prefixes `msg` with this process's `[RANK n]` (after the adapter's own processing of `extra`)."""
+        msg, kwargs = super().process(msg, kwargs)
+        return f"[RANK {PartialState().process_index}] {msg}", kwargs
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
         if not PartialState._shared_state:
@@ -27,20 +40,32 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             )
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
-        kwargs.setdefault("stacklevel", 2)
+        kwargs.setdefault("stacklevel", 2)  # the caller's line, not this method's
         if not self.isEnabledFor(level):
             return
+        msg, kwargs = self.process(msg, kwargs)
         if not in_order:
             if self._should_log(main_process_only):
-                msg, kwargs = self.process(msg, kwargs)
                 self.logger.log(level, msg, *args, **kwargs)
             return
         state = PartialState()
         for rank in range(state.num_processes):  # each rank in turn, separated by barriers
             if rank == state.process_index:
-                msg, kwargs = self.process(msg, kwargs)
                 self.logger.log(level, msg, *args, **kwargs)
             state.wait_for_everyone()
+
+    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+        """`warning(*args, **kwargs)`, emitted only the first time this adapter gets these same arguments.
+
+        Raises:
+            TypeError: an argument is unhashable (as in HF Accelerate, whose cache is keyed on the arguments).
+        """
+        key = (args, tuple(sorted(kwargs.items())))
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        kwargs.setdefault("stacklevel", 3)  # the caller of warning_once, not this method
+        self.warning(*args, **kwargs)
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:

@@ -303,16 +303,57 @@ def test_dynamo_settings_come_from_the_launcher_env(monkeypatch):
                                                           "mode": "reduce-overhead"}  # fmt: skip
 
 
-def test_get_logger_logs_on_the_main_process(caplog):
+def test_get_logger_logs_on_the_main_process_with_hf_rank_prefix(caplog):
     from accel.logging import get_logger
 
     accelerator = Accelerator()
     logger = get_logger("accel.test", log_level="INFO")
     with caplog.at_level("INFO", logger="accel.test"):
         logger.info("only once", main_process_only=True)
-        logger.info("from every process", main_process_only=False)
-    assert [r.message for r in caplog.records] == ["only once", "from every process"]
+        logger.info("from every process %s", "here", main_process_only=False)
+        logger.info("in order", in_order=True)
+        line = _current_line() + 1
+        logger.warning_once("careful")
+        logger.warning_once("careful")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[RANK 0] only once", "[RANK 0] from every process here", "[RANK 0] in order", "[RANK 0] careful"]
+    assert {r.funcName for r in caplog.records} == {"test_get_logger_logs_on_the_main_process_with_hf_rank_prefix"}
+    assert caplog.records[-1].lineno == line  # warning_once names its caller's line
     assert accelerator.is_main_process
+
+
+def _current_line() -> int:
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
+
+
+def _log_from_every_rank():
+    import logging
+
+    from accel.logging import get_logger
+    from accel.state import PartialState
+
+    PartialState()
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = get_logger("accel.test.ranks", log_level="INFO")
+    logger.logger.addHandler(handler)
+    try:
+        logger.info("main only")
+        logger.info("every rank", main_process_only=False)
+        logger.info("in turn", in_order=True)
+    finally:
+        logger.logger.removeHandler(handler)
+    return records
+
+
+def test_get_logger_prefixes_each_rank_as_hf_does():
+    """HF Accelerate's MultiProcessAdapter writes `[RANK n] ` before every message, so ranks can be told apart."""
+    assert run_on_ranks(_log_from_every_rank, 2) == [
+        ["[RANK 0] main only", "[RANK 0] every rank", "[RANK 0] in turn"],
+        ["[RANK 1] every rank", "[RANK 1] in turn"]]
 
 
 def test_save_writes_on_the_main_process(tmp_path):

@@ -1,12 +1,14 @@
 """Where each part of a model goes: `get_max_memory`, `get_balanced_memory`, `infer_auto_device_map`.
 
 A device map is {module or tensor name: device}, devices being GPU indices, "cpu" or "disk", filled in that
-order: GPUs first, then CPU RAM, then the disk. `infer_auto_device_map` walks the model's modules in order and
-puts each on the current device while it fits; a module that does not fit is split into its children, unless it
-is a leaf or its class is in `no_split_module_classes` (a transformer block, whose residual connections must
-run on one device), in which case the next device is tried. While later devices hold offloaded weights, each
-GPU keeps room for the largest unsplittable module, which is brought there for its forward. A module whose
-parameter is tied to one placed already goes where that parameter is (tied weights are one tensor).
+order: GPUs first, then CPU RAM, then the disk, which `infer_auto_device_map` always adds and never runs out of
+(as HF Accelerate: a model too large for the memory given is offloaded, never refused). It walks the model's
+modules in order and puts each on the current device while it fits; a module that does not fit is split into its
+children, unless it is a leaf or its class is in `no_split_module_classes` (a transformer block, whose residual
+connections must run on one device), in which case the next device is tried. The main devices (the first GPU and
+the CPU, or the CPU alone) keep room for the largest layer not placed yet, as an offloaded layer is brought there
+for its forward. Modules holding a weight tied to the one being placed go with it (tied weights are one tensor).
+The maps are HF Accelerate 1.15's for the same model and memory.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.big_modeling.sizes import compute_module_sizes, tensor_bytes
-from accel.big_modeling.tied import tied_groups
+from accel.big_modeling.sizes import compute_module_sizes, compute_module_total_buffer_size, get_max_layer_size
+from accel.big_modeling.tied import check_tied_parameters_in_config, find_tied_parameters
 from accel.checkpoint.model_io import parse_size
 
 logger = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ def get_max_memory(max_memory: dict[Device, int | str] | None = None) -> dict[De
     return {d: convert_file_size_to_int(max_memory[d]) for d in sorted(max_memory, key=_device_order)}
 
 
-def _no_split(module: nn.Module, no_split_module_classes: set[str]) -> bool:
+def _no_split(module: nn.Module, no_split_module_classes: set[str] | list[str]) -> bool:
     return type(module).__name__ in no_split_module_classes
 
 
@@ -127,111 +129,175 @@ def infer_auto_device_map(
     offload_buffers: bool = False,
     fallback_allocation: bool = False,
 ) -> OrderedDict[str, Device]:
-    """{module or tensor name: device} placing `model` on the devices of `max_memory` in order (module docstring).
+    """{module or tensor name: device} placing `model` on the devices of `max_memory` in order, then on "disk"
+    (module docstring). The disk has no limit, so every model gets a map.
 
     Args:
+        verbose: log (INFO) each placement decision.
+        clean_result: merge the entries of a module that all name one device into one entry ("" for the model).
         offload_buffers: the buffers of modules placed on "cpu" / "disk" will be offloaded with them; without it they
             will live on the execution device, and a warning says when no GPU has room for them.
         fallback_allocation: a device on which the next module does not fit (and cannot be split) gets the first
             smaller module found breadth-first among the rest (`fallback_allocate`) instead of staying empty.
-
-    Raises ValueError, saying how many bytes are missing, when even the last device cannot take what is left.
     """
-    max_memory = get_max_memory(max_memory)
-    devices = list(max_memory)
-    no_split = set(no_split_module_classes or [])
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
-    offloading = any(d in ("cpu", "disk") for d in devices) and any(not isinstance(d, str) or d == "mps" for d in devices)
-    largest_unit = max(((sizes.get(n, 0), n) for n, _ in _units(model, no_split)), default=(0, ""))
-    tied = tied_groups(model)
-
-    placed: OrderedDict[str, Device] = OrderedDict()
-    pending = [(name, module) for name, module in model.named_children()]
-    pending += [(name, None) for name, _ in [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]]
-    device_index = 0
-    used = dict.fromkeys(devices, 0)
-
-    def room(index: int) -> float:
-        device = devices[index]
-        if device == "disk":
-            return float("inf")
-        # Offloaded modules run on the main device (the first one): it keeps room for the largest of them.
-        reserve = largest_unit[0] if offloading and index == 0 and device not in ("cpu", "disk") else 0
-        return max_memory[device] - reserve - used[device]
-
-    while pending:
-        name, module = pending[0]
-        size = sizes.get(name, 0)
-        forced = _tied_device(name, tied, placed)
-        splittable = module is not None and any(True for _ in module.children()) and not _no_split(module, no_split)
-        if forced is not None:
-            # Its tied weight is already there (counted once, under its first name). The rest of it goes there
-            # too if it fits; else it is split so that only the part holding the weight must follow it.
-            if size <= room(devices.index(forced)) or not splittable:
-                if size > room(devices.index(forced)):
-                    logger.warning("'%s' follows its tied weight to %s, beyond that device's max_memory", name, forced)
-                placed[name] = forced
-                used[forced] += size
-                pending.pop(0)
-                continue
-        if device_index >= len(devices):
-            needed = sum(sizes.get(n, 0) for n, _ in pending)
-            raise ValueError(
-                f"max_memory is too small: {needed} more bytes are needed for {', '.join(n for n, _ in pending[:5])}"
-                f"{'...' if len(pending) > 5 else ''} (the model takes {sizes['']} bytes; the largest part that cannot "
-                f"be split, '{largest_unit[1]}', takes {largest_unit[0]})"
-            )
-        device = devices[device_index]
-        if forced is None and size <= room(device_index):
-            placed[name] = device
-            used[device] += size
-            pending.pop(0)
-            if verbose:
-                logger.info("'%s' (%d bytes) -> %s", name, size, device)
-            continue
-        if splittable:
-            pending.pop(0)
-            pending[:0] = _parts(name, module)
-            if verbose:
-                logger.info("'%s' (%d bytes) does not fit on %s: splitting it", name, size, device)
-            continue
-        if fallback_allocation and used[device] == 0 and device != "disk":
-            found, _, rest = fallback_allocate(pending, sizes, max(0, int(room(device_index))), list(no_split), tied)
-            if found is not None:  # placed here now; the module that did not fit goes on to the next device
-                placed[found] = device
-                used[device] += sizes.get(found, 0)
-                pending = rest
-                continue
-        if verbose:
-            logger.info("'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device,
-                        used[device])  # fmt: skip
-        device_index += 1
+    planner = _Planner(model, max_memory, no_split_module_classes, dtype, special_dtypes, verbose)
+    while planner.pending:
+        planner.place_next(offload_buffers, fallback_allocation)
+    placed = clean_device_map(planner.placed) if clean_result else planner.placed
     if not offload_buffers:
-        _warn_if_offloaded_buffers_fit_no_gpu(model, placed, max_memory, used, dtype)
-    return _merged(placed, model) if clean_result else placed
+        planner.warn_if_offloaded_buffers_fit_no_gpu()
+    planner.log_devices_left_empty()
+    return placed
 
 
-def _warn_if_offloaded_buffers_fit_no_gpu(model: nn.Module, placed: dict[str, Device], max_memory: dict[Device, int],
-                                          used: dict[Device, int], dtype: str | torch.dtype | None) -> None:  # fmt: skip
-    """Buffers of modules on "cpu" / "disk" live on the execution device when not offloaded: warn when no GPU has
-    room left for them."""
-    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-    offloaded = [name for name, device in placed.items() if device in ("cpu", "disk")]
-    size = sum(tensor_bytes(buffer, dtype) for name, buffer in model.named_buffers()
-               if any(_owns(entry, name) for entry in offloaded))  # fmt: skip
-    gpus = [device for device in max_memory if device not in ("cpu", "disk")]
-    if size and gpus and not any(max_memory[gpu] >= size + used.get(gpu, 0) for gpu in gpus):
-        warnings.warn(f"Current model requires {size} bytes of buffer for offloaded layers, which seems does not fit any "
-                      "GPU's remaining memory. If you are experiencing a OOM later, please consider using "
-                      "offload_buffers=True.")  # fmt: skip
+class _Planner:
+    """The state of one `infer_auto_device_map` walk, as HF Accelerate 1.15 keeps it (the same maps for the same
+    model and memory): the entries still to place (the model's own tensors and children; a module that does not fit
+    is replaced by its own tensors and children), the device being filled, and the room kept on the main devices
+    (the first GPU and the CPU, or "mps", or the CPU alone) for the largest layer not placed yet, which an offloaded
+    layer needs there for its forward."""
+
+    def __init__(self, model: nn.Module, max_memory, no_split_module_classes, dtype, special_dtypes, verbose: bool):
+        self.max_memory = get_max_memory(max_memory)
+        self.devices: list[Device] = [*self.max_memory, *(["disk"] if "disk" not in self.max_memory else [])]
+        self.gpus = [d for d in self.devices if d not in ("cpu", "disk")]
+        self.main_devices = ["mps"] if "mps" in self.gpus else [self.gpus[0], "cpu"] if self.gpus else ["cpu"]
+        self.no_split = [no_split_module_classes] if isinstance(no_split_module_classes, str) else list(
+            no_split_module_classes or [])  # fmt: skip
+        self.dtype, self.special_dtypes, self.verbose = dtype, special_dtypes, verbose
+        self.sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+        self.tied = find_tied_parameters(model)
+        if not self.tied and check_tied_parameters_in_config(model):
+            logger.warning("The model weights are not tied. Please use the `tie_weights` method before using the "
+                           "`infer_auto_device` function.")  # fmt: skip
+        self.pending: list[tuple[str, nn.Module | torch.Tensor]] = [
+            *model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+        self.placed: OrderedDict[str, Device] = OrderedDict()
+        self.current = 0
+        self.used = dict.fromkeys(self.devices, 0)
+        self.buffer_bytes: dict[Device, int] = {}
+        self.left_empty: dict[Device, int] = {}  # device -> bytes its first module needed
+        self.largest, self.largest_names = get_max_layer_size(self.pending, self.sizes, self.no_split)
+
+    def _update_largest_layer(self) -> None:
+        """The largest layer among the pending modules (the model's own tensors count only at the start, as HF)."""
+        modules = [(n, m) for n, m in self.pending if isinstance(m, nn.Module)]
+        self.largest, self.largest_names = get_max_layer_size(modules, self.sizes, self.no_split)
+
+    def _log(self, message: str, *args: Any) -> None:
+        if self.verbose:
+            logger.info(message, *args)
+
+    def place_next(self, offload_buffers: bool, fallback_allocation: bool) -> None:
+        """Places the first pending entry (with the modules tied to it), or splits it or one of its tied modules,
+        or moves on to the next device."""
+        name, module = self.pending.pop(0)
+        # The room kept shrinks once every layer of the largest size has been placed.
+        self.largest_names = [n for n in self.largest_names if not _owns(name, n)]
+        if not self.largest_names:
+            self._update_largest_layer()
+        size = self.sizes.get(name, 0)
+        tied_outside = [t for group in self.tied if any(_owns(name, t) for t in group)
+                        and not all(_owns(name, t) for t in group) for t in group if not _owns(name, t)]  # fmt: skip
+        device = self.devices[self.current]
+        reserved = self.largest if device in self.main_devices else 0
+        room = None if device == "disk" else self.max_memory[device] - reserved - self.used[device]
+        with_ties, tied_names, tied_modules = get_module_size_with_ties(tied_outside, size, self.sizes, self.pending)
+        if room is None or with_ties <= room:
+            self._place(name, module, device, with_ties, tied_names, offload_buffers)
+            return
+        if tied_outside and size <= room and self._split_a_tied_module(name, module, tied_names, tied_modules):
+            return
+        if size >= room and self._split(name, module, device, room):
+            return
+        if fallback_allocation and self.used[device] == 0 and device != "disk":
+            limit = self.max_memory[device] - max(self.largest, with_ties)
+            found, found_module, rest = fallback_allocate(self.pending, self.sizes, limit, self.no_split, self.tied)
+            if found is not None:  # placed on this device next; the entry that did not fit comes after it
+                self.pending = [(found, found_module), (name, module), *rest]
+                return
+        if self.used[device] == 0:
+            self.left_empty[device] = with_ties + reserved
+        self._log("'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device,
+                  self.used[device])  # fmt: skip
+        self.used[device] += reserved
+        self.current += 1
+        self.pending.insert(0, (name, module))
+
+    def _place(self, name: str, module, device: Device, size: int, tied_names: list[str], offload_buffers: bool):
+        self._log("'%s' (%d bytes, with %s tied to it) -> %s", name, size, tied_names or "nothing", device)
+        self.used[device] += size
+        self.placed[name] = device
+        for tied_name in tied_names:  # a tied weight is one tensor: its modules go where it goes
+            self.pending = [(n, m) for n, m in self.pending if n != tied_name]
+            self.placed[tied_name] = device
+        if not offload_buffers and isinstance(module, nn.Module):
+            buffers = compute_module_total_buffer_size(module, dtype=self.dtype, special_dtypes=self.special_dtypes)
+            self.buffer_bytes[device] = self.buffer_bytes.get(device, 0) + buffers
+
+    def _split_a_tied_module(self, name: str, module, tied_names: list[str], tied_modules: list) -> bool:
+        """The entry fits without the modules tied to it: splits the first of them that can be split (the entry is
+        tried again, with only the part holding the tied weight to take along)."""
+        for tied_name, tied_module in zip(tied_names, tied_modules):
+            if not _splittable(tied_module, self.no_split):
+                continue
+            self._log("'%s' and its tied modules do not fit: splitting '%s'", name, tied_name)
+            index = next(i for i, (n, _) in enumerate(self.pending) if n == tied_name)
+            self.pending = [(name, module), *self.pending[:index], *_parts(tied_name, tied_module),
+                            *self.pending[index + 1:]]  # fmt: skip
+            self._update_largest_layer()
+            return True
+        return False
+
+    def _split(self, name: str, module, device: Device, room: int) -> bool:
+        """Replaces the entry by its own tensors and children, unless it is a tensor, a leaf or a no-split module."""
+        if not _splittable(module, self.no_split):
+            return False
+        self._log("'%s' (%d bytes) does not fit on %s (%d bytes of room): splitting it", name, self.sizes.get(name, 0),
+                  device, room)  # fmt: skip
+        self.pending[:0] = _parts(name, module)
+        self._update_largest_layer()
+        return True
+
+    def warn_if_offloaded_buffers_fit_no_gpu(self) -> None:
+        """Buffers of modules on "cpu" / "disk" live on the execution device when not offloaded: warn when no GPU has
+        room left for them."""
+        size = self.buffer_bytes.get("cpu", 0) + self.buffer_bytes.get("disk", 0)
+        used = {device: bytes_ for device, bytes_ in self.used.items() if bytes_ > 0}
+        fits = any(memory >= size + used.get(device, 0) for device, memory in self.max_memory.items()
+                   if device not in ("cpu", "disk"))  # fmt: skip
+        if size and self.gpus and not fits:
+            warnings.warn(f"Current model requires {size} bytes of buffer for offloaded layers, which seems does not "
+                          "fit any GPU's remaining memory. If you are experiencing a OOM later, please consider using "
+                          "offload_buffers=True.")  # fmt: skip
+
+    def log_devices_left_empty(self) -> None:
+        if not self.left_empty:
+            return
+        needed = "\n".join(f"  - {device}: {size} bytes required" for device, size in self.left_empty.items())
+        logger.info("Based on the current allocation process, no modules could be assigned to the following devices "
+                    "due to insufficient memory:\n%s\nThese minimum requirements are specific to this allocation "
+                    "attempt and may vary. Consider increasing the available memory for these devices to at least the "
+                    "specified minimum, or adjusting the model config.", needed)  # fmt: skip
 
 
-def _parts(name: str, module: nn.Module | torch.Tensor | None) -> list[tuple[str, nn.Module | None]]:
-    """The entries a module is split into: its own tensors (as None), then its children."""
+def _splittable(module: nn.Module | torch.Tensor, no_split: list[str]) -> bool:
+    has_children = isinstance(module, nn.Module) and next(module.children(), None) is not None
+    return has_children and not _no_split(module, no_split)
+
+
+def _parts(name: str, module: nn.Module | torch.Tensor | None) -> list[tuple[str, nn.Module | torch.Tensor]]:
+    """The entries a module is split into: its own parameters and persistent buffers, then its children.
+
+    HF leaves a split module's own buffers out of the map, and then cannot load a persistent one ("doesn't have any
+    device set"); accel places those like parameters. Non-persistent buffers are left where the model has them
+    (created with the model, not loaded), as in HF, so maps of models without such persistent buffers are HF's."""
     if not isinstance(module, nn.Module):
         return []
-    own = [(f"{name}.{n}", None) for n, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]]
-    return own + [(f"{name}.{child}", sub) for child, sub in module.named_children()]
+    own = [*module.named_parameters(recurse=False),
+           *((n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set)]
+    children = [(f"{name}.{child}", sub) for child, sub in module.named_children()]
+    return [(f"{name}.{n}", value) for n, value in own] + children
 
 
 def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: dict[str, int],
@@ -246,7 +312,7 @@ def get_module_size_with_ties(tied_params: list[str], module_size: int, module_s
             continue
         names.append(owner[0])
         modules.append(owner[1])
-        total += module_sizes[owner[0]] - module_sizes[tied]
+        total += module_sizes.get(owner[0], 0) - module_sizes.get(tied, 0)
     return total, names, modules
 
 
@@ -285,22 +351,10 @@ def _without(modules: list[tuple[str, Any]], name: str) -> list[tuple[str, Any]]
         modules[index:index + 1] = _parts(*modules[index])
 
 
-def _tied_device(name: str, tied: list[list[str]], placed: dict[str, Device]) -> Device | None:
-    for group in tied:
-        if any(_owns(name, tensor) for tensor in group):
-            for tensor in group:
-                if _owns(name, tensor):
-                    continue
-                for placed_name, device in placed.items():
-                    if _owns(placed_name, tensor):
-                        return device
-    return None
-
-
 def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> dict[str, Device]:
     """Replaces, in place, the entries under `module_name` (and recursively under each of its children) that all
-    name one device by one entry for the module; returns `device_map`. Unlike `infer_auto_device_map`'s own
-    cleaning it needs no model, so a module is merged only from the entries the map has."""
+    name one device by one entry for the module ("" for the whole model); returns `device_map`. It needs no model:
+    a module is merged from the entries the map has."""
     prefix = f"{module_name}." if module_name else ""
     under = [name for name in device_map if name.startswith(prefix)]
     if len(under) > 1 and len({device_map[name] for name in under}) == 1:
@@ -311,32 +365,4 @@ def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> di
     children = {name[len(prefix):].split(".")[0] for name in device_map if name.startswith(prefix) and name != module_name}
     for child in children:
         clean_device_map(device_map, f"{prefix}{child}")
-    return device_map
-
-
-def _merged(device_map: OrderedDict[str, Device], model: nn.Module) -> OrderedDict[str, Device]:
-    """Replaces every module all of whose entries share one device by a single entry for it."""
-    changed = True
-    while changed:
-        changed = False
-        parents = OrderedDict()
-        for name in device_map:
-            if "." in name:
-                parents.setdefault(name.rsplit(".", 1)[0], []).append(name)
-        for parent, names in parents.items():
-            module = model.get_submodule(parent)
-            expected = {f"{parent}.{n}" for n, _ in module.named_children()}
-            expected |= {f"{parent}.{n}" for n, _ in [*module.named_parameters(recurse=False),
-                                                       *module.named_buffers(recurse=False)]}  # fmt: skip
-            if set(names) == expected and len({device_map[n] for n in names}) == 1:
-                device = device_map[names[0]]
-                rebuilt = OrderedDict()
-                for key, value in device_map.items():
-                    if key in expected:
-                        if key == names[0]:
-                            rebuilt[parent] = device
-                    else:
-                        rebuilt[key] = value
-                device_map, changed = rebuilt, True
-                break
     return device_map

@@ -149,7 +149,8 @@ def _offloaded_weights(model: nn.Module, offloaded: Mapping[str, Device], state_
     folder = None if offload_dir is None else os.fspath(offload_dir)
     if under["disk"]:
         if folder is None:
-            raise ValueError("device_map puts modules on 'disk': pass offload_dir (a folder for their weights)")
+            raise ValueError("We need an `offload_dir` to dispatch this model according to this `device_map`, the "
+                             f"following submodules need to be offloaded: {_on_disk(offloaded)}.")
         offload_index = dict(offload_index or {})
         missing = {n: tensors[n] for n in under["disk"] if n not in offload_index}
         unloaded = [n for n, t in missing.items() if t.device.type == "meta"]
@@ -217,7 +218,8 @@ def load_checkpoint_and_dispatch(
 
     `device_map`: "auto" / "balanced" / "balanced_low_0" (spread evenly over the GPUs; low_0 keeps GPU 0 light),
     "sequential" (fill each device in turn), an explicit {name: device}, or None (the default, as HF): everything
-    on the CPU and no hooks. Each tensor is read once, shard by
+    on the CPU and no hooks. A computed map sends what `max_memory` leaves over to "disk", as HF's does (then
+    `offload_folder` is required: ValueError before anything is loaded). Each tensor is read once, shard by
     shard, straight to its device, or (for "disk") into the offload folder, so peak host memory stays near what
     lives on the CPU plus one tensor. Every safetensors file is opened once and read through that descriptor, so a
     checkpoint replaced while it loads is read as it was validated (rewritten in place: FileChangedError).
@@ -237,12 +239,13 @@ def load_checkpoint_and_dispatch(
                      "share one copy in the page cache.")  # fmt: skip
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     dispatch = device_map is not None
-    device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype)
+    device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers)
     check_device_map(model, device_map)
     folder = None if offload_folder is None else os.fspath(offload_folder)
     if "disk" in device_map.values():
-        if folder is None:
-            raise ValueError("the device map puts modules on 'disk': pass offload_folder")
+        if folder is None:  # before anything is loaded, as HF
+            raise ValueError(f"At least one of the model submodule will be offloaded to disk ({_on_disk(device_map)}), "
+                             "please pass along an `offload_folder`.")
         os.makedirs(folder, exist_ok=True)
     index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
@@ -254,7 +257,11 @@ def load_checkpoint_and_dispatch(
                           preload_module_classes=preload_module_classes, force_hooks=force_hooks)  # fmt: skip
 
 
-def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[str, Device]:
+def _on_disk(device_map: Mapping[str, Device]) -> str:
+    return ", ".join(name or "''" for name, device in device_map.items() if device == "disk")
+
+
+def _resolve_device_map(model, device_map, max_memory, no_split, dtype, offload_buffers: bool) -> dict[str, Device]:
     if device_map is None:
         return {"": "cpu"}
     if not isinstance(device_map, str):
@@ -263,7 +270,8 @@ def _resolve_device_map(model, device_map, max_memory, no_split, dtype) -> dict[
         raise ValueError(f"device_map={device_map!r}: use 'auto', 'balanced', 'balanced_low_0', 'sequential' or a dict")
     if device_map != "sequential":
         max_memory = get_balanced_memory(model, max_memory, no_split, dtype, low_zero=device_map == "balanced_low_0")
-    return dict(infer_auto_device_map(model, max_memory, no_split_module_classes=no_split, dtype=dtype))
+    return dict(infer_auto_device_map(model, max_memory, no_split_module_classes=no_split, dtype=dtype,
+                                      offload_buffers=offload_buffers))
 
 
 def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device], folder: str | None,

@@ -2,8 +2,9 @@
 
 Files (HF's names, so its users find what they expect):
   model.safetensors, model_1.safetensors, ...   each prepared model's state dict (pytorch_model*.bin without
-                                                safe_serialization); keys as the prepared model names them,
-                                                as HF does ("module." under DDP); loading accepts either form
+                                                safe_serialization); keys as the model given to prepare names
+                                                them, as HF writes them (no "module." / "_orig_mod." of the
+                                                DDP / compile wrappers); loading also accepts those prefixes
   optimizer.bin, optimizer_1.bin, ...           optimizer state dicts (torch.save)
   scheduler.bin, ...                            scheduler state dicts
   sampler.bin, ...                              each prepared dataloader's epoch and seedable-sampler seed
@@ -108,7 +109,7 @@ class Checkpointable:
     copies only). `step` is the Accelerator's at the time of the call; load_state returns the loaded one.
     """
 
-    models: list[torch.nn.Module]  # as prepared (DDP / compile wrappers kept: their names are saved, as HF does)
+    models: list[torch.nn.Module]  # as given to prepare (without DDP / compile wrappers: HF saves these names)
     optimizers: list
     schedulers: list
     dataloaders: list

@@ -1,6 +1,8 @@
 """get_max_memory, get_balanced_memory and infer_auto_device_map: placement is planning only, so GPU indices
 can be planned for on a CPU machine."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -35,37 +37,40 @@ def test_get_max_memory_reads_sizes_and_orders_devices():
 
 def test_layers_fill_gpus_in_order_then_the_cpu_with_room_kept_for_offloaded_layers():
     model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)])
-    # GPUs of 2 layers each, but with offloading the main GPU (where offloaded layers run) keeps room for the
-    # largest layer: one layer there, two on GPU 1, the rest on the CPU.
+    # GPUs of 2 layers each, but the main GPU (where offloaded layers run) keeps room for the largest layer not
+    # placed yet: one layer there, two on GPU 1, the rest on the CPU.
     device_map = infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 2 * LAYER + 10, "cpu": 10 * LAYER})
     assert device_map == {"0": 0, "1": 1, "2": 1, "3": "cpu"}
-    # Without offloading the whole room is used; adjacent layers on one device stay separate entries of the
-    # Sequential (the model itself is the root).
+    # The disk is always there after the devices given (as HF), so the main GPU keeps that room without a CPU too.
     assert infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 2 * LAYER + 10}) == {
-        "0": 0, "1": 0, "2": 1, "3": 1}  # fmt: skip
+        "0": 0, "1": 1, "2": 1, "3": "disk"}  # fmt: skip
 
 
 def test_a_no_split_module_moves_whole_to_the_next_device():
     model = nn.Sequential(nn.Linear(100, 100), Block(), Block())
-    budget = {0: 2 * LAYER + 10, 1: 4 * LAYER}
+    budget = {0: 3 * LAYER + LAYER // 2, 1: 4 * LAYER}  # GPU 0 keeps room for the largest layer
     split = infer_auto_device_map(model, max_memory=budget)
-    assert split["1.a"] == 0 and split["1.b"] == 1  # block 1 split over two devices
+    assert split == {"0": 0, "1.a": 0, "1.b": 1, "2": 1}  # block 1 split over two devices
     whole = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=["Block"])
-    assert whole == {"0": 0, "1": 1, "2": 1}
+    assert whole == {"0": 0, "1": 1, "2": 1}  # and the room kept is a block's
 
 
-def test_a_model_that_fits_nowhere_says_how_much_is_missing():
+def test_what_fits_in_no_memory_given_goes_to_the_disk():
+    """HF Accelerate always adds the disk after the devices given: a model larger than max_memory is offloaded
+    (never refused), and the CPU keeps room for the largest layer, which a disk-offloaded layer needs there."""
+    model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)])
+    expected = {"0": "cpu", "1": "cpu", "2": "disk", "3": "disk"}
+    assert infer_auto_device_map(model, max_memory={"cpu": 3 * LAYER}) == expected
+    assert infer_auto_device_map(model, max_memory={"cpu": 3 * LAYER, "disk": 1}) == expected  # the disk is unlimited
     model = nn.Sequential(nn.Linear(100, 100), Block())
-    with pytest.raises(ValueError, match=r"max_memory is too small: \d+ more bytes are needed for 1 .*'1', takes 80800"):
-        infer_auto_device_map(model, max_memory={0: 2 * LAYER, "cpu": LAYER}, no_split_module_classes=["Block"])
+    assert infer_auto_device_map(model, max_memory={0: 2 * LAYER, "cpu": LAYER}, no_split_module_classes=["Block"]) == {
+        "": "disk"}  # fmt: skip
 
 
 def test_clean_result_merges_children_on_one_device():
     model = nn.Sequential(Block(), nn.Linear(100, 100))
-    merged = infer_auto_device_map(model, max_memory={0: 10 * LAYER})
-    assert merged == {"0": 0, "1": 0}
-    raw = infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 10 * LAYER}, clean_result=False)
-    assert raw == {"0": 0, "1": 1}
+    assert infer_auto_device_map(model, max_memory={0: 10 * LAYER}) == {"": 0}  # the whole model, as HF
+    assert infer_auto_device_map(model, max_memory={0: 10 * LAYER}, clean_result=False) == {"0": 0, "1": 0}
 
 
 def test_tied_weights_stay_on_one_device_in_gpt2():
@@ -116,3 +121,47 @@ def test_modules_tied_to_a_placed_weight_are_split_rather_than_overfilling_its_d
     assert device_of(device_map, "encoder.0.weight") == device_of(device_map, "decoder.0.weight") == 0  # with shared
     on_zero = sum(p.numel() * 4 for n, p in model.named_parameters() if device_of(device_map, n) == 0)
     assert on_zero <= embedding + LAYER + 10  # the encoder and decoder did not follow whole
+
+
+def _models_to_compare():
+    """(name, model, no-split classes): plain layers, blocks, tied weights (T5-style and GPT-2's lm_head) and a
+    model with non-persistent buffers in a module that gets split (BERT's embeddings)."""
+    yield "linears", nn.Sequential(*[nn.Linear(40, 40) for _ in range(6)]), []
+    yield "blocks", nn.Sequential(nn.Linear(100, 100), Block(), nn.ReLU(), Block(), nn.LayerNorm(100)), ["Block"]
+    yield "shared", SharedEmbedding(), []
+    configs = {
+        "gpt2": (transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300, n_positions=32),
+                 transformers.GPT2LMHeadModel, ["GPT2Block"]),
+        "t5": (transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=300),
+               transformers.T5ForConditionalGeneration, ["T5Block"]),
+        "bert": (transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                         intermediate_size=64, vocab_size=300, max_position_embeddings=32),
+                 transformers.BertModel, []),
+    }  # fmt: skip
+    for name, (config, cls, no_split) in configs.items():
+        with init_empty_weights():
+            yield name, cls(config), no_split
+
+
+def test_device_maps_are_hf_accelerates():
+    """The same model and memory give HF Accelerate 1.15's map: what fits where, what is split, what goes to the
+    disk, with and without cleaning, fallback allocation and a dtype (seeded random budgets over device layouts)."""
+    hf_modeling = pytest.importorskip("accelerate.utils.modeling")
+    import random
+
+    rng = random.Random(0)
+    layouts = [["cpu"], [0, "cpu"], [0, 1, "cpu"], [0, 1], [0, "cpu", "disk"]]
+    compared = 0
+    for name, model, no_split in _models_to_compare():
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        for _ in range(12):
+            kwargs = dict(max_memory={d: int(total * rng.uniform(0.02, 0.8)) for d in rng.choice(layouts)},
+                          no_split_module_classes=no_split, clean_result=rng.random() < 0.6,
+                          fallback_allocation=rng.random() < 0.3, dtype=rng.choice([None, torch.float16]))  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # HF warns that the GPUs planned for are not here
+                expected = hf_modeling.infer_auto_device_map(model, **kwargs)
+                got = infer_auto_device_map(model, **kwargs)
+            assert dict(got) == dict(expected), (name, kwargs)
+            compared += 1
+    assert compared == 72

@@ -72,6 +72,28 @@ def test_a_model_split_between_cpu_and_disk_computes_what_the_original_does(tmp_
     torch.testing.assert_close(outputs(model), outputs(original))
 
 
+def test_auto_offloads_to_the_disk_what_max_memory_leaves_over(tmp_path):
+    """device_map="auto" with a CPU budget smaller than the model: as HF, the disk takes the rest (it is always
+    added after the devices given), the CPU keeping room for the largest layer; no offload folder: HF's error."""
+    from accel import Accelerator
+
+    config, cls, no_split = gpt2()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    Accelerator().save_model(original, tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    kwargs = dict(device_map="auto", no_split_module_classes=no_split, max_memory={"cpu": "600KB"})
+    with pytest.raises(ValueError, match=r"offloaded to disk \(transformer.h.1, .*\), please pass along an `offload_fo"):
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", **kwargs)
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", offload_folder=tmp_path / "offload", **kwargs).eval()
+    on_cpu = ["transformer.wte", "lm_head", "transformer.wpe", "transformer.drop", "transformer.h.0"]
+    on_disk = ["transformer.h.1", "transformer.h.2", "transformer.h.3", "transformer.ln_f"]
+    assert model.hf_device_map == dict.fromkeys(on_cpu, "cpu") | dict.fromkeys(on_disk, "disk")
+    assert model.transformer.h[1].attn.c_attn.weight.device.type == "meta"  # read from the folder for its forward
+    torch.testing.assert_close(outputs(model), outputs(original))
+
+
 def test_gpt2_generates_the_same_tokens_when_offloaded(tmp_path):
     config, cls, no_split = gpt2()
     torch.manual_seed(0)
@@ -95,11 +117,16 @@ def test_errors_name_the_problem(tmp_path):
         model = cls(config)
     with pytest.raises(ValueError, match="does not have: transformer.nope"):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"transformer.nope": "cpu", "": "cpu"})
-    with pytest.raises(ValueError, match="max_memory is too small"):
-        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential", max_memory={"cpu": 1000},
+    half = compute_module_sizes(model)[""] // 2  # the rest goes to the disk, which needs a folder (before loading)
+    with pytest.raises(ValueError, match=r"offloaded to disk \(transformer.ln_f, transformer.h\), please pass along an "
+                                         "`offload_folder`"):  # fmt: skip
+        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential", max_memory={"cpu": half},
                                      no_split_module_classes=no_split)  # fmt: skip
-    with pytest.raises(ValueError, match="pass offload_folder"):
+    assert all(p.device.type == "meta" for p in model.parameters())
+    with pytest.raises(ValueError, match=r"offloaded to disk \(''\), please pass along an `offload_folder`"):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "disk"})
+    with pytest.raises(ValueError, match="need an `offload_dir`.* need to be offloaded: transformer.h.1"):
+        dispatch_model(model, {"transformer.h.1": "disk", "": "cpu"})
     other = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=500, n_positions=64)
     with init_empty_weights():
         wrong = cls(other)

@@ -280,22 +280,89 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(tmp_path):
 def _save_under_ddp(folder):
     accelerator = fresh_accelerator()
     model, *_ = training_objects(accelerator)
+    hooked = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, out: hooked.extend(map(type, models)))
     accelerator.save_state(folder)
-    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    weights = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return weights, type(model).__name__, [cls.__name__ for cls in hooked]
 
 
-def test_a_checkpoint_saved_by_two_processes_loads_in_one(tmp_path):
-    """Under DDP the weights are named "module.x", as HF Accelerate names them; one process loads them anyway."""
+@pytest.fixture
+def hf_accelerate():
+    """HF Accelerate 1.15 itself, in this process (one process, CPU); its singletons are reset afterwards."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState as HFAcceleratorState, GradientState as HFGradientState
+
+    try:
+        yield accelerate
+    finally:
+        HFAcceleratorState._reset_state(True)
+        HFGradientState._reset_state()
+
+
+def hf_training_objects(hf_accelerator, seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    return hf_accelerator.prepare(model, optimizer, scheduler)
+
+
+def test_a_checkpoint_saved_under_ddp_has_hf_names_and_hf_accelerate_resumes_from_it(tmp_path, hf_accelerate):
+    """HF Accelerate saves the model given to prepare (its `_models`), not the DDP wrapper, and loads strictly
+    into it: the names have no "module.", and HF's own load_state takes them in one process. Save hooks get the
+    model as given, as in HF."""
     folder = str(tmp_path / "state")
-    saved, _ = run_on_ranks(_save_under_ddp, 2, folder)
+    (saved, wrapper, hooked), _ = run_on_ranks(_save_under_ddp, 2, folder)
     from safetensors import safe_open
 
     with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-        assert all(name.startswith("module.") for name in f.keys())
+        assert set(f.keys()) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    hf_accelerator = hf_accelerate.Accelerator(cpu=True)
+    model, *_ = hf_training_objects(hf_accelerator, seed=7)
+    hf_accelerator.load_state(folder)  # strict: safetensors' load_model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), saved))
+    assert wrapper == "DistributedDataParallel" and hooked == ["Sequential"]
+
+
+def test_checkpoints_with_wrapper_prefixes_and_hf_accelerates_own_load(tmp_path, hf_accelerate):
+    """accel still loads a checkpoint whose names carry DDP's "module." (older accel saves), and one that HF
+    Accelerate's save_state wrote."""
+    from safetensors.torch import load_file, save_file
+
+    accelerator = fresh_accelerator()
+    model, *_ = training_objects(accelerator)
+    folder = accelerator.save_state(str(tmp_path / "prefixed"))
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    save_file({f"module.{name}": tensor for name, tensor in weights.items()}, os.path.join(folder, "model.safetensors"))
+    accelerator = fresh_accelerator()
+    other, *_ = training_objects(accelerator, seed=7)
+    accelerator.load_state(folder)
+    assert all(torch.equal(a, weights[n]) for n, a in accelerator.unwrap_model(other).state_dict().items())
+
+    hf_accelerator = hf_accelerate.Accelerator(cpu=True)
+    hf_model, *_ = hf_training_objects(hf_accelerator, seed=3)
+    with pytest.raises(RuntimeError, match='Unexpected key.*"module.0.bias"'):  # why HF cannot resume from those
+        hf_accelerator.load_state(folder)
+    hf_accelerator.save_state(str(tmp_path / "hf"))
     accelerator = fresh_accelerator()
     model, *_ = training_objects(accelerator, seed=7)
-    accelerator.load_state(folder)
-    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), saved))
+    accelerator.load_state(str(tmp_path / "hf"))
+    assert all(torch.equal(a, b) for a, b in zip(params(accelerator, model), hf_model.parameters()))
+
+
+def test_a_compiled_models_checkpoint_has_the_names_of_the_model_given(tmp_path):
+    """torch.compile's wrapper adds "_orig_mod." to the names; HF saves the model given to prepare, without it."""
+    from safetensors import safe_open
+
+    from accel.settings import TorchDynamoPlugin
+
+    accelerator = fresh_accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager"))
+    compiled = accelerator.prepare(torch.nn.Linear(3, 4))
+    assert hasattr(compiled, "_orig_mod")
+    folder = accelerator.save_state(str(tmp_path / "state"))
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"weight", "bias"}
 
 
 CRASH_SCRIPT = textwrap.dedent(
