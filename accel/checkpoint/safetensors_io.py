@@ -328,10 +328,10 @@ def _is_int(value: object) -> bool:
 _MAX_INT64 = 2**63 - 1
 
 
-def _shown(value: object) -> str:
+def _shown(value: object, limit: int = 80) -> str:
     """`value` as it appears in an error message, cut short: a header field can be arbitrarily long."""
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _tensor_info(path: str, name: str, entry: object, data_start: int, file_size: int) -> TensorInfo:
