@@ -8,8 +8,8 @@ as transformers does. Every file is written under a temporary name, then all are
 journal (the index renamed last), so a save killed at any moment leaves the previous checkpoint or the new one:
 accel's next save into the folder completes an interrupted publish, and accel's loads read the new checkpoint
 through the journal meanwhile, changing nothing (other readers may meet the few files renamed so far, in the
-microseconds between the renames). Loading never writes: a journal from elsewhere that names files outside its
-folder is refused. Saves come in three modes (accel.checkpoint.background).
+microseconds between the renames). Loading never writes: a journal or an index from elsewhere that names files
+outside its folder is refused. Saves come in three modes (accel.checkpoint.background).
 """
 
 from __future__ import annotations
@@ -449,7 +449,9 @@ def checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
     old and new files the folder holds meanwhile; the folder itself is left as it is, and the writer's next save
     into it completes the publish. Replaying the journal here instead would make a load write into a folder it may
     not own: any model folder from elsewhere can carry a journal. A journal whose files cannot all be found raises
-    CheckpointError, as does one accel did not write (it is never acted on)."""
+    CheckpointError, as does one accel did not write (it is never acted on).
+
+    An index's shards must be in its folder or below (see `_shard_names`)."""
     path = os.fspath(checkpoint)
     folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
     journal = PublishJournal.read(folder)
@@ -490,12 +492,22 @@ def is_safetensors(path: str) -> bool:
 
 
 def _shard_names(index: str, actual: str) -> list[str]:
-    """The shard files the checkpoint index `index` (read from `actual`) names, relative to its folder."""
+    """The shard files the checkpoint index `index` (read from `actual`) names, relative to its folder.
+
+    Each must stay inside that folder (or a folder below it): a relative path without '..'. As transformers
+    checks the names rather than resolving them: shards in the Hub's cache are symbolic links to `../../blobs`, and
+    a folder's own links are its owner's choice."""
     try:
-        with open(actual) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as error:
+        with open(actual, "rb") as f:
+            weight_map = json.loads(f.read())["weight_map"]
+    except (ValueError, RecursionError, KeyError, TypeError) as error:
         raise CheckpointError(f"'{index}' is not a checkpoint index (no weight_map): {error}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise CheckpointError(f"'{index}': weight_map must map tensor names to file names")
+    for tensor, shard in weight_map.items():
+        if not shard or "\0" in shard or os.path.isabs(shard) or ".." in shard.split(os.sep):
+            raise CheckpointError(f"'{index}': weight_map entry '{tensor}' names {shard!r}, not a file inside the "
+                                  "index's folder (a shard is named relative to it, without '..')")  # fmt: skip
     return list(dict.fromkeys(weight_map.values()))
 
 

@@ -1,9 +1,10 @@
-"""A model folder is data, not instructions (issue 19, defect 1).
+"""A model folder is data, not instructions (issue 19, defects 1 and 10).
 
 Loading never writes, renames or deletes anything: a folder holding the journal of an interrupted `save_model`
 is read through it (the new checkpoint, wherever its files are now), and the writer's next save completes it. A
 journal naming anything but the plain entries of its own folder that accel writes is refused, by a load and by a
-save, and left alone; a replay removes only files the journal proves are its own.
+save, and left alone; a replay removes only files the journal proves are its own. An index naming a shard outside
+its folder is refused, naming the entry.
 
 Interrupted publishes are made by a real save interrupted at a chosen step; hostile journals by editing the names
 in such a journal (so the tests do not depend on its format).
@@ -11,12 +12,13 @@ in such a journal (so the tests do not depend on its format).
 
 import json
 import os
+import re
 
 import pytest
 import torch
 
 from accel.big_modeling import load_checkpoint_and_dispatch
-from accel.checkpoint import CheckpointError, load_checkpoint_in_model, model_io, save_state_dict
+from accel.checkpoint import CheckpointError, load_checkpoint_in_model, model_io, save_file, save_state_dict
 from accel.checkpoint.names import PUBLISH_JOURNAL, SAFE_WEIGHTS_INDEX_NAME
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -247,3 +249,63 @@ def test_a_replay_leaves_a_file_the_journal_cannot_prove_is_its_own(tmp_path, mo
     model_io.replay_journal(folder)
     with open(temporary, "rb") as f:
         assert f.read() == b"someone else's"
+
+
+# --- indexes --------------------------------------------------------------------------------------------------------
+
+
+def index_naming(tmp_path, shard: str) -> str:
+    """A model folder whose index names `shard` for its second half; both shards exist and are valid."""
+    folder = tmp_path / "model"
+    (tmp_path / "elsewhere").mkdir()
+    (folder / "sub").mkdir(parents=True)  # so that `sub/../..` leads out of it
+    tensors = weights(2.0)
+    save_file({n: tensors[n] for n in ("0.weight", "1.weight")}, folder / SHARD_1)
+    outside = tmp_path / "elsewhere" / SHARD_2
+    save_file({n: tensors[n] for n in ("2.weight", "3.weight")}, outside)
+    named = str(outside) if shard == "absolute" else shard
+    weight_map = {"0.weight": SHARD_1, "1.weight": SHARD_1, "2.weight": named, "3.weight": named}
+    (folder / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return named
+
+
+@pytest.mark.parametrize("given", ["folder", "index"])
+@pytest.mark.parametrize("loader", list(LOADERS))
+@pytest.mark.parametrize("shard", [f"../elsewhere/{SHARD_2}", f"sub/../../elsewhere/{SHARD_2}", "absolute"])
+def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard, loader, given):
+    named = index_naming(tmp_path, shard)
+    index = str(tmp_path / "model" / SAFE_WEIGHTS_INDEX_NAME)
+    with pytest.raises(CheckpointError) as refused:
+        LOADERS[loader](model(), index if given == "index" else str(tmp_path / "model"))
+    assert index in str(refused.value) and "'2.weight'" in str(refused.value) and named in str(refused.value)
+
+
+@pytest.mark.parametrize("weight_map,message", [
+    ([SHARD_1], "weight_map must map tensor names to file names"),
+    ({"0.weight": 1}, "weight_map must map tensor names to file names"),
+    ({"0.weight": ""}, "weight_map entry '0.weight' names ''"),
+    ({"0.weight": "x\0.safetensors"}, "weight_map entry '0.weight' names 'x\\x00.safetensors'"),
+])  # fmt: skip
+def test_an_index_with_a_malformed_weight_map_names_the_problem(tmp_path, weight_map, message):
+    index = tmp_path / SAFE_WEIGHTS_INDEX_NAME
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=re.escape(message)) as refused:
+        load_in_model(model(), str(tmp_path))
+    assert str(index) in str(refused.value)
+
+
+def test_an_index_in_the_hub_cache_layout_loads(tmp_path):
+    """The Hub cache's snapshot folders hold symbolic links to `../../blobs/...`: shards behind them load, as do
+    shards in a subfolder of the index's."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    (snapshot / "sub").mkdir(parents=True)
+    tensors = weights(2.0)
+    save_file({n: tensors[n] for n in ("0.weight", "1.weight")}, blobs / "1")
+    save_file({n: tensors[n] for n in ("2.weight", "3.weight")}, snapshot / "sub" / SHARD_2)
+    weight_map = {"0.weight": SHARD_1, "1.weight": SHARD_1, "2.weight": f"sub/{SHARD_2}", "3.weight": f"sub/{SHARD_2}"}
+    (blobs / "index").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    os.symlink("../../blobs/1", snapshot / SHARD_1)
+    os.symlink("../../blobs/index", snapshot / SAFE_WEIGHTS_INDEX_NAME)
+    for loader in LOADERS.values():
+        assert loaded_value(loader, str(snapshot)) == 2.0
