@@ -30,7 +30,7 @@ from accel.big_modeling.offload import (
     save_offload_index,
 )
 from accel.big_modeling.tied import tied_groups
-from accel.checkpoint.model_io import checkpoint_files
+from accel.checkpoint.model_io import checkpoint_files, is_safetensors
 from accel.checkpoint import leased_mapping
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from accel.unsupported import refuse
@@ -290,7 +290,7 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
     unexpected: list[str] = []
     files = checkpoint_files(checkpoint)
     with contextlib.ExitStack() as stack:
-        opened = {path: stack.enter_context(SafetensorsFile(path)) for path in files if path.endswith(".safetensors")}
+        opened = {path: stack.enter_context(SafetensorsFile(path)) for path in files if is_safetensors(path)}
         _check_shapes(own, {path: f.header for path, f in opened.items()})
         for path in files:
             state = _tensors_of(opened[path], own, device_map, dtype) if path in opened else _load_bin(path).items()

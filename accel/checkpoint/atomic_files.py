@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import resource
 import secrets
 import stat
@@ -86,9 +87,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def temporary_name(path: str) -> str:
     """A name next to `path` that nobody can guess (64 random bits), marked with this process's id so that a
-    later save can tell the leftovers of a killed one."""
+    later save can tell the leftovers of a killed one (`TEMPORARY_NAME` matches it)."""
     folder, name = os.path.split(path)
     return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+
+
+# What `temporary_name` gives, without the folder: `name` is the final name, `pid` the writer's process id.
+TEMPORARY_NAME = re.compile(r"\.(?P<name>[^/\0]+)\.tmp-(?P<pid>\d+)-[0-9a-f]{16}")
 
 
 def create_exclusive(path: str, mode: int = 0o644) -> int:

@@ -6,23 +6,28 @@ huggingface_hub's `split_torch_state_dict_into_shards` does; `.bin` files (`pyto
 `safe_serialization=False`. Tensors that share memory (tied weights) are saved once, under their first name,
 as transformers does. Every file is written under a temporary name, then all are published together through a
 journal (the index renamed last), so a save killed at any moment leaves the previous checkpoint or the new one:
-accel's next save or load of the folder replays an interrupted journal (other readers may meet the few files
-renamed so far, in the microseconds between the renames). Saves come in three modes (accel.checkpoint.background).
+accel's next save into the folder completes an interrupted publish, and accel's loads read the new checkpoint
+through the journal meanwhile, changing nothing (other readers may meet the few files renamed so far, in the
+microseconds between the renames). Loading never writes: a journal or an index from elsewhere that names files
+outside its folder is refused. Saves come in three modes (accel.checkpoint.background).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Mapping
 
 import torch
 
 from accel.checkpoint import background, snapshot
 from accel.checkpoint.atomic_files import (
+    TEMPORARY_NAME,
     exchange,
     fsync_directory,
     process_alive,
@@ -39,7 +44,7 @@ from accel.checkpoint.names import (
     WEIGHTS_NAME,
 )
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from accel.checkpoint.safetensors_io import CheckpointError, FileIdentity, SafetensorsFile, _is_int, _shown
 from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
 
 logger = logging.getLogger(__name__)
@@ -114,7 +119,8 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     Every file is written under a temporary name first; then they are published together through a journal
     (`.accel-publish.json`: renames, or swaps with the files they replace, the index last; then removal of the
     indexes of an earlier save that this one does not overwrite, in either format), so a process killed at any
-    moment leaves the previous checkpoint or the new one: the next save or load replays an interrupted journal.
+    moment leaves the previous checkpoint or the new one: the next save replays an interrupted journal (a load
+    reads the new checkpoint through it; see checkpoint_files).
     The replaced files and the earlier save's other weight files, which nothing names any more, are unlinked before
     it returns, and their blocks freed in the background (accel.checkpoint.background.unlink_now_free_later:
     freeing is what costs ~30 ms per 100 MiB; nothing in the folder changes after the call). `durable`: fsync every file
@@ -165,61 +171,222 @@ def _write_shard(shard: dict[str, torch.Tensor], path: str, safe_serialization: 
 
 def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> list[str]:
     """Moves the complete temporary files `renames` ((temporary path, final name), in order) into place and
-    removes the indexes named in `remove`, as one step for readers that replay the journal (see save_state_dict).
+    removes the indexes named in `remove`, as one step: through a journal (`PublishJournal`) that the writer's next
+    save completes after a kill and that a reader reads the new files through (see save_state_dict).
 
     An existing file is swapped with its replacement (renameat2 RENAME_EXCHANGE: cheaper than a rename over it)
     and left at the temporary name. Returns what is left to remove (those old files, the stale shards in
     `remove`): nothing reads them any more, so the caller removes them after (`unlink_now_free_later`)."""
-    plan = {"rename": [[os.path.basename(t), name, os.stat(t).st_ino] for t, name in renames], "remove": remove}
-    text = json.dumps(plan)
+    journal = PublishJournal.plan(folder, renames, remove)
     try:
-        write_atomically(os.path.join(folder, PUBLISH_JOURNAL), lambda f: f.write(text), mode="w", durable=durable)
+        write_atomically(journal.path, lambda f: f.write(journal.to_json()), mode="w", durable=durable)
     except BaseException:
         for temporary, _ in renames:
             remove_quietly(temporary)
         raise
-    leftovers = _move_into_place(folder, plan)
+    leftovers = journal.move_into_place()
     for name in remove:
         if name.endswith(".index.json"):  # no index may name a shard once its own shards are gone
             remove_quietly(os.path.join(folder, name))
     if durable:
         fsync_directory(folder)
-    remove_quietly(os.path.join(folder, PUBLISH_JOURNAL))
+    remove_quietly(journal.path)
     return leftovers + [os.path.join(folder, name) for name in remove if not name.endswith(".index.json")]
 
 
-def _move_into_place(folder: str, plan: dict) -> list[str]:
-    """Renames (or swaps) each journaled file into place unless done already: a temporary name that holds the
-    journaled inode still has the new file, another inode there is the old file a swap left. Returns the old
-    files left at temporary names."""
-    leftovers = []
-    for temporary, name, inode in plan["rename"]:
-        source, target = os.path.join(folder, temporary), os.path.join(folder, name)
-        try:
-            moved = os.lstat(source).st_ino != inode
-        except FileNotFoundError:
-            continue  # renamed already
-        if not moved and not (os.path.lexists(target) and exchange(source, target)):
-            os.replace(source, target)
-            continue
-        leftovers.append(source)
-    return leftovers
-
-
 def replay_journal(folder: str) -> None:
-    """Completes the publish a killed save left in `folder` (its journal), if any; every step checks what is done
-    already, so a reader and the writer may both replay it."""
-    journal = os.path.join(folder, PUBLISH_JOURNAL)
-    try:
-        with open(journal) as f:
-            plan = json.load(f)
-    except FileNotFoundError:
+    """Completes the publish a killed save left in `folder` (its journal), if any: the writer's side only (a save
+    into the folder does this first); a load never changes the folder (see checkpoint_files).
+
+    A journal that names anything but accel's own entries of the folder is refused (CheckpointError) and left as it
+    is (see PublishJournal.read); only files the journal proves are the save's own are moved or removed."""
+    journal = PublishJournal.read(folder)
+    if journal is None:
         return
-    except ValueError:  # written atomically, so never partial: not ours
-        raise CheckpointError(f"'{journal}' is not a journal accel wrote; remove it") from None
-    leftovers = _move_into_place(folder, plan) + [os.path.join(folder, name) for name in plan["remove"]]
-    background.unlink_now_free_later(leftovers)
-    remove_quietly(journal)
+    background.unlink_now_free_later(journal.move_into_place() + journal.stale_files())
+    remove_quietly(journal.path)
+
+
+def _identity_at(path: str) -> FileIdentity | None:
+    """The identity of the entry at `path` itself (a symbolic link's own: never followed); None if nothing is there."""
+    info = _lstat_or_none(path)
+    return None if info is None else FileIdentity.of(info)
+
+
+def _lstat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rename:
+    temporary: str  # a name in the journal's folder, where the new file was written
+    name: str  # its final name there
+    file: FileIdentity  # the new file
+    replaces: FileIdentity | None  # the file at `name` when the journal was written, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishJournal:
+    """A save_model's plan to publish its files (`.accel-publish.json` in the folder), written once every new file
+    is complete at its temporary name: from then on the new checkpoint is decided, and its files move into place.
+
+    Every file is recorded with its identity (device, inode, size, mtime: a rename keeps them), so that what is
+    done can be told from the folder alone: a temporary name holding the new file is still to be moved; one holding
+    the file it replaced was swapped already. Anything else found there is not the save's to move or remove."""
+
+    folder: str
+    renames: tuple[_Rename, ...]
+    stale: tuple[tuple[str, FileIdentity], ...]  # earlier weight files to remove (name, identity)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.folder, PUBLISH_JOURNAL)
+
+    @classmethod
+    def plan(cls, folder: str, renames: list[tuple[str, str]], remove: list[str]) -> PublishJournal:
+        moves = tuple(_Rename(os.path.basename(temporary), name, FileIdentity.of(os.lstat(temporary)),
+                              _identity_at(os.path.join(folder, name))) for temporary, name in renames)  # fmt: skip
+        stale = tuple((name, identity) for name in remove
+                      if (identity := _identity_at(os.path.join(folder, name))) is not None)  # fmt: skip
+        return cls(folder, moves, stale)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "rename": [{"temporary": r.temporary, "name": r.name, "file": list(dataclasses.astuple(r.file)),
+                        "replaces": None if r.replaces is None else list(dataclasses.astuple(r.replaces))}
+                       for r in self.renames],
+            "remove": [{"name": name, "file": list(dataclasses.astuple(identity))} for name, identity in self.stale],
+        })  # fmt: skip
+
+    @classmethod
+    def read(cls, folder: str) -> PublishJournal | None:
+        """The journal of `folder`, validated; None when there is none. Changes nothing.
+
+        Raises CheckpointError, naming the journal and the entry, unless it is a journal accel wrote: every name in
+        it a plain entry of the folder (a weight file name, or a temporary name accel gives that file: no
+        separator, no '..', never absolute), and every entry it names that exists a regular file (not a symbolic
+        link). A model folder from elsewhere can hold any dotfile; one that names other files is never acted on."""
+        path = os.path.join(folder, PUBLISH_JOURNAL)
+        text = _read_journal_text(path)
+        if text is None:
+            return None
+        try:
+            plan = json.loads(text)
+        except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
+            raise _refused(path, f"it is not JSON ({error})") from None
+        if not (isinstance(plan, dict) and set(plan) == {"rename", "remove"}
+                and isinstance(plan["rename"], list) and isinstance(plan["remove"], list)):  # fmt: skip
+            raise _refused(path, "expected an object of two lists, 'rename' and 'remove'")
+        journal = cls(folder, tuple(_rename_entry(path, i, entry) for i, entry in enumerate(plan["rename"])),
+                      tuple(_stale_entry(path, i, entry) for i, entry in enumerate(plan["remove"])))  # fmt: skip
+        for name in [n for r in journal.renames for n in (r.temporary, r.name)] + [n for n, _ in journal.stale]:
+            info = _lstat_or_none(os.path.join(folder, name))
+            if info is not None and not stat.S_ISREG(info.st_mode):
+                kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+                raise _refused(path, f"it names '{name}', which is {kind}")
+        return journal
+
+    def locate(self) -> dict[str, str]:
+        """{final name: the path of its new file now}, without changing anything: at the temporary name until it
+        is moved, then at its name. Raises CheckpointError when a new file is in neither place."""
+        located = {}
+        for r in self.renames:
+            places = [os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)]
+            found = [place for place in places if _identity_at(place) == r.file]
+            if not found:
+                raise CheckpointError(
+                    f"a save into '{self.folder}' was interrupted while publishing its files, and its new '{r.name}' "
+                    f"is neither at '{r.temporary}' nor at '{r.name}' any more (the folder changed since, or a save "
+                    f"into it is running now): load it once that save is done, or save the model into '{self.folder}' "
+                    f"again. The journal '{self.path}' was left as it is")  # fmt: skip
+            located[r.name] = found[0]
+        return located
+
+    def move_into_place(self) -> list[str]:
+        """Renames (or swaps) each new file into place unless done already. Returns the replaced files left at
+        temporary names (by a swap now, or before a kill), for the caller to remove; any other file found at a
+        temporary name is left alone."""
+        leftovers = []
+        for r in self.renames:
+            source, target = os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)
+            found = _identity_at(source)
+            if found == r.file:
+                if not (os.path.lexists(target) and exchange(source, target)):
+                    os.replace(source, target)
+                    continue
+                found = _identity_at(source)  # what the swap displaced
+            if found is not None and found == r.replaces:
+                leftovers.append(source)
+            elif found is not None:
+                logger.warning("leaving '%s' alone: the publish journal of '%s' names it, but it holds neither the "
+                               "new '%s' nor the file that one replaced", source, self.folder, r.name)  # fmt: skip
+        return leftovers
+
+    def stale_files(self) -> list[str]:
+        """The earlier weight files to remove that are still the ones the journal recorded."""
+        paths = [os.path.join(self.folder, name) for name, _ in self.stale]
+        return [path for path, (_, identity) in zip(paths, self.stale) if _identity_at(path) == identity]
+
+
+def _read_journal_text(path: str) -> bytes | None:
+    """The bytes of the journal at `path` (None when there is none), read without following a symbolic link or
+    blocking on a FIFO planted under its name."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as error:  # ELOOP: a symbolic link
+        raise _refused(path, f"it cannot be opened as a file: {error.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_JOURNAL_BYTES:
+            raise _refused(path, f"it is not a regular file of at most {_MAX_JOURNAL_BYTES} bytes")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(_MAX_JOURNAL_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+_MAX_JOURNAL_BYTES = 64 << 20  # a few hundred bytes per file of the checkpoint
+
+
+def _refused(path: str, why: str) -> CheckpointError:
+    return CheckpointError(f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, "
+                           "which names regular files of its own folder (weight files and accel's temporary names "
+                           "for them); nothing was touched. If the folder is yours, check its files and remove the "
+                           "journal")  # fmt: skip
+
+
+def _rename_entry(path: str, i: int, entry: object) -> _Rename:
+    if not isinstance(entry, dict) or set(entry) != {"temporary", "name", "file", "replaces"}:
+        raise _refused(path, f"rename entry {i}, {_shown(entry, 300)}, is not an object of temporary, name, file, "
+                             "replaces")  # fmt: skip
+    temporary, name = entry["temporary"], entry["name"]
+    if not (isinstance(name, str) and _WEIGHT_FILE.fullmatch(name)):
+        raise _refused(path, f"rename entry {i} names {_shown(name, 300)}, not a weight file name")
+    match = TEMPORARY_NAME.fullmatch(temporary) if isinstance(temporary, str) else None
+    if match is None or match["name"] != name:
+        raise _refused(path, f"rename entry {i} names {_shown(temporary, 300)}, not a temporary name accel gives "
+                             f"'{name}'")  # fmt: skip
+    replaces = None if entry["replaces"] is None else _identity_entry(path, f"rename entry {i}", entry["replaces"])
+    return _Rename(temporary, name, _identity_entry(path, f"rename entry {i}", entry["file"]), replaces)
+
+
+def _stale_entry(path: str, i: int, entry: object) -> tuple[str, FileIdentity]:
+    if not isinstance(entry, dict) or set(entry) != {"name", "file"}:
+        raise _refused(path, f"remove entry {i}, {_shown(entry, 300)}, is not an object of name and file")
+    if not (isinstance(entry["name"], str) and _WEIGHT_FILE.fullmatch(entry["name"])):
+        raise _refused(path, f"remove entry {i} names {_shown(entry['name'], 300)}, not a weight file name")
+    return entry["name"], _identity_entry(path, f"remove entry {i}", entry["file"])
+
+
+def _identity_entry(path: str, where: str, value: object) -> FileIdentity:
+    if not (isinstance(value, list) and len(value) == 4 and all(_is_int(v) and v >= 0 for v in value)):
+        raise _refused(path, f"{where}: a file's identity is four non-negative integers, got {_shown(value)}")
+    return FileIdentity(*value)
 
 
 def sync_files(paths: list[str]) -> None:
@@ -258,56 +425,90 @@ def save_model_files(state_dict: Mapping[str, torch.Tensor], save_directory: str
 
 
 def _remove_orphan_temporaries(folder: str) -> None:
-    """The temporary files of saves killed midway (their process is gone)."""
-    for name in os.listdir(folder):
-        match = _ORPHAN_TEMPORARY.fullmatch(name)
-        if match and not process_alive(int(match.group(1))):
-            os.remove(os.path.join(folder, name))
+    """The temporary weight files of saves killed midway (their process is gone): regular files at names accel gives
+    them (`TEMPORARY_NAME`); a symbolic link or anything else at such a name is not accel's and stays."""
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            match = TEMPORARY_NAME.fullmatch(entry.name)
+            if (match and _WEIGHT_FILE.fullmatch(match["name"]) and entry.is_file(follow_symlinks=False)
+                    and not process_alive(int(match["pid"]))):  # fmt: skip
+                remove_quietly(entry.path)
 
 
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
-
-
-_ORPHAN_TEMPORARY = re.compile(r"\.(?:model|pytorch_model)[^/]*\.tmp-(\d+)-[0-9a-f]+")
-
 
 
 # --- loading -------------------------------------------------------------------------------------------------------
 
 
 def checkpoint_files(checkpoint: str | os.PathLike) -> list[str]:
-    """The weight files of `checkpoint`: one file, the files an index names, or what a folder holds."""
+    """The weight files of `checkpoint`: one file, the files an index names, or what a folder holds. Reads only.
+
+    A folder holding the journal of an interrupted save_model (see PublishJournal) is read as the new checkpoint
+    the journal decided, each file wherever it is now (at its temporary name or its final one), never as the mix of
+    old and new files the folder holds meanwhile; the folder itself is left as it is, and the writer's next save
+    into it completes the publish. Replaying the journal here instead would make a load write into a folder it may
+    not own: any model folder from elsewhere can carry a journal. A journal whose files cannot all be found raises
+    CheckpointError, as does one accel did not write (it is never acted on).
+
+    An index's shards must be in its folder or below (see `_shard_names`)."""
     path = os.fspath(checkpoint)
-    _complete_interrupted_save(path if os.path.isdir(path) else os.path.dirname(path) or ".")
-    if os.path.isdir(path):
-        for name in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME):
-            if os.path.isfile(os.path.join(path, name)):
-                return checkpoint_files(os.path.join(path, name))
-        raise FileNotFoundError(f"'{path}' holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or index of either")
-    if not os.path.isfile(path):
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    journal = PublishJournal.read(folder)
+    located = {} if journal is None else journal.locate()
+    if not os.path.isdir(path):
+        return _files_of(path, located)
+    candidates = (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME)
+    # With a journal, the new checkpoint is what it publishes: the folder may still hold the old one's index.
+    present = located if journal is not None else [n for n in candidates if os.path.isfile(os.path.join(path, n))]
+    for name in candidates:
+        if name in present:
+            return _files_of(os.path.join(path, name), located)
+    raise FileNotFoundError(f"'{path}' holds no {SAFE_WEIGHTS_NAME}, {WEIGHTS_NAME} or index of either")
+
+
+def _files_of(path: str, located: dict[str, str]) -> list[str]:
+    """The weight files of the file `path` (itself, or the shards it indexes); `located`: where the files of an
+    interrupted publish in its folder are now, by final name."""
+    folder, name = os.path.split(path)
+    actual = located.get(name, path)
+    if not os.path.isfile(actual):
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
-    if path.endswith(".json"):
-        try:
-            with open(path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"'{path}' is not a checkpoint index (no weight_map): {error}") from None
-        folder = os.path.dirname(path)
-        files = [os.path.join(folder, name) for name in dict.fromkeys(weight_map.values())]
-        missing = [f for f in files if not os.path.isfile(f)]
-        if missing:
-            raise CheckpointError(f"'{path}' names shards that do not exist: {', '.join(missing)}")
-        return files
-    return [path]
+    if not path.endswith(".json"):
+        return [actual]
+    files = [located.get(shard, os.path.join(folder, shard)) for shard in _shard_names(path, actual)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointError(f"'{path}' names shards that do not exist: {', '.join(missing)}")
+    return files
 
 
-def _complete_interrupted_save(folder: str) -> None:
-    if not os.path.exists(os.path.join(folder, PUBLISH_JOURNAL)):
-        return
-    if not os.access(folder, os.W_OK):
-        raise CheckpointError(f"a save into '{folder}' was interrupted while publishing its files, and this process "
-                              "cannot complete it (the folder is read-only to it): load it once with write access")  # fmt: skip
-    replay_journal(folder)
+def is_safetensors(path: str) -> bool:
+    """Whether the weight file `path` (from checkpoint_files) is safetensors, by its name: a file an interrupted
+    publish left at its temporary name is told by the final name in it."""
+    name = os.path.basename(path)
+    temporary = TEMPORARY_NAME.fullmatch(name)
+    return (temporary["name"] if temporary else name).endswith(".safetensors")
+
+
+def _shard_names(index: str, actual: str) -> list[str]:
+    """The shard files the checkpoint index `index` (read from `actual`) names, relative to its folder.
+
+    Each must stay inside that folder (or a folder below it): a relative path without '..'. As transformers
+    checks the names rather than resolving them: shards in the Hub's cache are symbolic links to `../../blobs`, and
+    a folder's own links are its owner's choice."""
+    try:
+        with open(actual, "rb") as f:
+            weight_map = json.loads(f.read())["weight_map"]
+    except (ValueError, RecursionError, KeyError, TypeError) as error:
+        raise CheckpointError(f"'{index}' is not a checkpoint index (no weight_map): {error}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise CheckpointError(f"'{index}': weight_map must map tensor names to file names")
+    for tensor, shard in weight_map.items():
+        if not shard or "\0" in shard or os.path.isabs(shard) or ".." in shard.split(os.sep):
+            raise CheckpointError(f"'{index}': weight_map entry '{tensor}' names {shard!r}, not a file inside the "
+                                  "index's folder (a shard is named relative to it, without '..')")  # fmt: skip
+    return list(dict.fromkeys(weight_map.values()))
 
 
 def load_checkpoint_in_model(
@@ -329,7 +530,8 @@ def load_checkpoint_in_model(
     (converted when dtypes differ); `.bin` files are read with `torch.load(weights_only=True)`. Missing or
     unexpected names raise when `strict`, else are logged as a warning; a shape that does not match raises,
     naming the tensor. `dtype` converts floating-point weights to that dtype. `progress`: see
-    accel.checkpoint.progress.
+    accel.checkpoint.progress. Nothing on disk changes: a folder whose save_model was interrupted is read as the
+    new checkpoint, and the next save into it completes the publish (see checkpoint_files).
     """
     if device_map is not None or offload_folder is not None or offload_state_dict or offload_buffers:
         raise NotImplementedError("device_map and offloading in load_checkpoint_in_model are not supported by accel "
@@ -369,7 +571,7 @@ def _destinations(model: torch.nn.Module, dtype: torch.dtype | None, keep_fp32: 
 
 def _load_file_into(path: str, destinations: dict[str, torch.Tensor]) -> list[str]:
     """Reads the tensors of one file that `destinations` names; returns every name in the file."""
-    if path.endswith(".safetensors"):
+    if is_safetensors(path):
         with SafetensorsFile(path) as f:  # validated and read through one descriptor
             # In the model's order, so that a checkpoint of another architecture names the model's first mismatch.
             f.read_into({name: tensor for name, tensor in destinations.items() if name in f.header.tensors})

@@ -33,7 +33,8 @@ CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
 # published from the page cache of that boot, "durable <host> <boot id>" once everything in it is fsync'd. Its
 # content is rewritten in place, never its name. See accel.checkpoint.background.
 DURABILITY_RECORD = ".accel-durability"
-# A save_model folder's list of renames in progress, replayed by the next reader or writer after a crash.
+# A save_model folder's list of renames in progress: after a crash, read through by a load and completed by the
+# next save into the folder (accel.checkpoint.model_io.PublishJournal).
 PUBLISH_JOURNAL = ".accel-publish.json"
 # Every file save_state writes (what a folder swap may replace; anything else there is the user's).
 CHECKPOINT_FILE = re.compile(

@@ -306,13 +306,15 @@ def parse_header(path: str, raw: bytes, file_size: int) -> Header:
     """Validates the JSON header `raw` of a file of `file_size` bytes; raises CheckpointError naming the problem."""
     try:
         entries = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError: not UTF-8, not JSON, or an integer too long to convert; RecursionError: nested too deeply.
+    except (ValueError, RecursionError) as error:
         raise CheckpointError(f"'{path}': the header is not valid JSON ({error})") from None
     if not isinstance(entries, dict):
         raise CheckpointError(f"'{path}': the header must be a JSON object, got {type(entries).__name__}")
-    metadata = entries.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CheckpointError(f"'{path}': __metadata__ must map strings to strings")
+    metadata = entries.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):  # keys are str
+        raise CheckpointError(f"'{path}': __metadata__ must map strings to strings, got {_shown(metadata)}")
     data_start = 8 + len(raw)
     tensors = {name: _tensor_info(path, name, entry, data_start, file_size) for name, entry in entries.items()}
     _check_layout(path, list(tensors.values()), data_start, file_size)
@@ -323,22 +325,36 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_MAX_INT64 = 2**63 - 1
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """`value` as it appears in an error message, cut short: a header field can be arbitrarily long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _tensor_info(path: str, name: str, entry: object, data_start: int, file_size: int) -> TensorInfo:
     where = f"'{path}', tensor '{name}'"
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise CheckpointError(f"{where}: expected exactly the keys dtype, shape and data_offsets")
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype_name not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {dtype_name!r}")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {_shown(dtype_name)} (expected one of {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_shown(shape)}")
+    # torch's sizes and strides are int64: even a tensor of no elements (a 0 in its shape) must fit.
+    if math.prod(max(d, 1) for d in shape) > _MAX_INT64:
+        raise CheckpointError(f"{where}: shape {_shown(shape)} is too large for a tensor (its sizes multiply "
+                              "past 2**63 - 1)")  # fmt: skip
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
-        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                              f"got {_shown(offsets)}")  # fmt: skip
     dtype = DTYPES[dtype_name]
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if offsets[1] - offsets[0] != expected:
-        raise CheckpointError(f"{where}: shape {shape} of {dtype_name} needs {expected} bytes, "
+        raise CheckpointError(f"{where}: shape {_shown(shape)} of {dtype_name} needs {expected} bytes, "
                               f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")  # fmt: skip
     if data_start + offsets[1] > file_size:
         raise CheckpointError(f"{where}: data_offsets {offsets} run past the end of the file "

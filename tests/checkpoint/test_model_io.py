@@ -174,9 +174,11 @@ def test_temporary_files_of_a_killed_save_are_removed_by_the_next(tmp_path):
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = tmp_path / f".model.safetensors.tmp-{dead.stdout.strip()}-abcd1234"
-    live = tmp_path / f".model.safetensors.tmp-{os.getpid()}-abcd1234"  # a save in progress: kept
+    orphan = tmp_path / f".model.safetensors.tmp-{dead.stdout.strip()}-abcd1234abcd1234"
+    live = tmp_path / f".model.safetensors.tmp-{os.getpid()}-abcd1234abcd1234"  # a save in progress: kept
+    link = tmp_path / f".pytorch_model.bin.tmp-{dead.stdout.strip()}-abcd1234abcd1234"  # not a file accel writes
     orphan.write_bytes(b"partial")
     live.write_bytes(b"partial")
+    link.symlink_to(tmp_path / "model.safetensors")
     save_state_dict(torch.nn.Linear(2, 2).state_dict(), tmp_path)
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "model.safetensors"])
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, link.name, "model.safetensors"])

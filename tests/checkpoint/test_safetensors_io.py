@@ -168,6 +168,13 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtyp
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, r"0 <= begin <= end"),  # noqa: E501
         ({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, r"tensor 'a': expected exactly the keys"),
         ({"__metadata__": {"k": 1}}, b"", None, r"__metadata__ must map strings to strings"),
+        ({"__metadata__": ["k", "v"]}, b"", None, r"__metadata__ must map strings to strings, got \['k', 'v'\]"),
+        ({"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': unknown dtype \['F32'\]"),  # noqa: E501
+        ({"a": {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': unknown dtype \{"),  # noqa: E501
+        ({"a": {"dtype": "F16", "shape": [0, 2**63], "data_offsets": [0, 0]}}, b"", None, r"tensor 'a': shape \[0, 9223372036854775808\] is too large"),  # noqa: E501
+        ({"a": {"dtype": "F16", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}, b"", None, r"tensor 'a': shape .* is too large"),  # noqa: E501
+        (b"[" * 100_000, b"", None, r"not valid JSON"),
+        (b'{"a": ' + b"9" * 5000 + b"}", b"", None, r"not valid JSON"),
     ],
 )
 def test_bad_files_raise_a_clear_error(tmp_path, header, data, length, message):

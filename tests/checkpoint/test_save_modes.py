@@ -241,7 +241,7 @@ def test_save_mode_resolves_arguments_over_the_project_configuration():
     assert SaveMode.resolve(ProjectConfiguration(), None, None) == SaveMode()
 
 
-def test_a_save_model_interrupted_while_publishing_is_completed_by_the_next_reader(tmp_path, monkeypatch):
+def test_a_save_model_interrupted_while_publishing_is_read_whole_and_completed_by_the_next_save(tmp_path, monkeypatch):
     folder = str(tmp_path / "out")
     old = {f"{i}.weight": torch.full((64, 64), 1.0) for i in range(4)}
     new = {f"{i}.weight": torch.full((64, 64), 2.0) for i in range(4)}
@@ -262,7 +262,10 @@ def test_a_save_model_interrupted_while_publishing_is_completed_by_the_next_read
     target = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
     load_checkpoint_in_model(target, folder, strict=True)
     assert all(torch.all(p == 2.0) for p in target.parameters())
+    assert os.path.exists(os.path.join(folder, PUBLISH_JOURNAL))  # a load changes nothing (issue 19)
+    model_io.save_state_dict(new, folder, max_shard_size="40KB")
     assert not os.path.exists(os.path.join(folder, PUBLISH_JOURNAL))
+    assert not [name for name in os.listdir(folder) if ".tmp-" in name]
 
 
 KILLED_SAVER = textwrap.dedent(
