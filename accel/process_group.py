@@ -64,6 +64,14 @@ def group_timeout() -> timedelta:
         return dist.distributed_c10d._get_default_timeout(backend)
 
 
+def wait_limit() -> timedelta:
+    """How long any wait for another process may last: the initialized default group's timeout, else the one
+    `Accelerator` / `PartialState` would give it (ACCEL_PROCESS_GROUP_TIMEOUT), else torch's default (30 minutes)."""
+    if dist.is_available() and dist.is_initialized():
+        return group_timeout()
+    return requested_timeout(None) or timedelta(minutes=30)
+
+
 def local_rank() -> int:
     """This process's index on its machine in the initialized group: LOCAL_RANK, else its rank (a group the user
     made may come without LOCAL_RANK)."""

@@ -46,6 +46,8 @@ from accel.checkpoint.names import (
 from accel.checkpoint.progress import progress_bar
 from accel.checkpoint.safetensors_io import CheckpointError, FileIdentity, SafetensorsFile, _is_int, _shown
 from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
+from accel.checkpoint.target_lock import TargetLock
+from accel.process_group import wait_limit
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +125,8 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     reads the new checkpoint through it; see checkpoint_files).
     The replaced files and the earlier save's other weight files, which nothing names any more, are unlinked before
     it returns, and their blocks freed in the background (accel.checkpoint.background.unlink_now_free_later:
-    freeing is what costs ~30 ms per 100 MiB; nothing in the folder changes after the call). `durable`: fsync every file
+    freeing is what costs ~30 ms per 100 MiB; nothing in the folder changes after the call). The folder's lock
+    (accel.checkpoint.target_lock) is held throughout, so a second writer waits. `durable`: fsync every file
     and the folder before returning; without it the files are complete in the page cache (a kill cannot lose
     them, a power loss can) and `sync_files` makes them durable later. `progress`: see accel.checkpoint.progress.
     """
@@ -131,6 +134,12 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
     if os.path.isfile(folder):
         raise ValueError(f"save_directory '{folder}' is a file, expected a folder")
     os.makedirs(folder, exist_ok=True)
+    with TargetLock.acquire(folder, wait_limit().total_seconds()):  # one writer at a time: journals never interleave
+        return _save_state_dict_locked(state_dict, folder, max_shard_size, safe_serialization, progress, durable)
+
+
+def _save_state_dict_locked(state_dict: Mapping[str, torch.Tensor], folder: str, max_shard_size: int | str,
+                            safe_serialization: bool, progress: bool | None, durable: bool) -> list[str]:  # fmt: skip
     replay_journal(folder)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     state_dict = without_shared_tensors(state_dict)

@@ -61,7 +61,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from accel import collectives
 from accel.checkpoint import background, snapshot
@@ -94,7 +93,7 @@ from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, sa
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
-from accel.process_group import group_timeout, requested_timeout
+from accel.process_group import wait_limit
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
         try:
             background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises)
             if writes_shared_files:
-                lock = TargetLock.acquire(output_dir, _wait_limit_s())
+                lock = TargetLock.acquire(output_dir, wait_limit().total_seconds())
                 staging = prepare_staging(output_dir, staged)
         except Exception as error:  # noqa: BLE001 - reported on every process below
             failure = error
@@ -221,15 +220,6 @@ def _write_and_publish(staging: str, files: dict[str, Any], finish: Callable[[],
         raise
     finally:
         lock.release()
-
-
-def _wait_limit_s() -> float:
-    """How long a save waits for another writer of its folder: the process group's timeout, which bounds every
-    cross-process wait (torch's default, 30 minutes, without a group)."""
-    if dist.is_available() and dist.is_initialized():
-        return group_timeout().total_seconds()
-    timeout = requested_timeout(None)
-    return 1800.0 if timeout is None else timeout.total_seconds()
 
 
 def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str,

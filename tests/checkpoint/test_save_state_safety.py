@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -116,6 +117,23 @@ def test_a_second_writer_waits_for_the_first_then_names_it(tmp_path, monkeypatch
     assert os.listdir(tmp_path) == []  # nothing staged, nothing published, no lock file
     accelerator.save_state(target)
     assert _leftovers(tmp_path) == [] and os.path.isdir(target)
+
+
+def test_save_model_waits_for_another_writer_of_its_folder(tmp_path, monkeypatch):
+    """save_model's journal publishes one writer's files at a time: a second writer waits for the first."""
+    monkeypatch.setenv("ACCEL_PROCESS_GROUP_TIMEOUT", "5")
+    folder = str(tmp_path / "model")
+    accelerator = fresh_accelerator()
+    model, _ = prepared_linear(accelerator, 5.0)
+    held = TargetLock.acquire(folder, timeout_s=1)
+    releaser = threading.Timer(0.3, held.release)
+    started = time.monotonic()
+    releaser.start()
+    accelerator.save_model(model, folder)
+    assert time.monotonic() - started >= 0.3  # it waited for the other writer
+    releaser.join()
+    assert load_file(os.path.join(folder, "model.safetensors"))["weight"][0, 0].item() == 5.0
+    assert _leftovers(tmp_path) == [] and _leftovers(folder) == []
 
 
 JOB_SCRIPT = textwrap.dedent(
