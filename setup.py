@@ -178,4 +178,40 @@ def build_ext_class():
     return {"build_ext": OptionalBuildExtension.with_options(use_ninja=True)}
 
 
-setup(ext_modules=get_extensions(), cmdclass=build_ext_class())
+# Installed into site-packages: at every interpreter start, turns on `import accelerate` -> accel when the environment
+# asks for it (accel/accelerate_alias.py). With the switch off it costs two environment lookups.
+ALIAS_PTH = "accel_as_accelerate.pth"
+ALIAS_PTH_LINE = ('import os; ("ACCEL_AS_ACCELERATE" in os.environ or "ACCELERATE_AS_ACCELERATE" in os.environ) '
+                  'and __import__("accel.accelerate_alias").accelerate_alias.install_if_asked()\n')
+
+
+def write_alias_pth(folder):
+    with open(os.path.join(folder, ALIAS_PTH), "w") as f:
+        f.write(ALIAS_PTH_LINE)
+    return os.path.join(folder, ALIAS_PTH)
+
+
+def alias_pth_classes():
+    """build_py puts the .pth at the root of a wheel (site-packages); an editable install gets it through the
+    folder setuptools turns into its editable wheel's root."""
+    from setuptools.command.build_py import build_py
+    from setuptools.command.editable_wheel import editable_wheel
+
+    class BuildPyWithAliasPth(build_py):
+        def run(self):
+            super().run()
+            write_alias_pth(self.build_lib)
+
+        def get_outputs(self, include_bytecode=True):
+            return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, ALIAS_PTH)]
+
+    class EditableWheelWithAliasPth(editable_wheel):
+        # setuptools writes everything in this folder (its unpacked wheel) into the editable wheel.
+        def _install_namespaces(self, installation_dir, pth_prefix):
+            super()._install_namespaces(installation_dir, pth_prefix)
+            write_alias_pth(installation_dir)
+
+    return {"build_py": BuildPyWithAliasPth, "editable_wheel": EditableWheelWithAliasPth}
+
+
+setup(ext_modules=get_extensions(), cmdclass={**build_ext_class(), **alias_pth_classes()})

@@ -41,7 +41,24 @@ _PUBLIC = {
     "skip_first_batches": "accel.data",
     "synchronize_rng_states": "accel.data",
 }
-__all__ = [*_PUBLIC, "__version__"]
+__all__ = [*_PUBLIC, "__version__", "as_accelerate"]
 
 
-__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, also=("__version__",), submodules=True)
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC, also=("__version__", "as_accelerate"), submodules=True)
+
+
+def as_accelerate() -> None:
+    """Makes `import accelerate` (and every `accelerate.X`) resolve to accel in this process and the processes it
+    starts, so libraries built on HF Accelerate (transformers' `Trainer`, TRL, PEFT) run on accel: the one-line
+    form of `accel launch --as_accelerate` / `ACCEL_AS_ACCELERATE=1` for notebooks. Call it before anything
+    imports `accelerate` (see accel.accelerate_alias).
+
+    Example:
+        ```python
+        import accel; accel.as_accelerate()
+        from transformers import Trainer  # trains on accel
+        ```
+    """
+    from accel.accelerate_alias import install
+
+    install()

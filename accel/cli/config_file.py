@@ -268,6 +268,9 @@ class ClusterConfig:
     same_network: bool | None = _key(False, _optional(_boolean))
     main_training_function: str = _key("main", _text)
     enable_cpu_affinity: bool = _key(False, _boolean)
+    # accel's own: `import accelerate` resolves to accel in every rank. Written only when set (None), since HF's
+    # loader refuses keys it does not know.
+    as_accelerate: bool | None = _key(None, _optional(_boolean))
     downcast_bf16: bool | str = _key(False, _yes_no_or_bool)
     ipex_config: dict = _mapping_key(_ipex_config)
     mpirun_config: dict = _mapping_key()

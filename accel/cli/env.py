@@ -115,9 +115,20 @@ def print_report(facts: dict, config_path: str, config: dict | str) -> None:
         print(f"\t{config}")
 
 
+def alias_fact(config: dict | str) -> str:
+    """Whether `import accelerate` resolves to accel: in this process, or in ranks the config file launches."""
+    from accel import accelerate_alias
+
+    if accelerate_alias.installed() or accelerate_alias.asked():
+        return f"on: `import accelerate` resolves to accel ({accelerate_alias.describe()})"
+    if isinstance(config, dict) and config.get("as_accelerate"):
+        return f"on in ranks that `accel launch` starts (config file: as_accelerate: true; {accelerate_alias.describe()})"
+    return "off (`accel launch --as_accelerate`, ACCEL_AS_ACCELERATE=1 or accel.as_accelerate() turn it on)"
+
+
 def run_env(args: argparse.Namespace) -> int:
-    facts = {**platform_facts(), **native_facts()}
     config_path, config = config_facts(args.config_file)
+    facts = {**platform_facts(), **native_facts(), "accel as accelerate": alias_fact(config)}
     print_report(facts, config_path, config)
     sys.stdout.flush()
     return 0

@@ -38,7 +38,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from accel import availability
+from accel import accelerate_alias, availability
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
@@ -90,6 +90,7 @@ class LaunchConfig:
     module: bool = False
     no_python: bool = False
     main_training_function: str | None = None
+    as_accelerate: bool = False
     training_script: str = ""
     training_script_args: tuple[str, ...] = ()
 
@@ -135,7 +136,8 @@ def _config_file_values(cluster: Any) -> dict[str, Any]:
         "downcast_bf16": config.get("downcast_bf16") in (True, "yes"),  # HF's questionnaire writes 'yes'/'no'
     }
     for key in ("gpu_ids", "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                "rdzv_backend", "same_network", "mixed_precision", "debug", "enable_cpu_affinity"):  # fmt: skip
+                "rdzv_backend", "same_network", "mixed_precision", "debug", "enable_cpu_affinity", "as_accelerate"
+                ):  # fmt: skip
         if config.get(key) is not None:
             values[key] = config[key]
     for key, value in (config.get("dynamo_config") or {}).items():
@@ -324,6 +326,8 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
         env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
     if config.enable_cpu_affinity:
         env["ACCEL_CPU_AFFINITY"] = "1"
+    if config.as_accelerate:
+        env[accelerate_alias.ENV_VARIABLE] = "1"
     if config.downcast_bf16:
         # HF reads ACCELERATE_DOWNCAST_BF16 on TPUs only; accel runs none, so say that it changes nothing here.
         warnings.warn("downcast_bf16 only affects bf16 training on TPUs (XLA), which accel does not run: it has no "
@@ -358,6 +362,9 @@ def launch(config: LaunchConfig) -> int:
 
     # ACCEL_LAUNCHER_PID: the ranks' expected parent (the elastic agent runs here); see accel.cli.worker.
     os.environ.update(child_env(config), ACCEL_LAUNCHER_PID=str(os.getpid()))
+    if config.as_accelerate:
+        print(f"accel launch: `import accelerate` resolves to accel in every rank ({accelerate_alias.describe()})",
+              file=sys.stderr, flush=True)  # fmt: skip
     if config.quiet:
         _silence_launcher_logs()
     # torchrun keeps error files and logs under a fresh /tmp/torchelastic_* per run; ours goes once we are done.

@@ -229,7 +229,11 @@ _PARALLELISM = Group("Parallelism config", (
     Option("parallelism_config_sp_attn_implementation", "Attention implementation.", default="sdpa"),
 ), backend="parallelism_config")  # fmt: skip
 
-GROUPS = (_HARDWARE, _RESOURCES, _DISTRIBUTED, _DEEPSPEED, _FSDP, _MEGATRON, _FP8, _TPU, _AWS, _MPI, _PARALLELISM)
+_ACCEL = Group("accel's own", (
+    _flag("as_accelerate", "Make `import accelerate` resolve to accel in every rank, so libraries built on HF "
+          "Accelerate (transformers' Trainer, TRL, PEFT) run on accel (ACCEL_AS_ACCELERATE=1)."),
+))  # fmt: skip
+GROUPS = (_HARDWARE, _RESOURCES, _DISTRIBUTED, _DEEPSPEED, _FSDP, _MEGATRON, _FP8, _TPU, _AWS, _MPI, _PARALLELISM, _ACCEL)
 _REFUSED = {option.dest or option.name: group.backend for group in GROUPS if group.backend for option in group.options}
 
 

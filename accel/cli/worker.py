@@ -43,6 +43,7 @@ if __name__ == "__main__":  # first, before the imports below (torch) take their
 import importlib  # noqa: E402
 import runpy  # noqa: E402
 
+from accel import accelerate_alias  # noqa: E402
 from accel._env import get_flag  # noqa: E402
 
 
@@ -104,6 +105,9 @@ def main(argv: list[str]) -> None:
     pin_to_cpus()
     if argv[0] == "--exec":
         os.execvp(argv[1], argv[1:])
+    # The installed .pth does this at interpreter start already; an install without it (a source tree on
+    # PYTHONPATH) still gets the switch in every rank.
+    accelerate_alias.install_if_asked()
     run_python(argv)
 
 
