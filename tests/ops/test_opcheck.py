@@ -2,7 +2,8 @@
 
 The ops are read from the dispatcher, not listed here, so an op added to csrc/ops.cpp cannot skip this: one without
 samples in SAMPLES fails `test_every_op_has_samples`. The op-specific files compare each op with its pure-torch
-reference; CUDA opchecks live there too (tests marked gpu).
+reference. On a GPU (tests marked gpu), every op with a CUDA kernel is opchecked on the same samples moved there.
+At the end: the ops with kernels under torch.compile, against their eager results.
 """
 
 from __future__ import annotations
