@@ -268,8 +268,17 @@ COMPILERS = [
 
 
 def compiled(fn: Callable, backend: str) -> Callable:
+    import torch._inductor.config
+
     torch._dynamo.reset()  # no graph of an earlier test (another device, another backend) is reused
-    return torch.compile(fn, backend=backend, fullgraph=True)
+    compiled_fn = torch.compile(fn, backend=backend, fullgraph=True)
+
+    def run(*args):
+        # Compiled in this process: a pool of compile workers would outlive the test (conftest fails a test for it).
+        with torch._inductor.config.patch(compile_threads=1):
+            return compiled_fn(*args)
+
+    return run
 
 
 def _pad_both_ways(src, out_last, out_first):
