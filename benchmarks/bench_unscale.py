@@ -101,8 +101,8 @@ class FixedGradientModel(torch.nn.Module):
 
     def __init__(self, sizes: list[int], values: torch.Tensor):
         super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(n, dtype=values.dtype, device=values.device))
-                                              for n in sizes)  # fmt: skip
+        zeros = [torch.zeros(n, dtype=values.dtype, device=values.device) for n in sizes]
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(w) for w in zeros)
         self.targets = [c.clone() for c in values.split(sizes)]  # on the values' device
 
     def forward(self) -> torch.Tensor:

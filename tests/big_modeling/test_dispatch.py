@@ -220,9 +220,10 @@ def test_auto_spreads_over_the_gpu_the_cpu_and_the_disk(tmp_path, family):
     with init_empty_weights():
         model = cls(config)
     size = compute_module_sizes(model)[""]
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto",
-                                         max_memory={0: size // 2, "cpu": size // 4, "disk": 10**10},
-                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    budget = {0: size // 2, "cpu": size // 4, "disk": 10**10}
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto", max_memory=budget,
+                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload")
+    model.eval()
     assert set(model.hf_device_map.values()) == {0, "cpu", "disk"}
     on_gpu = {name: t for name, t in model.state_dict().items() if t.is_cuda}
     assert on_gpu and all(torch.equal(t.cpu(), saved[name]) for name, t in on_gpu.items())

@@ -253,8 +253,8 @@ def test_every_cuda_kernel_is_checked():
 @pytest.mark.parametrize("op_name", CUDA_OPS)
 def test_opcheck_on_cuda(op_name, resources):
     for sample in SAMPLES[op_name](resources):
-        cuda_sample = on_cuda(op_name, sample)
-        torch.library.opcheck(getattr(torch.ops.accel, op_name).default, cuda_sample.args, test_utils=cuda_sample.checks)
+        moved = on_cuda(op_name, sample)
+        torch.library.opcheck(getattr(torch.ops.accel, op_name).default, moved.args, test_utils=moved.checks)
 
 
 # --- torch.compile ---------------------------------------------------------------------------------------------------
@@ -303,7 +303,8 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        as_bytes = [t.reshape(-1).view(torch.uint8) for t in (a, b)]
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*as_bytes)
     return a == b
 
 
