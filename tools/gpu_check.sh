@@ -17,7 +17,7 @@
 #
 # Environment: PYTHON (default python3), OUT (default build/gpu), GPU_CHECK_STEPS (default "env build tests
 # bench-gpu bench-cpu"; step or group names, "all" for every step), GPU_CHECK_BUDGET_S (default 440),
-# ACCEL_BENCH_DIR (default: the first of /dev/shm, /tmp, build/ with 24 GiB free), ACCEL_BENCH_GPU_GIB (default 2),
+# ACCEL_BENCH_DIR (default: the first of /dev/shm, /tmp, build/ with 16 GiB free), ACCEL_BENCH_GPU_GIB (default 2),
 # TORCH_CUDA_ARCH_LIST (default 9.0), MAX_JOBS (default: the CPU count). Report: `make gpu-docs GPU_RESULTS=DIR`
 # (DIR: results.tar.gz unpacked). How the lead runs it on a lent machine: tools/gpu_check_device.md.
 set -uo pipefail
@@ -35,6 +35,9 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export ACCEL_BENCH_GPU_GIB=${ACCEL_BENCH_GPU_GIB:-2}
 # The venv's own tools (ninja) whatever PATH is; nvcc's toolkit for torch's extension builder.
 PATH="$(dirname "$("$python" -c 'import sys; print(sys.executable)')"):$PATH"
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  PATH="/usr/local/cuda/bin:$PATH"
+fi
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
   nvcc_path=$(command -v nvcc)
   real_nvcc=$(grep -oE '/[^ ]*/bin/nvcc' "$nvcc_path" 2>/dev/null | head -1 || true)  # nvcc may be a wrapper script
@@ -62,11 +65,13 @@ expand() {  # the step names a selection stands for, in run order
 }
 steps=$(expand "$selected") || exit 2
 
-pick_bench_dir() {  # the first candidate with room for the checkpoint benchmarks' files (a few 2 GiB copies)
+pick_bench_dir() {  # the first candidate with room for the checkpoint benchmarks' files (up to 7 copies of the model)
   local dir
   for dir in /dev/shm /tmp "$repo/build"; do
     mkdir -p "$dir" 2>/dev/null || continue
-    if [ "$(df -Pk "$dir" | awk 'NR == 2 {print $4}')" -ge $((24 * 1024 * 1024)) ] 2>/dev/null; then
+    local free_kib
+    free_kib=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+    if [ "$free_kib" -ge $((8 * ${ACCEL_BENCH_GPU_GIB%.*} * 1024 * 1024)) ] 2>/dev/null; then
       echo "$dir/accel-gpu-check"
       return
     fi
