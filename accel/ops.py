@@ -31,9 +31,13 @@ def _effectful(op: str) -> None:
     """Marks `op`, whose only result is what it does outside the program (a file written), as a side effect:
     torch.compile drops a call without outputs or mutated inputs as dead code, but keeps an effectful one, in
     program order. torch's own print (aten::_print) is marked the same way."""
-    if _ext.status().loaded and _register_effectful_op is not None:
-        namespace, name = op.split("::")
+    if not _ext.status().loaded or _register_effectful_op is None:
+        return
+    namespace, name = op.split("::")
+    try:
         _register_effectful_op(getattr(getattr(torch.ops, namespace), name).default, _EffectType.ORDERED)
+    except (TypeError, ValueError, AssertionError, RuntimeError):  # a private API: a torch that changed it must
+        pass  # still import accel (the compiled write is then dropped: test_opcheck's compile test says so)
 
 
 def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_first: bool, out: torch.Tensor) -> None:
