@@ -14,7 +14,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -115,10 +115,16 @@ cuda-check:
 shm-check:
 	tools/shm_ctest.sh
 
-# On a machine with a GPU and a CUDA build of torch (in PYTHON, default python3): builds the CUDA kernels and runs
-# the GPU-marked tests; fails on any failure. Not part of `ci` (CI machines have no GPU).
+# On a machine with a GPU and a CUDA build of torch (in PYTHON, default python3): builds the CUDA kernels in place,
+# runs the GPU-marked tests, the GPU benchmarks against HF Accelerate and the many-rank CPU benchmarks, each step
+# under its own timeout (GPU_CHECK_STEPS picks steps); results in the folder OUT names (default build/gpu); fails if a
+# step failed. Not part of `ci` (CI machines have no GPU). tools/gpu_check_device.md: running it on a lent machine.
 gpu-check:
 	PYTHON=$(PYTHON) tools/gpu_check.sh
+
+# docs/benchmarks/gpu.md from a gpu-check run: GPU_RESULTS = its results.tar.gz unpacked (a rerun's folder after it).
+gpu-docs:
+	$(PYTHON) benchmarks/report/gpu.py $(BENCH_OUT) $(GPU_RESULTS)
 
 ci: test cuda-check shm-check
 

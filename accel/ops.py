@@ -13,6 +13,11 @@ import torch
 from accel import _ext
 from accel.collectives.errors import DistributedOperationException
 
+try:  # private, but where torch marks its own print as effectful (torch >= 2.4)
+    from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+except ImportError:  # a torch that moved it: compiled programs drop write_tensors_ (test_opcheck's compile test fails)
+    _register_effectful_op = None
+
 
 def _fake(op: str):
     """`torch.library.register_fake(op)` when the extension is loaded; without it the op does not exist, and its
@@ -20,6 +25,19 @@ def _fake(op: str):
     if _ext.status().loaded:
         return torch.library.register_fake(op)
     return lambda fake: fake
+
+
+def _effectful(op: str) -> None:
+    """Marks `op`, whose only result is what it does outside the program (a file written), as a side effect:
+    torch.compile drops a call without outputs or mutated inputs as dead code, but keeps an effectful one, in
+    program order. torch's own print (aten::_print) is marked the same way."""
+    if not _ext.status().loaded or _register_effectful_op is None:
+        return
+    namespace, name = op.split("::")
+    try:
+        _register_effectful_op(getattr(getattr(torch.ops, namespace), name).default, _EffectType.ORDERED)
+    except (TypeError, ValueError, AssertionError, RuntimeError):  # a private API: a torch that changed it must
+        pass  # still import accel (the compiled write is then dropped: test_opcheck's compile test says so)
 
 
 def pad_into(src: torch.Tensor, dim: int, pad_value: float | int | bool, pad_first: bool, out: torch.Tensor) -> None:
@@ -90,6 +108,9 @@ def write_tensors_(path: str, header: torch.Tensor, tensors: list[torch.Tensor],
 def _write_tensors_fake(path, header, tensors, offsets):
     torch._check(len(tensors) == len(offsets), lambda: "accel::write_tensors_: one offset per tensor")
     return None
+
+
+_effectful("accel::write_tensors_")
 
 
 def read_tensors_(path: str, offsets: list[int], outs: list[torch.Tensor]) -> None:

@@ -15,6 +15,14 @@ Variants, one of each per round in a rotated order (interleaved), the previous m
 Medians over rounds; ratios are medians of per-round ratios. The peak memory of one load is measured in a fresh
 process per loader (`peak_rss_growth_*` in extra_info: RSS peak minus RSS before the load).
 
+To GPU memory (`test_load_checkpoint_and_dispatch_to_gpu`, issue 25; skipped without a GPU): a checkpoint of
+ACCEL_BENCH_GPU_GIB (default 2) GiB of fp32 4096x4096 layers (one file) loaded with `device_map={"": 0}`:
+  - `accel`, `hf`: `load_checkpoint_and_dispatch` into a model built under `init_empty_weights`;
+  - `accel_in_place`, `hf_in_place`: `load_checkpoint_in_model` into a model already on the GPU (accel's native
+    reader streams the file into GPU memory through pinned buffers: the op-level column);
+  - limits: `read_limit` (the file read once into host memory already faulted in) and `h2d` (those bytes, pinned,
+    copied once into GPU memory allocated before).
+
 Run: .venv/bin/pytest benchmarks/bench_big_model.py --benchmark-only -p no:cacheprovider -s
 (`make bench-big-model` also writes docs/benchmarks/big_model.md through benchmarks/report/big_model.py.)
 ACCEL_BENCH_ROUNDS: rounds (default 7).
@@ -171,3 +179,143 @@ def test_load_checkpoint_and_dispatch(benchmark, checkpoint):
     benchmark.extra_info.update(case=case, bytes=loads.buffer.numel(), samples=samples, notice=notice, **stats, **peaks)
     print(f"\n{case}: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
                                    for k, v in stats.items()))  # fmt: skip
+
+
+# --- to GPU memory (issue 25) -----------------------------------------------------------------------------------
+
+GPU_GIB = float(os.environ.get("ACCEL_BENCH_GPU_GIB", "2"))
+GPU_ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
+
+
+def make_gpu_model(device: str = "cuda") -> torch.nn.Module:
+    layers = max(1, round(GPU_GIB * 16))  # 64 MiB each
+    return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False, device=device) for _ in range(layers)])
+
+
+def load_to_gpu(library: str, folder: str) -> torch.nn.Module:
+    if library == "hf":
+        from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    else:
+        from accel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+    with init_empty_weights():
+        model = make_gpu_model("cpu")
+    model = load_checkpoint_and_dispatch(model, folder, device_map={"": 0})
+    torch.cuda.synchronize()
+    return model
+
+
+def load_in_place(library: str, model: torch.nn.Module, folder: str) -> None:
+    if library == "hf":
+        from accelerate.utils import load_checkpoint_in_model
+    else:
+        from accel.checkpoint import load_checkpoint_in_model
+    load_checkpoint_in_model(model, folder, strict=True)
+    torch.cuda.synchronize()
+
+
+class GpuLoads:
+    """The variants; each frees what the previous one loaded (untimed), then times one load."""
+
+    def __init__(self, folder: str, expected: dict[str, torch.Tensor]) -> None:
+        self.folder, self.expected, self.loaded = folder, expected, None
+        self.files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        size = sum(os.path.getsize(f) for f in self.files)
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.host.fill_(0)
+        self.device_buffer = torch.empty(size, dtype=torch.uint8, device="cuda")
+        self.target = make_gpu_model()  # the in-place loads' destination
+
+    def timed(self, load) -> float:
+        self.loaded = None
+        gc.collect()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.loaded = load()
+        return time.perf_counter() - start
+
+    def check(self, model: torch.nn.Module) -> None:
+        """The loaded weights are the checkpoint's, bit for bit (untimed, once per variant)."""
+        state = model.state_dict()
+        assert all(state[n].is_cuda and torch.equal(state[n], t) for n, t in self.expected.items())
+
+    def accel(self) -> float:
+        return self.timed(lambda: load_to_gpu("accel", self.folder))
+
+    def hf(self) -> float:
+        return self.timed(lambda: load_to_gpu("hf", self.folder))
+
+    def accel_in_place(self) -> float:
+        return self.timed(lambda: load_in_place("accel", self.target, self.folder) or self.target)
+
+    def hf_in_place(self) -> float:
+        return self.timed(lambda: load_in_place("hf", self.target, self.folder) or self.target)
+
+    def read_limit(self) -> float:
+        def read_all():
+            view, done = memoryview(self.host.numpy()), 0
+            for path in self.files:
+                with open(path, "rb", buffering=0) as f:
+                    while (n := f.readinto(view[done : done + CHUNK])) > 0:
+                        done += n
+
+        return self.timed(read_all)
+
+    def h2d(self) -> float:
+        def copy():
+            self.device_buffer.copy_(self.host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        return self.timed(copy)
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint():
+    from accel.checkpoint import save_state_dict
+
+    root = os.environ.get("ACCEL_BENCH_DIR") or os.path.join(os.path.dirname(__file__), "..", "build")
+    os.makedirs(root, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="bench-big-model-gpu-", dir=root)
+    torch.manual_seed(0)
+    state = make_gpu_model().state_dict()
+    save_state_dict(state, folder, progress=False, durable=False)
+    yield folder, state
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_checkpoint_and_dispatch_to_gpu(benchmark, gpu_checkpoint):
+    folder, expected = gpu_checkpoint
+    loads = GpuLoads(folder, expected)
+    names = ["accel", "accel_in_place", "read_limit", "h2d"]
+    notice = None
+    try:
+        import accelerate  # noqa: F401
+
+        names += ["hf", "hf_in_place"]
+    except ImportError:
+        notice = "HF Accelerate is not installed: its variants are left out"
+    samples = {name: [] for name in names}
+    for name in names:  # warm-up (imports, pinned buffers, the page cache), and each result checked once
+        getattr(loads, name)()
+        if name not in ("read_limit", "h2d"):
+            loads.check(loads.loaded)
+    rounds = [0]
+
+    def one_round() -> None:
+        shift = rounds[0] % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(getattr(loads, name)())
+        rounds[0] += 1
+
+    benchmark.group = f"load_checkpoint_and_dispatch cuda {GPU_GIB:g}GiB"
+    benchmark.pedantic(one_round, rounds=GPU_ROUNDS, iterations=1)
+    loads.loaded = None
+    stats = {f"{name}_s": statistics.median(times) for name, times in samples.items()}
+    for slower, faster in (("hf", "accel"), ("hf_in_place", "accel_in_place"), ("read_limit", "accel"),
+                           ("h2d", "accel"), ("accel", "accel_in_place")):  # fmt: skip
+        if slower in samples and faster in samples:
+            stats[f"{slower}/{faster}"] = statistics.median(a / b for a, b in zip(samples[slower], samples[faster]))
+    benchmark.extra_info.update(case=f"cuda {GPU_GIB:g}GiB", device="cuda", gpu=torch.cuda.get_device_name(),
+                                bytes=loads.host.numel(), samples=samples, notice=notice, **stats)  # fmt: skip
+    print(f"\ncuda {GPU_GIB:g}GiB: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
+                                               for k, v in stats.items()))  # fmt: skip

@@ -17,6 +17,11 @@ and the memory's limits measured in the same run.
 `load 251MiB`: `load_checkpoint_in_model` (accel; HF's from accelerate.utils) into an existing model, and `raw_read`
   (the files read once into one buffer), from the page cache.
 
+`save_model cuda 2GiB` (issue 25; skipped without a GPU): the same modes and HF's `save_model` of a model whose
+  ACCEL_BENCH_GPU_GIB (default 2) GiB of fp32 weights live in GPU memory (one file: the default max_shard_size), with
+  the limits `d2h` (the weights copied once into pinned host memory allocated and faulted in before) and
+  `raw_write`/`raw_write_fsync` of those bytes; a ratio to HF above 1 is accel faster.
+
 Medians over rounds; a ratio is the median of the per-round ratios. pytest-benchmark's own column is the length of
 a whole round; the per-variant samples and medians are in each benchmark's `extra_info`
 (`benchmarks/report/checkpoint.py` turns the JSON into docs/benchmarks/checkpoint.md and its plot).
@@ -229,3 +234,80 @@ def test_load_checkpoint_in_model(benchmark, workdir):
         notice = None
     run_rounds(benchmark, "load 251MiB", runs, (("hf", "accel"), ("raw_read", "accel")), bytes=nbytes(model),
                notice=notice)  # fmt: skip
+
+
+# --- from GPU memory (issue 25) ---------------------------------------------------------------------------------
+
+GPU_GIB = float(os.environ.get("ACCEL_BENCH_GPU_GIB", "2"))
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_gpu_model(gib: float = GPU_GIB) -> torch.nn.Module:
+    """fp32 Linear layers of 4096x4096 (64 MiB each, no bias), `gib` GiB in all, built in GPU memory."""
+    torch.manual_seed(0)
+    layers = max(1, round(gib * 16))
+    return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False, device="cuda") for _ in range(layers)])
+
+
+def device_to_host(model: torch.nn.Module, host: torch.Tensor) -> None:
+    """Every weight copied once into `host` (pinned, one buffer): what any save must move off the GPU."""
+    offset = 0
+    for tensor in model.state_dict().values():
+        n = tensor.numel() * tensor.element_size()
+        host[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+        offset += n
+    torch.cuda.synchronize()
+
+
+def gpu_save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | None]:
+    from accel.accelerator import Accelerator
+    from accel.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # after the CPU cases' Accelerator(cpu=True)
+    GradientState._reset_state()
+    accelerator = Accelerator()
+    assert accelerator.device.type == "cuda"
+    host = torch.empty(nbytes(model), dtype=torch.uint8, pin_memory=True)
+    host.fill_(0)  # faulted in
+    out = {name: os.path.join(folder, f"gpu-{name}") for name in ("accel", "async", "durable", "hf", "raw")}
+
+    def synced(call):
+        def run():
+            torch.cuda.synchronize()  # the model's weights are ready, as after an optimizer step
+            call()
+        return run
+
+    runs = {
+        "accel": lambda: timed(synced(lambda: accelerator.save_model(model, out["accel"])), "accel", True),
+        "accel_async": lambda: timed(synced(lambda: accelerator.save_model(model, out["async"], async_save=True)),
+                                     "accel_async", True),  # fmt: skip
+        "accel_durable": lambda: timed(synced(lambda: accelerator.save_model(model, out["durable"], durable=True)),
+                                       "accel_durable"),  # fmt: skip
+        "d2h": lambda: timed(synced(lambda: device_to_host(model, host)), "d2h"),
+        "raw_write": lambda: timed(lambda: raw_write(out["raw"], host, sync=False), "raw_write", fresh=out["raw"]),
+        "raw_write_fsync": lambda: timed(lambda: raw_write(out["raw"], host, sync=True), "raw_write_fsync",
+                                         fresh=out["raw"]),  # fmt: skip
+    }
+    accelerate = hf_accelerate()
+    if accelerate is None:
+        return runs, "HF Accelerate is not installed: its variant is left out"
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    hf = accelerate.Accelerator()
+    assert hf.device.type == "cuda"
+    runs["hf"] = lambda: timed(synced(lambda: hf.save_model(model, out["hf"])), "hf")
+    return runs, None
+
+
+GPU_SAVE_RATIOS = (("hf", "accel"), ("hf", "accel_async"), ("hf", "accel_durable"), ("d2h", "accel"),
+                   ("raw_write", "accel"), ("raw_write_fsync", "accel_durable"), ("d2h", "accel_async"))  # fmt: skip
+
+
+@needs_cuda
+def test_save_model_from_gpu(benchmark, workdir):
+    model = make_gpu_model()
+    runs, notice = gpu_save_variants(model, workdir)
+    try:
+        run_rounds(benchmark, f"save_model cuda {GPU_GIB:g}GiB", runs, GPU_SAVE_RATIOS, bytes=nbytes(model), shards=1,
+                   device="cuda", gpu=torch.cuda.get_device_name(), filesystem=workdir, notice=notice)  # fmt: skip
+    finally:
+        settle()

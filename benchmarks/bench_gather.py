@@ -19,6 +19,11 @@ The ratio HF/accel is the median over rounds of each round's ratio (interleaved 
 machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way.
 Everything lands in each benchmark's `extra_info` (benchmarks/report/gather.py reads it); pytest-benchmark's
 own statistics are those of one whole round.
+
+`test_pad_then_gather_one_gpu` (issue 25) runs without a launcher, in one process on a GPU, as a sanity point: the
+same public calls of both libraries on a CUDA tensor (each batch of calls ends with `torch.cuda.synchronize()`),
+against a copy of the payload on the GPU. One process has nothing to exchange: both should return the tensor as
+it is, so this measures what each library costs a single-GPU user per call.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from accel.collectives.transport import TorchDistributedTransport
 from accel.collectives.transport_selection import select_transport, using_transport
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
-pytestmark = pytest.mark.skipif(WORLD_SIZE < 2, reason="run under `accel launch --num_processes N` (see docstring)")
+multi_rank = pytest.mark.skipif(WORLD_SIZE < 2, reason="run under `accel launch --num_processes N` (see docstring)")
+one_gpu = pytest.mark.skipif(WORLD_SIZE != 1 or not torch.cuda.is_available(), reason="one process with a GPU")
 
 PAYLOADS = {"64B": 64, "4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "32MiB": 32 << 20}
 # (rounds, calls per contender and round): the same on every rank, so every rank runs the same collectives.
@@ -78,15 +84,16 @@ def timed(fn: Callable[[], object], calls: int) -> float:
 class Interleaved:
     """Times contenders round after round, alternating their order; the same calls on every rank."""
 
-    def __init__(self, contenders: dict[str, Callable[[], object]], calls: int):
-        self.contenders, self.calls = contenders, calls
+    def __init__(self, contenders: dict[str, Callable[[], object]], calls: int,
+                 timer: Callable[[Callable[[], object], int], float] = timed):  # fmt: skip
+        self.contenders, self.calls, self.timer = contenders, calls, timer
         self.times: dict[str, list[float]] = {name: [] for name in contenders}
         self.rounds = 0
 
     def round(self) -> None:
         names = list(self.contenders)
         for name in names if self.rounds % 2 == 0 else reversed(names):
-            self.times[name].append(timed(self.contenders[name], self.calls))
+            self.times[name].append(self.timer(self.contenders[name], self.calls))
         self.rounds += 1
 
     def summary(self, versus: str, against: list[str]) -> dict:
@@ -112,6 +119,7 @@ def _gathers_match(state, tensor, hf) -> None:
     assert torch.equal(ours, theirs.to(ours.dtype)) and ours.dtype == tensor.dtype
 
 
+@multi_rank
 @pytest.mark.parametrize("name", list(PAYLOADS))
 def test_pad_then_gather(benchmark, state, name):
     from accel import ops
@@ -160,6 +168,7 @@ def _eval_pass(loader, gather_for_metrics) -> torch.Tensor:
     return torch.cat(labels)
 
 
+@multi_rank
 def test_gather_for_metrics_eval_pass(benchmark, state):
     import accel
 
@@ -187,3 +196,43 @@ def test_gather_for_metrics_eval_pass(benchmark, state):
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
     benchmark.extra_info.update(world_size=WORLD_SIZE, rows=EVAL_ROWS, batch_size=EVAL_BATCH,
                                 **runs.summary("accel", ["hf", "reference", "limit"]))
+
+
+# --- one process on a GPU (issue 25) -----------------------------------------------------------------------------
+
+
+def timed_on_gpu(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of `fn` over `calls` calls, the GPU's queued work included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+@one_gpu
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_pad_then_gather_one_gpu(benchmark, name):
+    from accel.state import PartialState
+
+    hf = hf_accelerate()
+    PartialState._reset_state()
+    PartialState()
+    hf.state.PartialState._reset_state()
+    hf.PartialState()
+    tensor = torch.ones(PAYLOADS[name], dtype=torch.uint8, device="cuda")
+    ours, theirs = gather(pad_across_processes(tensor)), hf.utils.gather(hf.utils.pad_across_processes(tensor))
+    assert ours.is_cuda and torch.equal(ours, theirs)
+    _, calls = REPEATS[name]
+    runs = Interleaved({
+        "limit": lambda: torch.empty_like(tensor).copy_(tensor),
+        "accel": lambda: gather(pad_across_processes(tensor)),
+        "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
+    }, calls, timer=timed_on_gpu)  # fmt: skip
+    runs.round()  # warm-up, not recorded
+    runs.times = {contender: [] for contender in runs.times}
+    benchmark.group = "pad_across_processes + gather, 1 GPU"
+    benchmark.pedantic(runs.round, rounds=9, iterations=1)
+    benchmark.extra_info.update(world_size=1, device="cuda", gpu=torch.cuda.get_device_name(), payload=name,
+                                calls_per_round=calls, **runs.summary("accel", ["hf", "limit"]))  # fmt: skip

@@ -263,6 +263,105 @@ def test_clip_grad_norm_after_backward_matches_torchs_unscale_and_clip(param_dty
             torch.testing.assert_close(ours, theirs.grad, rtol=rtol, atol=atol)
 
 
+# --- one GPU ------------------------------------------------------------------------------------------------------
+
+
+def _reset_hf():
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerate.state.GradientState._reset_state()
+
+
+def _fresh(library, mixed_precision):
+    """A new Accelerator of accel or of HF Accelerate 1.15 (`library`), its singletons reset first."""
+    if library == "accel":
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        return Accelerator(mixed_precision=mixed_precision)
+    _reset_hf()
+    import accelerate
+
+    return accelerate.Accelerator(mixed_precision=mixed_precision)
+
+
+def _gpu_steps(library, mixed_precision, overflow_at=None, steps=8, max_norm=1e9):
+    """Training steps of make_model on the GPU through `library`'s Accelerator: what each step saw and did."""
+    accelerator = _fresh(library, mixed_precision)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert accelerator.device.type == "cuda" and all(p.is_cuda for p in model.parameters())
+    inputs, targets = (t.to(accelerator.device) for t in global_batches(count=4))
+    seen, record = [], {"losses": [], "norms": [], "skipped": [], "scales": []}
+    accelerator.unwrap_model(model)[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    for step in range(steps):
+        loss = torch.nn.functional.mse_loss(model(inputs[step % 4]), targets[step % 4])
+        record["losses"].append(loss.item())
+        if step == overflow_at:
+            loss = loss * float("inf")
+        accelerator.backward(loss)
+        record["norms"].append(accelerator.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        record["skipped"].append(accelerator.optimizer_step_was_skipped)
+        record["scales"].append(accelerator.scaler.get_scale() if accelerator.scaler is not None else None)
+    record["computed_in"] = set(seen)
+    record["parameters"] = [p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()]
+    if library != "accel":
+        _reset_hf()  # as a new process has them
+    return record
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixed_precision,overflow_at", [("bf16", None), ("fp16", None), ("fp16", 3)])
+def test_a_gpu_training_step_matches_hf_accelerate(mixed_precision, overflow_at):
+    """Steps on one GPU through Accelerator(mixed_precision=...) give what HF Accelerate 1.15's give: the same
+    losses and parameters bit for bit (max_norm is not reached: unscaled gradients are bit-identical, so every
+    update is), the same skipped step and loss scales, norms to fp32 rounding; fp16 goes through the fused
+    CUDA kernels when the build has them."""
+    from unittest import mock
+
+    from accel import _ext, ops
+
+    with mock.patch.object(ops, "unscale_grads_", wraps=ops.unscale_grads_) as fused:
+        ours = _gpu_steps("accel", mixed_precision, overflow_at)
+    theirs = _gpu_steps("hf", mixed_precision, overflow_at)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+    assert ours["computed_in"] == theirs["computed_in"] == {dtype}
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=0, atol=0)
+    assert ours["skipped"] == theirs["skipped"] == [step == overflow_at for step in range(8)]
+    assert ours["scales"] == theirs["scales"]
+    assert (ours["scales"][0] is not None) == (mixed_precision == "fp16")
+    torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-5, atol=0,
+                               equal_nan=True)  # fmt: skip
+    for a, b in zip(ours["parameters"], theirs["parameters"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert sum(ours["losses"][-2:]) < sum(ours["losses"][:2])  # it trained
+    if mixed_precision == "fp16" and _ext.status().cuda_kernels:
+        assert fused.call_count >= 8 and all(call.args[1].is_cuda for call in fused.call_args_list)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_fp16_on_a_gpu_trains_fp16_and_bf16_parameters(param_dtype):
+    """torch's GradScaler refuses fp16 gradients on a GPU, and its CUDA unscale has no bf16 (HF fails on both);
+    accel unscales and clips them."""
+    accelerator = _fresh("accel", "fp16")
+    model = make_model().to(param_dtype)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    inputs, targets = (t.to(accelerator.device) for t in global_batches(count=4))
+    losses, norms = [], []
+    for step in range(30):
+        loss = torch.nn.functional.mse_loss(model(inputs[step % 4].to(param_dtype)), targets[step % 4])
+        accelerator.backward(loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(p.is_cuda and p.dtype == param_dtype for p in model.parameters())
+    assert all(torch.isfinite(torch.tensor(losses))) and all(0 < n < float("inf") for n in norms)
+    assert sum(losses[-4:]) < 0.8 * sum(losses[:4])
+
+
 # --- the seams ---------------------------------------------------------------------------------------------------
 
 

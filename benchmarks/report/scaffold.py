@@ -57,12 +57,13 @@ def quartile_ratio(ratio: dict | None, digits: int = 1) -> str:
     return f"{ratio['median']:.{digits}f}× ({ratio['q1']:.{digits}f}–{ratio['q3']:.{digits}f})"
 
 
-def per_round_ratio(slower: list[float] | None, faster: list[float] | None) -> dict | None:
-    """The median and quartiles of slower/faster over rounds in which both were measured, or None."""
+def per_round_ratio(slower: list[float] | None, faster: list[float] | None, method: str = "exclusive") -> dict | None:
+    """The median and quartiles of slower/faster over rounds in which both were measured, or None. `method`: as
+    `statistics.quantiles` ("inclusive" keeps the quartiles of a few rounds within the values measured)."""
     if not slower or not faster:
         return None
     pairs = sorted(a / b for a, b in zip(slower, faster))
-    q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (pairs[0],) * 3
+    q1, _, q3 = statistics.quantiles(pairs, n=4, method=method) if len(pairs) > 1 else (pairs[0],) * 3
     return {"median": statistics.median(pairs), "q1": q1, "q3": q3}
 
 

@@ -233,6 +233,53 @@ def test_a_split_over_the_gpu_the_cpu_and_the_disk(tmp_path):
     torch.testing.assert_close(result, outputs(original), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [gpt2, llama], ids=["gpt2", "llama"])
+def test_auto_spreads_over_the_gpu_the_cpu_and_the_disk(tmp_path, family):
+    """device_map="auto" with room for half the model on the GPU (less the largest block, kept for offloaded ones)
+    and a quarter in RAM: every tensor placed on the GPU holds the checkpoint's bits, offloaded ones come to the GPU
+    for their forward, outputs come back where the input was (CPU or GPU) and equal the original's."""
+    config, cls, no_split = family()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    saved = {name: t.clone() for name, t in original.state_dict().items()}
+    with init_empty_weights():
+        model = cls(config)
+    size = compute_module_sizes(model)[""]
+    budget = {0: size // 2, "cpu": size // 4, "disk": 10**10}
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto", max_memory=budget,
+                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload")
+    model.eval()
+    assert set(model.hf_device_map.values()) == {0, "cpu", "disk"}
+    on_gpu = {name: t for name, t in model.state_dict().items() if t.is_cuda}
+    assert on_gpu and all(torch.equal(t.cpu(), saved[name]) for name, t in on_gpu.items())
+    expected = outputs(original)
+    result = outputs(model)
+    assert result.device.type == "cpu"
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        on_device = model(torch.arange(24, device="cuda").reshape(2, 12) % 500)
+    on_device = on_device.logits if hasattr(on_device, "logits") else on_device.last_hidden_state
+    assert on_device.is_cuda
+    torch.testing.assert_close(on_device.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_auto_puts_a_model_that_fits_on_the_gpu_whole(tmp_path):
+    config, cls, no_split = gpt2()
+    torch.manual_seed(0)
+    original = cls(config).eval()
+    original.save_pretrained(tmp_path / "ckpt")
+    with init_empty_weights():
+        model = cls(config)
+    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto",
+                                         no_split_module_classes=no_split).eval()  # fmt: skip
+    assert set(model.hf_device_map.values()) == {0}
+    assert all(t.is_cuda for t in model.state_dict().values())
+    assert all(torch.equal(t.cpu(), original.state_dict()[name]) for name, t in model.state_dict().items())
+
+
 def test_a_bin_checkpoint_loads_with_weights_only(tmp_path):
     config, cls, no_split = gpt2()
     torch.manual_seed(3)

@@ -182,3 +182,48 @@ def test_temporary_files_of_a_killed_save_are_removed_by_the_next(tmp_path):
     link.symlink_to(tmp_path / "model.safetensors")
     save_state_dict(torch.nn.Linear(2, 2).state_dict(), tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, link.name, "model.safetensors"])
+
+
+def bits(model) -> dict[str, torch.Tensor]:
+    """Every tensor of the state dict on the CPU, as bytes (bit-exact comparisons)."""
+    return {name: t.detach().cpu().reshape(-1).view(torch.uint8) for name, t in model.state_dict().items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{}, {"durable": True}, {"async_save": True}], ids=["default", "durable", "async"])
+def test_a_gpu_model_saves_and_loads_back_on_the_gpu_bit_for_bit(tmp_path, mode):
+    """save_model of a model on the GPU in each save mode (durable: the native writer streams GPU memory through
+    its pinned buffers; async: the pinned snapshot), into files transformers reads; then load_checkpoint_in_model
+    into a GPU model (the native reader's pipeline, straight into GPU memory) and load_checkpoint_and_dispatch
+    onto the GPU: the same bits. The embedding (30 MiB) spans several of the pipeline's 8 MiB chunks."""
+    from accel.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=30011, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval().cuda()
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.bias.copy_(torch.randn(3 * 256) * 1e-40)  # subnormals survive too
+    accelerator = Accelerator()
+    assert accelerator.device.type == "cuda"
+    accelerator.save_model(model, tmp_path / "ckpt", max_shard_size="20MB", **mode)
+    accelerator.wait_for_checkpoint()
+    assert len([f for f in os.listdir(tmp_path / "ckpt") if f.endswith(".safetensors")]) >= 2
+    model.config.save_pretrained(tmp_path / "ckpt")
+    from_transformers = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt").eval()
+    expected = bits(model)
+    assert all(torch.equal(t, expected[n]) for n, t in bits(from_transformers).items())
+
+    torch.manual_seed(1)
+    target = transformers.GPT2LMHeadModel(config).eval().cuda()
+    load_checkpoint_in_model(target, tmp_path / "ckpt", strict=True)
+    assert all(torch.equal(t, expected[n]) for n, t in bits(target).items())
+    assert target.lm_head.weight is target.transformer.wte.weight  # still tied
+
+    with init_empty_weights():
+        dispatched = transformers.GPT2LMHeadModel(config)
+    dispatched = load_checkpoint_and_dispatch(dispatched, tmp_path / "ckpt", device_map={"": 0}).eval()
+    assert all(t.is_cuda for t in dispatched.state_dict().values())
+    assert all(torch.equal(t, expected[n]) for n, t in bits(dispatched).items())
+    tokens = torch.arange(12, device="cuda").reshape(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(dispatched(tokens).logits, model(tokens).logits)

@@ -309,3 +309,23 @@ def test_gpu_tensors_stream_through_the_pinned_buffers(tmp_path):
     targets = {"big": torch.empty(7_000_001, device="cuda"), "half": torch.empty(3_000_000, dtype=torch.half, device="cuda")}
     io.read_into(header, targets)
     assert all(same(targets[n].cpu(), tensors[n].cpu()) for n in targets)
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("durable", [True, False])
+def test_gpu_tensors_of_every_dtype_and_layout_make_the_same_file_as_cpu_tensors(tmp_path, durable):
+    """The native writer's GPU path (durable) and the copy to the CPU (not durable) write byte for byte the file
+    the CPU tensors make; the native reader fills GPU tensors of every dtype with the same bits."""
+    tensors = sample_tensors()
+    on_gpu = {name: t.cuda() for name, t in tensors.items()}
+    io.save_file(tensors, tmp_path / "cpu.safetensors", durable=durable)
+    io.save_file(on_gpu, tmp_path / "gpu.safetensors", durable=durable)
+    assert (tmp_path / "gpu.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()
+    header = io.read_header(tmp_path / "gpu.safetensors")
+    targets = {name: torch.empty(info.shape, dtype=info.dtype, device="cuda") for name, info in header.tensors.items()}
+    io.read_into(header, targets)
+    assert all(same(targets[name].cpu(), tensors[name]) for name in tensors)
+    converted = {"big": torch.empty(300_000, dtype=torch.float64, device="cuda")}  # another dtype: through the CPU
+    io.read_into(header, converted)
+    assert torch.equal(converted["big"].cpu(), tensors["big"].double())

@@ -40,13 +40,23 @@ def inject(grads, value, where, generator):
 
 
 def torch_unscale(grads, inv_scale, found_inf_init=0.0):
-    """torch._amp_foreach_non_finite_check_and_unscale_ per dtype (it takes one dtype per call)."""
+    """torch._amp_foreach_non_finite_check_and_unscale_ per dtype (it takes one dtype per call). torch's CUDA kernel
+    has no bf16: bf16 GPU grads are unscaled by its CPU kernel (the same fp32 arithmetic) and copied back."""
     grads = [g.clone() for g in grads]
-    found_inf = torch.full((), found_inf_init, device=grads[0].device if grads else "cpu")
-    inv = torch.tensor(inv_scale, device=found_inf.device)
+    device = grads[0].device if grads else torch.device("cpu")
+    found_inf = torch.full((), found_inf_init, device=device)
+    inv = torch.tensor(inv_scale, device=device)
     for dtype in DTYPES:
         group = [g for g in grads if g.dtype == dtype]
-        if group:
+        if not group:
+            continue
+        if dtype == torch.bfloat16 and device.type == "cuda":
+            on_cpu, cpu_inf = [g.cpu() for g in group], found_inf.cpu()
+            torch._amp_foreach_non_finite_check_and_unscale_(on_cpu, cpu_inf, inv.cpu())
+            for g, unscaled in zip(group, on_cpu):
+                g.copy_(unscaled)
+            found_inf.copy_(cpu_inf)
+        else:
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
     return grads, found_inf
 
@@ -344,7 +354,60 @@ def test_cuda_bf16_unscale_matches_the_cpu_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.native_cuda
-@pytest.mark.parametrize("norm", [0.5, 1e4, float("nan")])
+@pytest.mark.parametrize("kind", ["tiny", "large", "mixed"])
+@pytest.mark.parametrize("inv_scale", INV_SCALES)
+def test_cuda_unscale_matches_torch_in_every_dtype(kind, inv_scale):
+    """fp32, fp16 and bf16 in one list, as a model's gradients can be (bf16 against torch's CPU kernel)."""
+    grads = gradient_set(kind, DTYPES, torch.Generator().manual_seed(18), device="cuda")
+    assert check_parity(grads, inv_scale) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", ["first", "last", "middle"])
+def test_cuda_inf_and_nan_set_found_inf_in_every_dtype(dtype, value, where):
+    generator = torch.Generator().manual_seed(hash((str(value), where, str(dtype))) % 1000)
+    for kind in ("tiny", "large", "mixed"):
+        grads = gradient_set(kind, [dtype], generator, device="cuda")
+        inject(grads, value, where, generator)
+        assert check_parity(grads, 2.0**-10) == 1.0
+        assert check_parity(grads, 1.0) == 1.0  # the read-only pass (a clip without loss scaling) sees it too
+        assert check_parity(grads, 2.0**-10, found_inf_init=1.0) == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_unscale_then_clip_grad_norm_matches_torch(dtype):
+    """The fused path of accelerator.clip_grad_norm_ (unscale measuring the norm, then the clip) on GPU gradients,
+    against torch's unscale then clip_grad_norm_(foreach=True) (on the CPU for bf16)."""
+    generator = torch.Generator().manual_seed(19)
+    scaled = [g / 1000 * 2.0**10 for g in gradient_set("mixed", [dtype], generator, device="cuda")]
+    ours = [torch.nn.Parameter(torch.empty_like(g)) for g in scaled]
+    for p, g in zip(ours, scaled):
+        p.grad = g.clone()
+    found_inf = torch.zeros((), device="cuda")
+    measured = grad_ops.unscale_([p.grad for p in ours], found_inf, torch.tensor(2.0**-10, device="cuda"))
+    assert len(measured) == len(ours)  # every gradient went through the kernel
+    norm = grad_ops.clip_grad_norm_(ours, 0.5, measured=measured)
+    reference_device = "cpu" if dtype == torch.bfloat16 else "cuda"
+    expected_grads, expected_inf = torch_unscale([g.to(reference_device) for g in scaled], 2.0**-10)
+    theirs = [torch.nn.Parameter(torch.empty_like(g)) for g in expected_grads]
+    for p, g in zip(theirs, expected_grads):
+        p.grad = g
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 0.5, foreach=reference_device == "cuda" or None)
+    rtol = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype]
+    assert found_inf.item() == expected_inf.item() == 0.0 and norm.dtype == torch.float32 and norm.is_cuda
+    torch.testing.assert_close(norm.cpu(), expected.float().cpu(), rtol=rtol, atol=0)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad.cpu(), b.grad.cpu(), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("norm", [0.5, 3.0, 1e4, float("inf"), float("nan")])
 def test_cuda_clip_matches_torch(norm):
     grads = gradient_set("mixed", [torch.float32, torch.float16, torch.bfloat16], torch.Generator().manual_seed(14),
                          device="cuda")  # fmt: skip

@@ -2,7 +2,8 @@
 
 The ops are read from the dispatcher, not listed here, so an op added to csrc/ops.cpp cannot skip this: one without
 samples in SAMPLES fails `test_every_op_has_samples`. The op-specific files compare each op with its pure-torch
-reference; CUDA opchecks live there too (tests marked gpu).
+reference. On a GPU (tests marked gpu), every op with a CUDA kernel is opchecked on the same samples moved there.
+At the end: the ops with kernels under torch.compile, against their eager results.
 """
 
 from __future__ import annotations
@@ -219,3 +220,146 @@ def test_opcheck(op_name, resources):
     assert samples, f"{op_name}: no samples"
     for sample in samples:
         torch.library.opcheck(getattr(torch.ops.accel, op_name).default, sample.args, test_utils=sample.checks)
+
+
+# --- on the GPU ------------------------------------------------------------------------------------------------------
+
+# The ops with CUDA kernels (csrc/cuda/*.cu); test_every_cuda_kernel_is_checked keeps this list true.
+CUDA_OPS = ("clip_grads_", "pad_into", "read_tensors_", "unscale_grads_", "write_tensors_")
+
+
+def on_cuda(op_name: str, sample: Sample) -> Sample:
+    """The sample with every tensor on the GPU, except write_tensors_'s header (the op takes it on the CPU)."""
+
+    def move(value, position):
+        if isinstance(value, list):
+            return [move(item, None) for item in value]
+        if isinstance(value, torch.Tensor) and not (op_name == "write_tensors_" and position == 1):
+            return value.cuda()
+        return value
+
+    return Sample(tuple(move(value, i) for i, value in enumerate(sample.args)), sample.checks)
+
+
+@pytest.mark.native_cuda
+def test_every_cuda_kernel_is_checked():
+    from accel import _ext
+
+    assert [op for op in registered_ops() if _ext.has_kernel(op, "CUDA")] == list(CUDA_OPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("op_name", CUDA_OPS)
+def test_opcheck_on_cuda(op_name, resources):
+    for sample in SAMPLES[op_name](resources):
+        moved = on_cuda(op_name, sample)
+        torch.library.opcheck(getattr(torch.ops.accel, op_name).default, moved.args, test_utils=moved.checks)
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------------------
+# Each op with a kernel in a compiled function (fullgraph: no graph break) gives what it gives eagerly, bit for bit.
+# The CPU runs aot_eager (functionalization and the fake kernels, what every backend starts from); the GPU inductor.
+
+COMPILERS = [
+    pytest.param("cpu", "aot_eager", id="cpu-aot_eager"),
+    pytest.param("cuda", "inductor", id="cuda-inductor", marks=[pytest.mark.gpu, pytest.mark.native_cuda]),
+]
+
+
+def compiled(fn: Callable, backend: str) -> Callable:
+    import torch._inductor.config
+
+    torch._dynamo.reset()  # no graph of an earlier test (another device, another backend) is reused
+    compiled_fn = torch.compile(fn, backend=backend, fullgraph=True)
+
+    def run(*args):
+        # Compiled in this process: a pool of compile workers would outlive the test (conftest fails a test for it).
+        with torch._inductor.config.patch(compile_threads=1):
+            return compiled_fn(*args)
+
+    return run
+
+
+def _pad_both_ways(src, out_last, out_first):
+    ops.pad_into(src, 1, -1.5, False, out_last)
+    ops.pad_into(src, 0, 7, True, out_first)
+    return out_last.sum(dtype=torch.float64)
+
+
+def _unscale_then_clip(grads, found_inf, inv_scale, sq_norms, total_norm):
+    ops.unscale_grads_(grads, found_inf, inv_scale, sq_norms)
+    ops.clip_grads_(grads, total_norm, 0.5)
+    return sq_norms * 1
+
+
+def _run_twice(fn: Callable, make_args: Callable, backend: str) -> tuple:
+    """(eager arguments after the call, its result), (compiled arguments after the call, its result)."""
+    eager_args, compiled_args = make_args(), make_args()
+    return (eager_args, fn(*eager_args)), (compiled_args, compiled(fn, backend)(*compiled_args))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        as_bytes = [t.reshape(-1).view(torch.uint8) for t in (a, b)]
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(*as_bytes)
+    return a == b
+
+
+@pytest.mark.parametrize("device,backend", COMPILERS)
+def test_pad_into_under_torch_compile(device, backend):
+    generator = torch.Generator().manual_seed(30)
+    src = torch.randn(37, 101, generator=generator).to(device)
+
+    def make_args():
+        return src.clone(), torch.empty(37, 130, device=device), torch.empty(40, 101, device=device)
+
+    (eager_args, eager), (compiled_args, result) = _run_twice(_pad_both_ways, make_args, backend)
+    assert _same(compiled_args, eager_args) and _same(result, eager)
+
+
+@pytest.mark.parametrize("device,backend", COMPILERS)
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_unscale_and_clip_under_torch_compile(device, backend, poison):
+    grads = [g.to(device) for g in _grads(31)]
+    if poison is not None:
+        grads[4][1234] = poison
+
+    def make_args():
+        copies = [g.clone() for g in grads]
+        return (copies, torch.zeros((), device=device), torch.tensor(0.25, device=device),
+                torch.empty(len(copies), dtype=torch.float64, device=device), torch.tensor(40.0, device=device))
+
+    (eager_args, eager), (compiled_args, result) = _run_twice(_unscale_then_clip, make_args, backend)
+    assert _same(compiled_args[:2], eager_args[:2]) and _same(result, eager)
+    assert compiled_args[1].item() == (0.0 if poison is None else 1.0)
+
+
+def _write(path, header, tensors, offsets):
+    ops.write_tensors_(path, header, tensors, offsets)
+    return tensors[0] * 1  # an output: dynamo compiles no graph for a function without tensor work
+
+
+def _read(path, offsets, outs):
+    ops.read_tensors_(path, offsets, outs)
+    return outs[0] * 1
+
+
+@pytest.mark.parametrize("device,backend", COMPILERS)
+def test_file_ops_under_torch_compile(device, backend, tmp_path):
+    """The write, which has neither an output nor a mutated input, is kept (it is registered as effectful)."""
+    res = Resources(tmp_path)
+    try:
+        path, header, tensor = _safetensors_file(res)
+    finally:
+        res.close()
+    compiled(_write, backend)(path, header, [tensor.to(device)], [0])
+    assert os.path.getsize(path) == header.numel() + tensor.numel() * 4, "the compiled program did not write"
+    eager = torch.empty(5, device=device)
+    ops.read_tensors_(path, [header.numel()], [eager])
+    assert _same(eager.cpu(), tensor)
+    out = torch.empty(5, device=device)
+    result = compiled(_read, backend)(path, [header.numel()], [out])
+    assert _same(out, eager) and _same(result, eager)

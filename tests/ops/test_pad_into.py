@@ -145,3 +145,43 @@ def test_cuda_matches_reference(dtype):
         torch.ops.accel.pad_into(src, dim, 1, pad_first, out)
         assert same_bits(out.cpu(), pad_reference(src.cpu(), dim, size, 1, pad_first))
         torch.library.opcheck(torch.ops.accel.pad_into.default, (src, dim, 1, pad_first, out))
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_matches_reference_in_every_case(dtype):
+    """Every shape, dim, side, extra size and pad value of the CPU test above, on the GPU, against the reference;
+    through the op and through pad_tensor (the padded gather's pack step), which takes the kernel on a GPU."""
+    generator = torch.Generator().manual_seed(0)
+    for shape, case_dtype, dim, pad_first in cases():
+        if case_dtype != dtype:
+            continue
+        src = random_tensor(shape, dtype, generator)
+        for extra in (0, 1, 3):
+            size = shape[dim] + extra
+            for pad_value in PAD_VALUES.get(dtype, [0, -1, 2.5] if dtype.is_floating_point else [0, -1]):
+                expected = pad_reference(src, dim, size, pad_value, pad_first)
+                shape_out = list(shape)
+                shape_out[dim] = size
+                out = torch.empty(shape_out, dtype=dtype, device="cuda")
+                torch.ops.accel.pad_into(src.cuda(), dim, pad_value, pad_first, out)
+                assert same_bits(out.cpu(), expected), (shape, dim, pad_first, extra, pad_value)
+                assert same_bits(pad_tensor(src.cuda(), dim, size, pad_value, pad_first).cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.native_cuda
+def test_cuda_reads_non_contiguous_src_writes_into_a_view_and_strides_over_a_large_grid():
+    src = torch.arange(24, dtype=torch.int32, device="cuda").view(4, 6).t()  # non-contiguous (6, 4)
+    buffer = torch.full((100,), 99, dtype=torch.int32, device="cuda")
+    out = buffer[10:10 + 6 * 7].view(6, 7)
+    torch.ops.accel.pad_into(src, 1, -5, True, out)
+    assert same_bits(out.cpu(), pad_reference(src.cpu(), 1, 7, -5, True))
+    assert (buffer[:10] == 99).all() and (buffer[52:] == 99).all()
+    # More elements than the grid's threads (32 blocks of 256 per SM): each thread pads several.
+    big = torch.randn(3, 1_000_003, generator=torch.Generator().manual_seed(5))
+    for dim, size in ((0, 5), (1, 1_200_000)):
+        for pad_first in (False, True):
+            padded = pad_tensor(big.cuda(), dim, size, float("nan"), pad_first)
+            assert same_bits(padded.cpu(), pad_reference(big, dim, size, float("nan"), pad_first))
