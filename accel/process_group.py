@@ -9,6 +9,7 @@ others raise instead of hanging.
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import time
 from datetime import timedelta
@@ -106,14 +107,21 @@ def start_process_group(backend: str, timeout: timedelta | None, device: torch.d
         share_memory_in_default_group()
 
 
+# torch.distributed.barrier takes a timeout from torch 2.12 on; before, the group's own timeout bounds it.
+_BARRIER_TAKES_TIMEOUT = "timeout" in inspect.signature(dist.barrier).parameters
+
+
 def barrier(backend: str, device: torch.device, timeout: timedelta, debug: bool) -> None:
-    """A barrier bounded by `timeout`; in debug mode on gloo, the error names the ranks that did not arrive."""
+    """A barrier bounded by `timeout` (by the group's timeout on a torch whose barrier takes none); in debug mode on
+    gloo, the error names the ranks that did not arrive."""
     if debug and backend == "gloo":
         dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
-    elif device.type == "cuda":
-        dist.barrier(device_ids=[device.index], timeout=timeout)
+        return
+    bound = {"timeout": timeout} if _BARRIER_TAKES_TIMEOUT else {}
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index], **bound)
     else:
-        dist.barrier(timeout=timeout)
+        dist.barrier(**bound)
 
 
 def default_group_barrier() -> None:

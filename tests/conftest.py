@@ -24,7 +24,7 @@ SHM_DIR = "/dev/shm"
 _IGNORED_ENV = {"PYTEST_CURRENT_TEST"}  # pytest rewrites it between setup, call and teardown
 # Process-wide settings torch (inductor, opcheck) exports once and keeps for the process: not a test's leak.
 _TORCH_SET_ONCE = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TORCH_WARM_POOL", "KMP_DUPLICATE_LIB_OK",
-                   "CUBLAS_WORKSPACE_CONFIG")
+                   "CUBLAS_WORKSPACE_CONFIG", "KMP_INIT_AT_FORK")  # the last: Intel OpenMP, on a GPU image
 
 
 def _missing(marker: str) -> str | None:
