@@ -63,6 +63,7 @@ import torch.distributed as dist
 from accel import _ext
 from accel._env import get_setting
 from accel.collectives import same_host
+from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 
 BACKEND = "accel"
 # The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines).
@@ -91,6 +92,7 @@ def share_memory_in_default_group() -> Any:
         The backend (an `accel._C.SharedMemoryBackend`; `rounds()` counts its shared-memory rounds), or None when
         the group stays gloo.
     """
+    wait_for_gloo_workers_at_exit()  # the group's gloo threads, whether it shares memory or not
     group = dist.distributed_c10d._get_default_group()
     cpu = group._get_backend(torch.device("cpu"))
     if cpu.name() == BACKEND:
@@ -141,6 +143,7 @@ class _Facts:
 def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
     """The CPU side of a new "accel" group: a ProcessGroup whose CPU backend shares memory, with gloo as its delegate;
     plain gloo where the ranks cannot share memory (or for a group of one). Collective over the group's store."""
+    wait_for_gloo_workers_at_exit()
     gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if world_size == 1:
         return gloo
