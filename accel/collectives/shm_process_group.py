@@ -42,6 +42,11 @@ Design decisions, measured on torch 2.13 (2 cores):
   memory, each rank reducing its slice (the two schemes of DeepSpeed's shared-memory all-reduce; see
   DEFAULT_SLOT_BYTES and ONE_SHOT_BYTES_FROM_THREE_RANKS for the measurements behind the sizes). Every element is
   combined in rank order, fp16/bf16 in fp32: bit-identical on every rank.
+- A collective reads and writes its tensors as gloo does, as memory unseen by autograd (c10d collectives are not
+  differentiable): a Parameter or a view of one takes part as it is, its version unchanged. Non-contiguous tensors
+  go through a contiguous copy, so a strided view's own elements are moved (gloo moves numel elements of memory from
+  its first, which are other elements for a column); an expanded tensor cannot receive one result per element and
+  is refused, after the exchange, so the group stays usable.
 - Unlike gloo, AVG and PREMUL_SUM work (FSDP2 asks for AVG). PREMUL_SUM scales the sum (NCCL scales each input: the
   same value up to rounding) and its factor must be the same on every rank. Errors are raised by the call itself (the
   collective is synchronous), not by `Work.wait()`: DistBackendError when the group fails (a peer died, timed out or
