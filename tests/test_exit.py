@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,9 @@ def gloo_named_thread():
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert named.wait(5)
+    asleep_by = time.monotonic() + 5  # just after named.set() it may still be running, on its way to stop.wait()
+    while set(gloo_workers._gloo_worker_states()) != {"S"} and time.monotonic() < asleep_by:
+        time.sleep(0.001)
     yield thread
     stop.set()
     thread.join(5)
