@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from accel._env import MIXED_PRECISIONS
+from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 from accel.environment import get_free_port, patch_environment
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
@@ -322,6 +323,7 @@ def _debug_worker(index: int, function: Callable, args: tuple, store_path: str, 
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index))  # this forked process's own environment
     _forget_inherited_state()
     store = dist.FileStore(store_path, world_size)
+    wait_for_gloo_workers_at_exit()
     dist.init_process_group("gloo", rank=index, world_size=world_size, store=store)
     try:
         function(*args)
@@ -412,6 +414,7 @@ class PrepareForLaunch:
         if self.debug:
             world_size = int(os.environ["WORLD_SIZE"])
             store_path = os.environ.get("ACCEL_DEBUG_RDV_FILE") or os.environ["ACCELERATE_DEBUG_RDV_FILE"]
+            wait_for_gloo_workers_at_exit()
             dist.init_process_group("gloo", rank=index, world_size=world_size,
                                     store=dist.FileStore(store_path, world_size))  # fmt: skip
         elif self.distributed_type in _RANKED_TYPES:

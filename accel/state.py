@@ -33,6 +33,7 @@ from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 from accel.backends import DDP_INSTEAD
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
 from accel.collectives import uneven
+from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 from accel.collectives.transport_selection import select_transport
 from accel.cpu_affinity import set_numa_affinity
 from accel.gradient_state import GradientState
@@ -258,6 +259,7 @@ class PartialState:
             device = process_group.device_for(True, use_cuda, local_rank)
             process_group.start_process_group(backend, timeout, device, kwargs)
         if dist.is_initialized():
+            wait_for_gloo_workers_at_exit()  # the group started above, or the user's: DDP runs on its gloo threads
             fields = _distributed_fields(use_cuda, timeout)
         else:
             fields = _single_process_fields(use_cuda, timeout)

@@ -42,6 +42,11 @@ Design decisions, measured on torch 2.13 (2 cores):
   memory, each rank reducing its slice (the two schemes of DeepSpeed's shared-memory all-reduce; see
   DEFAULT_SLOT_BYTES and ONE_SHOT_BYTES_FROM_THREE_RANKS for the measurements behind the sizes). Every element is
   combined in rank order, fp16/bf16 in fp32: bit-identical on every rank.
+- A collective reads and writes its tensors as gloo does, as memory unseen by autograd (c10d collectives are not
+  differentiable): a Parameter or a view of one takes part as it is, its version unchanged. Non-contiguous tensors
+  go through a contiguous copy, so a strided view's own elements are moved (gloo moves numel elements of memory from
+  its first, which are other elements for a column); an expanded tensor cannot receive one result per element and
+  is refused, after the exchange, so the group stays usable.
 - Unlike gloo, AVG and PREMUL_SUM work (FSDP2 asks for AVG). PREMUL_SUM scales the sum (NCCL scales each input: the
   same value up to rounding) and its factor must be the same on every rank. Errors are raised by the call itself (the
   collective is synchronous), not by `Work.wait()`: DistBackendError when the group fails (a peer died, timed out or
@@ -63,6 +68,7 @@ import torch.distributed as dist
 from accel import _ext
 from accel._env import get_setting
 from accel.collectives import same_host
+from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 
 BACKEND = "accel"
 # The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines).
@@ -91,6 +97,7 @@ def share_memory_in_default_group() -> Any:
         The backend (an `accel._C.SharedMemoryBackend`; `rounds()` counts its shared-memory rounds), or None when
         the group stays gloo.
     """
+    wait_for_gloo_workers_at_exit()  # the group's gloo threads, whether it shares memory or not
     group = dist.distributed_c10d._get_default_group()
     cpu = group._get_backend(torch.device("cpu"))
     if cpu.name() == BACKEND:
@@ -141,6 +148,7 @@ class _Facts:
 def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
     """The CPU side of a new "accel" group: a ProcessGroup whose CPU backend shares memory, with gloo as its delegate;
     plain gloo where the ranks cannot share memory (or for a group of one). Collective over the group's store."""
+    wait_for_gloo_workers_at_exit()
     gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     if world_size == 1:
         return gloo

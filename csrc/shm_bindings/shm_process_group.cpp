@@ -28,6 +28,8 @@
 #include "../shm/shm_group.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -283,12 +285,12 @@ class SharedMemoryBackend final : public c10d::Backend {
     const std::optional<ReduceKind> kind = reduction(tensors, opts.reduceOp);
     if (!kind) return delegate().allreduce(tensors, opts);
     const double factor = premul_factor(opts.reduceOp);
+    const at::Tensor data = dense(tensors[0]);
     on_group(opts.timeout, [&] {
-      in_place(tensors[0], [&](const at::Tensor& dense) {
-        collectives_.all_reduce(bytes(dense), call_of(dense, *kind, factor),
-                                reducer(dense.scalar_type(), *kind, factor, getSize()), one_shot_max_bytes_);
-      });
+      collectives_.all_reduce(bytes(data), call_of(data, *kind, factor),
+                              reducer(data.scalar_type(), *kind, factor, getSize()), one_shot_max_bytes_);
     });
+    write_results({tensors[0]}, {data}, "all_reduce");
     return finished(getRank(), OpType::ALLREDUCE, tensors);
   }
 
@@ -311,13 +313,13 @@ class SharedMemoryBackend final : public c10d::Backend {
     }
     TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "accel process group: broadcast from rank ",
                 opts.rootRank, " in a group of ", getSize());
+    const at::Tensor data = dense(tensors[0]);
     on_group(opts.timeout, [&] {
-      in_place(tensors[0], [&](const at::Tensor& dense) {
-        shm::Call call = call_of(dense);
-        call.root = opts.rootRank;
-        collectives_.broadcast(bytes(dense), call);
-      });
+      shm::Call call = call_of(data);
+      call.root = opts.rootRank;
+      collectives_.broadcast(bytes(data), call);
     });
+    if (getRank() != opts.rootRank) write_results({tensors[0]}, {data}, "broadcast");  // the root's is only read
     return finished(getRank(), OpType::BROADCAST, tensors);
   }
 
@@ -328,15 +330,13 @@ class SharedMemoryBackend final : public c10d::Backend {
       return delegate().allgather(outputs, inputs, opts);
     }
     check_gather_outputs(outputs[0], inputs[0]);
-    std::vector<at::Tensor> dense;
-    for (const at::Tensor& out : outputs[0]) dense.push_back(out.contiguous());
-    const at::Tensor input = inputs[0].contiguous();
+    std::vector<at::Tensor> gathered;
+    for (const at::Tensor& out : outputs[0]) gathered.push_back(dense(out));
+    const at::Tensor input = dense(inputs[0]);
     on_group(opts.timeout, [&] {
-      collectives_.all_gather(bytes(input), [&](int rank) { return bytes(dense[rank]); }, call_of(input));
+      collectives_.all_gather(bytes(input), [&](int rank) { return bytes(gathered[rank]); }, call_of(input));
     });
-    for (size_t r = 0; r < dense.size(); ++r) {
-      if (!dense[r].is_same(outputs[0][r])) outputs[0][r].copy_(dense[r]);
-    }
+    write_results(outputs[0], gathered, "all_gather");
     return finished(getRank(), OpType::ALLGATHER, outputs);
   }
 
@@ -346,14 +346,15 @@ class SharedMemoryBackend final : public c10d::Backend {
     check_same_dtype(output, input, "all_gather_into_tensor");
     TORCH_CHECK(output.numel() == input.numel() * getSize(), "accel process group: all_gather_into_tensor needs an "
                 "output of world_size (", getSize(), ") * ", input.numel(), " elements, got ", output.numel());
-    const at::Tensor dense_input = input.contiguous();
+    const at::Tensor dense_input = dense(input);
+    const at::Tensor gathered = dense(output);
     on_group(opts.timeout, [&] {
-      in_place(output, [&](const at::Tensor& dense) {
-        std::byte* base = bytes(dense);
-        const uint64_t stride = dense_input.nbytes();
-        collectives_.all_gather(bytes(dense_input), [&](int rank) { return base + rank * stride; }, call_of(dense_input));
-      });
+      std::byte* base = bytes(gathered);
+      const uint64_t stride = dense_input.nbytes();
+      collectives_.all_gather(bytes(dense_input), [&](int rank) { return base + rank * stride; },
+                              call_of(dense_input));
     });
+    write_results({output}, {gathered}, "all_gather_into_tensor");
     return finished(getRank(), OpType::_ALLGATHER_BASE, {output});
   }
 
@@ -377,13 +378,13 @@ class SharedMemoryBackend final : public c10d::Backend {
     TORCH_CHECK(input.numel() == output.numel() * getSize(), "accel process group: reduce_scatter_tensor needs an "
                 "input of world_size (", getSize(), ") * ", output.numel(), " elements, got ", input.numel());
     const double factor = premul_factor(opts.reduceOp);
-    const at::Tensor dense_input = input.contiguous();
+    const at::Tensor dense_input = dense(input);
+    const at::Tensor scattered = dense(output);
     on_group(opts.timeout, [&] {
-      in_place(output, [&](const at::Tensor& dense) {
-        collectives_.reduce_scatter(bytes(dense_input), bytes(dense), call_of(dense, *kind, factor),
-                                    reducer(dense.scalar_type(), *kind, factor, getSize()));
-      });
+      collectives_.reduce_scatter(bytes(dense_input), bytes(scattered), call_of(scattered, *kind, factor),
+                                  reducer(scattered.scalar_type(), *kind, factor, getSize()));
     });
+    write_results({output}, {scattered}, "reduce_scatter_tensor");
     return finished(getRank(), OpType::_REDUCE_SCATTER_BASE, {output});
   }
 
@@ -516,16 +517,33 @@ class SharedMemoryBackend final : public c10d::Backend {
     }
   }
 
-  // Runs body on a contiguous version of `tensor` and writes the result back when that had to be a copy.
-  template <typename Body>
-  static void in_place(const at::Tensor& tensor, const Body& body) {
-    if (tensor.is_contiguous()) {
-      body(tensor);
-      return;
+  // The exchanges read and write a collective's tensors as gloo's and NCCL's do, as memory, unseen by autograd: a
+  // c10d collective is not differentiable (torch's functional collectives are), so a Parameter, a view of one or a
+  // tensor of a graph takes part as it is, and its version stays as it was. Non-contiguous tensors go through a
+  // contiguous copy, made and written back below autograd for the same reason (the copy_ of the write-back would
+  // otherwise refuse a leaf that requires grad, or record itself in a graph).
+
+  // `tensor` itself when it is contiguous, else a contiguous copy of it.
+  static at::Tensor dense(const at::Tensor& tensor) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return tensor.contiguous();
+  }
+
+  // Writes the results the exchange left in `results` (each from dense(outputs[i])) into the outputs that are not
+  // the same tensor. An output whose elements share memory (an expanded tensor) cannot take one result per element:
+  // refused, writing no output, after the exchange (every rank has finished it and the group stays usable).
+  static void write_results(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& results,
+                            const char* what) {
+    for (const at::Tensor& output : outputs) {
+      TORCH_CHECK(at::has_internal_overlap(output) != at::MemOverlap::Yes, "accel process group: ", what,
+                  " cannot write its result into a tensor whose elements share memory (an expanded tensor, stride 0 ",
+                  "in a dimension of size > 1; strides ", output.strides(), "); pass one that owns its elements, ",
+                  "e.g. tensor.clone()");
     }
-    const at::Tensor dense = tensor.contiguous();
-    body(dense);
-    tensor.copy_(dense);
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!results[i].is_same(outputs[i])) outputs[i].copy_(results[i]);
+    }
   }
 
   std::mutex mutex_;

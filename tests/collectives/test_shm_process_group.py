@@ -1,9 +1,10 @@
 """accel's shared-memory torch.distributed backend (accel.collectives.shm_process_group) on real ranks.
 
 Every op x dtype against a reference reduced in rank order (bit for bit) and against gloo (to rounding), results
-bit-identical on every rank; odd sizes, empty and non-contiguous tensors; several rounds per call and both
-all-reduce paths (small slots); subgroups used concurrently; 4 ranks on 2 cores; mismatched calls; DDP with each
-comm hook and FSDP2 against the same runs on gloo; ACCEL_TRANSPORT=torch. A killed rank: tests/collectives/
+bit-identical on every rank; odd sizes, empty and non-contiguous tensors; Parameters (channels_last, views of them)
+and expanded tensors in every collective, bit for bit as on gloo; several rounds per call and both all-reduce paths
+(small slots); subgroups used concurrently; 4 ranks on 2 cores; mismatched calls; DDP with each comm hook and FSDP2
+against the same runs on gloo; ACCEL_TRANSPORT=torch. A killed rank: tests/collectives/
 test_shm_process_group_failures.py.
 """
 
@@ -257,6 +258,198 @@ def test_non_contiguous_tensors_are_reduced_and_written_in_place():
         assert r["in_place"].tolist() == [float(k + 1) for k in range(world) for _ in range(5)]
         inputs = [(torch.arange(4.0 * world) + k) for k in range(world)]
         assert torch.equal(r["scattered"], sum(inputs)[rank * 4 : (rank + 1) * 4])
+
+
+# --- Parameters, views of them and expanded tensors: what gloo accepts works, with gloo's bits ---------------------
+
+
+def _weight(rank: int) -> torch.nn.Parameter:
+    """A conv weight as `Conv2d(3, 4, 3).to(memory_format=torch.channels_last)` has it: dense, not contiguous."""
+    values = _sample(torch.float32, 4 * 3 * 3 * 3, seed=rank).view(4, 3, 3, 3)
+    return torch.nn.Parameter(values.contiguous(memory_format=torch.channels_last))
+
+
+def _parameter(rank: int) -> torch.nn.Parameter:
+    """A Parameter; its column `[:, 0]` is a non-contiguous view that requires grad."""
+    return torch.nn.Parameter(_sample(torch.float32, 30, seed=10 + rank).view(5, 6))
+
+
+def _expanded(rank: int, rows: int = 3) -> torch.Tensor:
+    """A tensor whose columns share memory (stride 0)."""
+    return (torch.arange(float(rows)) + 10 * rank).view(rows, 1).expand(rows, 4)
+
+
+def _channels_last(*shape: int) -> torch.Tensor:
+    return torch.empty(shape).to(memory_format=torch.channels_last)
+
+
+def _as(tensor: torch.Tensor, plain: bool) -> torch.Tensor:
+    """`tensor`, or with `plain` a contiguous copy that needs no grad: the reference's input (or output)."""
+    return tensor.detach().contiguous() if plain else tensor
+
+
+def _in_place_on_weight(op: str):
+    def case(rank, world, group, plain):
+        weight = _as(_weight(rank), plain)
+        _all_reduce_or_broadcast(op, weight, world, group)
+        return [weight]
+
+    return case
+
+
+def _in_place_on_column(op: str):
+    def case(rank, world, group, plain):
+        param = _parameter(rank)
+        column = _as(param[:, 0], plain)
+        _all_reduce_or_broadcast(op, column, world, group)
+        return [column, param[:, 1:]]  # the rest of the Parameter is untouched
+
+    return case
+
+
+def _all_reduce_or_broadcast(op: str, tensor: torch.Tensor, world: int, group) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(tensor, group=group)
+    else:
+        dist.broadcast(tensor, src=world - 1, group=group)
+
+
+def _broadcast_from_expanded(rank, world, group, plain):
+    tensor = _as(_expanded(rank) if rank == world - 1 else torch.zeros(3, 4), plain)  # expanded where only read
+    dist.broadcast(tensor, src=world - 1, group=group)
+    return [tensor]
+
+
+# The inputs the gathers take, and non-contiguous outputs of the shapes they fill.
+GATHERED = {
+    "a channels_last weight": (_weight, (4, 3, 3, 3), _channels_last),
+    "a column of a Parameter": (lambda rank: _parameter(rank)[:, 0], (5,), lambda n: torch.empty(n, 2)[:, 1]),
+    "an expanded tensor": (_expanded, (3, 4), lambda rows, cols: torch.empty(cols, rows).t()),
+}
+
+
+def _all_gather(name: str):
+    make, shape, strided = GATHERED[name]
+
+    def case(rank, world, group, plain):
+        outputs = [_as(strided(*shape), plain) for _ in range(world)]
+        dist.all_gather(outputs, _as(make(rank), plain), group=group)
+        return outputs
+
+    return case
+
+
+def _all_gather_into_tensor(name: str):
+    make, shape, strided = GATHERED[name]
+
+    def case(rank, world, group, plain):
+        output = _as(strided(shape[0] * world, *shape[1:]), plain)
+        dist.all_gather_into_tensor(output, _as(make(rank), plain), group=group)
+        return [output]
+
+    return case
+
+
+def _all_gather_into_columns(rank, world, group, plain):
+    param = torch.nn.Parameter(torch.zeros(5, world))
+    outputs = [_as(param[:, k], plain) for k in range(world)]
+    dist.all_gather(outputs, _as(_parameter(rank)[:, 0], plain), group=group)
+    return outputs
+
+
+def _reduce_scatter_weight(rank, world, group, plain):
+    output = _as(_channels_last(4 // world, 3, 3, 3), plain)
+    dist.reduce_scatter_tensor(output, _as(_weight(rank), plain), group=group)
+    return [output]
+
+
+def _reduce_scatter_into_columns(rank, world, group, plain):
+    param = _parameter(rank)
+    columns = _as(param[:, :4], plain)
+    dist.reduce_scatter_tensor(columns, _as(_expanded(rank, 5 * world), plain), group=group)
+    return [columns, param[:, 4:]]
+
+
+def _coalesced(*cases):
+    """The cases in one coalesced block (`_coalescing_manager`: the backend's coalesced forms)."""
+
+    def case(rank, world, group, plain):
+        with dist._coalescing_manager(group=group):
+            return [tensor for one in cases for tensor in one(rank, world, group, plain)]
+
+    return case
+
+
+# name -> case(rank, world, group, plain): the tensors it wrote (plain: the same values in plain tensors).
+PARAMETER_CASES = {
+    "all_reduce channels_last weight": _in_place_on_weight("all_reduce"),
+    "broadcast channels_last weight": _in_place_on_weight("broadcast"),
+    "all_reduce column of a Parameter": _in_place_on_column("all_reduce"),
+    "broadcast column of a Parameter": _in_place_on_column("broadcast"),
+    "broadcast from an expanded tensor": _broadcast_from_expanded,
+    **{f"all_gather of {name}": _all_gather(name) for name in GATHERED},
+    **{f"all_gather_into_tensor of {name}": _all_gather_into_tensor(name) for name in GATHERED},
+    "all_gather into columns of a Parameter": _all_gather_into_columns,
+    "reduce_scatter_tensor of a channels_last weight": _reduce_scatter_weight,
+    "reduce_scatter_tensor of an expanded tensor into columns of a Parameter": _reduce_scatter_into_columns,
+    "all_reduce coalesced": _coalesced(_in_place_on_weight("all_reduce"), _in_place_on_column("all_reduce")),
+    "all_gather_into_tensor coalesced": _coalesced(*[_all_gather_into_tensor(name) for name in GATHERED]),
+    "reduce_scatter_tensor coalesced": _coalesced(_reduce_scatter_weight, _reduce_scatter_into_columns),
+}
+# The cases gloo runs right on these very tensors. It all-reduces and broadcasts a tensor's memory as it lies, numel
+# elements from the first: right for a dense layout (channels_last), wrong for a column (it takes other elements) or
+# an expanded tensor (it runs past the storage). Where it copies into an output, autograd refuses a Parameter or a
+# view of one (and the chunks of all_gather_into_tensor's output when the input is a channels_last Parameter).
+GLOO_RUNS_AS_IS = ["all_reduce channels_last weight", "broadcast channels_last weight",
+                   *[f"all_gather of {name}" for name in GATHERED], "all_gather_into_tensor of a column of a Parameter",
+                   "all_gather_into_tensor of an expanded tensor", "reduce_scatter_tensor of a channels_last weight",
+                   "all_gather_into_tensor coalesced"]  # fmt: skip
+
+
+def _parameters_and_expanded_tensors() -> dict:
+    backend = _shared_backend()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    rounds = backend.rounds()
+    ours = {name: case(rank, world, None, False) for name, case in PARAMETER_CASES.items()}
+    shared_rounds = backend.rounds() - rounds
+    reference = {name: case(rank, world, gloo, True) for name, case in PARAMETER_CASES.items()}
+    as_is = {name: PARAMETER_CASES[name](rank, world, gloo, False) for name in GLOO_RUNS_AS_IS}
+    weight = _weight(rank)
+    dist.all_reduce(weight)
+    ours_weight = [weight.is_leaf, weight.requires_grad, weight.grad_fn is None, weight._version]
+    weight = _weight(rank)
+    dist.all_reduce(weight, group=gloo)
+    gloo_weight = [weight.is_leaf, weight.requires_grad, weight.grad_fn is None, weight._version]
+    expanded = _expanded(rank)
+    with pytest.raises(RuntimeError) as refused:  # no result per element to write into: refused after the exchange
+        dist.all_reduce(expanded)
+    after = torch.full((3,), float(rank + 1))
+    dist.all_reduce(after)  # the group is still usable
+    return {
+        "ours": _all_bits(ours), "reference": _all_bits(reference), "gloo": _all_bits(as_is),
+        "shared_rounds": shared_rounds, "weight": (ours_weight, gloo_weight),
+        "expanded": (str(refused.value), torch.equal(expanded, _expanded(rank)), after.tolist()),
+    }  # fmt: skip
+
+
+def _all_bits(results: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+    return {name: [_bits(tensor.detach()) for tensor in tensors] for name, tensors in results.items()}
+
+
+@pytest.mark.native
+def test_parameters_views_and_expanded_tensors_take_part_as_on_gloo_bit_for_bit():
+    for rank, result in enumerate(run_on_ranks(_parameters_and_expanded_tensors, 2, timeout=120)):
+        assert result["shared_rounds"] >= len(PARAMETER_CASES)  # through shared memory, not handed to gloo
+        for name, ours in result["ours"].items():
+            assert all(map(torch.equal, ours, result["reference"][name])), f"rank {rank}: {name}"
+        for name, theirs in result["gloo"].items():
+            assert all(map(torch.equal, result["ours"][name], theirs)), f"rank {rank}: {name} differs from gloo"
+        ours_weight, gloo_weight = result["weight"]
+        assert ours_weight == gloo_weight == [True, True, True, 0]  # still a leaf, its version untouched as by gloo
+        message, unchanged, after = result["expanded"]
+        assert "all_reduce cannot write its result into a tensor whose elements share memory" in message, message
+        assert unchanged and after == [3.0, 3.0, 3.0]
 
 
 def _mismatch():
