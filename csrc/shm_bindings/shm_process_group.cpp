@@ -239,11 +239,17 @@ class SharedMemoryBackend final : public c10d::Backend {
     translating([&] { group_->attach_peers(by_rank); });
   }
 
+  // ProcessGroup::hasBackendForDeviceType is torch 2.12+; getDeviceTypes answers the same on every supported torch.
+  static bool has_cpu_backend(const c10d::ProcessGroup& group) {
+    const auto devices = group.getDeviceTypes();
+    return std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.type() == c10::kCPU; });
+  }
+
   // Once every rank has attached: closes this rank's descriptor and becomes `group`'s backend for CPU tensors, with
   // the backend it had there (gloo) as the delegate for everything not done here.
   void install(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
     TORCH_CHECK(!delegate_, "accel process group: install() was already called");
-    TORCH_CHECK(group->hasBackendForDeviceType(c10::DeviceType::CPU),
+    TORCH_CHECK(has_cpu_backend(*group),
                 "accel process group: the process group has no CPU backend to delegate to");
     TORCH_CHECK(group->getSize() == getSize() && group->getRank() == getRank(), "accel process group: rank ",
                 getRank(), " of ", getSize(), " cannot serve rank ", group->getRank(), " of ", group->getSize());
@@ -495,7 +501,8 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   static double premul_factor(const c10d::ReduceOp& op) {
     if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return 1.0;
-    const auto* supplement = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+    // NCCLPreMulSumSupplement: torch 2.11's name; later versions keep it as an alias of PreMulSumSupplement.
+    const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
     TORCH_CHECK(supplement != nullptr, "accel process group: PREMUL_SUM without its factor");
     if (supplement->tensor_factor.defined()) return supplement->tensor_factor.to(at::kCPU).item<double>();
     return supplement->double_factor;
