@@ -139,8 +139,12 @@ __global__ void sum_partials_kernel(const GradSpan* __restrict__ spans, const do
   sq_norms[g] = total;
 }
 
+// torch's clip multiplies fp16/bf16 grads by the coefficient rounded to their dtype first: for a float coefficient
+// tensor CUDA's _foreach_mul_ takes its per-tensor path, whose kernel loads that scalar as T (the CPU kernel reads
+// it as float, and so does accel's CPU kernel). Rounding here keeps the result bit-identical on each device.
 template <typename T>
-__device__ void scale_elements(const BlockWork& w, float factor) {
+__device__ void scale_elements(const BlockWork& w, float coef) {
+  const float factor = static_cast<float>(static_cast<T>(coef));
   T* p = static_cast<T*>(w.data);
   for (int i = threadIdx.x; i < w.count; i += blockDim.x) p[i] = static_cast<T>(static_cast<float>(p[i]) * factor);
 }
