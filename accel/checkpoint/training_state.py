@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from accel import collectives
 from accel.checkpoint import background, snapshot
@@ -294,9 +295,10 @@ def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage:
 
 
 def _any_failed(parts: Checkpointable, failure: BaseException | None) -> bool:
-    """Whether `failure` happened here or on any other process (a collective: every process calls it)."""
+    """Whether `failure` happened here or on any other process (a collective: every process calls it; after the
+    process group was destroyed, as by a second end_training, only this process can say)."""
     failed = failure is not None
-    if parts.num_processes > 1:
+    if parts.num_processes > 1 and dist.is_initialized():
         flag = torch.tensor([1 if failed else 0], device=parts.device)
         failed = bool(collectives.reduce(flag, reduction="sum").item())
     return failed

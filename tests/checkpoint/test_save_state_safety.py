@@ -218,6 +218,8 @@ def _async_save_then_load(folder):
     finally:
         training_state.write_files = real
     tensors = load_file(os.path.join(folder, "model.safetensors"))
+    accelerator.end_training()  # a join point on every process too
+    accelerator.end_training()  # a second one (its group destroyed) does not wait for anyone
     return loaded, next(t for name, t in tensors.items() if name.endswith("weight"))[0, 0].item()
 
 
