@@ -5,7 +5,8 @@ defaults, torch's FSDP enums and policies), so scripts and configs that build on
 `Accelerator` is refused. Of the helpers, those that need sharded models (saving, loading, preparing FSDP2
 models) are refused; those that do not work: the RAM-efficient-loading toggles (environment variables
 transformers reads), `ensure_weights_retied`, `fsdp2_canonicalize_names`, `fsdp2_switch_optimizer_parameters`,
-`get_fsdp2_grad_scaler` and `get_parameters_from_modules` (TRL imports it at start-up). (`merge_fsdp_weights`, which only reads files, lives with the launch helpers.)
+`get_fsdp2_grad_scaler` and `get_parameters_from_modules` (TRL imports it at start-up). (`merge_fsdp_weights`,
+which only reads files, lives with the launch helpers.)
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ def build_tokenizer(folder: pathlib.Path) -> pathlib.Path:
     tokenizer.post_processor = processors.TemplateProcessing(
         single="$A [EOS]", pair="$A [SEP] $B:1 [EOS]:1",
         special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[EOS]", "[SEP]")])  # fmt: skip
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]",
-                                      bos_token="[BOS]", eos_token="[EOS]", cls_token="[CLS]", sep_token="[SEP]")  # fmt: skip
+    names = dict(pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", cls_token="[CLS]",
+                 sep_token="[SEP]")  # fmt: skip
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names)
     path = folder / "tokenizer"
     wrapped.save_pretrained(path)
     return path

@@ -17,34 +17,32 @@ import pytest
 
 import hf_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 SCRIPTS = {
     "clm": (["--train_file", "train.txt", "--validation_file", "validation.txt", "--gradient_accumulation_steps", "2",
              "--checkpointing_steps", "3"], "step_3"),
     "glue": (["--train_file", "train.csv", "--validation_file", "validation.csv", "--checkpointing_steps", "epoch"],
              "epoch_0"),
 }  # fmt: skip
+# In this order: a resumed run's source ran before it.
 RUNS = ("hf", "accel", "hf_from_hf", "hf_from_accel", "accel_from_hf")
-_done: dict = {}
-
-
-def _run(workspace, script, name):
-    """Runs `script` once as `name` ("hf", "accel_from_hf", ...); returns its output folder."""
-    out = workspace / script / name
-    if (script, name) not in _done:
-        library, _, source = name.partition("_from_")
-        flags, checkpoint = SCRIPTS[script]
-        argv = [*flags, "--tokenizer_name", "tokenizer", "--output_dir", str(out), "--with_tracking"]
-        if source:
-            argv += ["--resume_from_checkpoint", str(_run(workspace, script, source) / checkpoint)]
-        hf_stack.run_job(library, f"{script}_no_trainer", argv, workspace)
-        _done[script, name] = out
-    return out
+# Past the jobs' own deadlines (hf_stack.JOB_TIMEOUT_S each), so that a stuck job is ended with its ranks first.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(len(RUNS) * hf_stack.JOB_TIMEOUT_S + 60)]
 
 
 @pytest.fixture(scope="module", params=sorted(SCRIPTS))
 def runs(request, workspace):
-    return {name: _run(workspace, request.param, name) for name in RUNS}
+    """{run name: its output folder} once the script ran each way: "hf" and "accel" from scratch, "x_from_y"
+    under x from y's checkpoint."""
+    script, folders = request.param, {}
+    flags, checkpoint = SCRIPTS[script]
+    for name in RUNS:
+        library, _, source = name.partition("_from_")
+        folders[name] = workspace / script / name
+        argv = [*flags, "--tokenizer_name", "tokenizer", "--output_dir", str(folders[name]), "--with_tracking"]
+        if source:
+            argv += ["--resume_from_checkpoint", str(folders[source] / checkpoint)]
+        hf_stack.run_job(library, f"{script}_no_trainer", argv, workspace)
+    return folders
 
 
 def _results(folder):

@@ -15,9 +15,11 @@ import pytest
 
 import hf_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 TASKS = {"lm": ["--bf16"], "lora": [], "sft": []}
 RESUME_STEP = 4
+LAUNCH_TIMEOUT_S = 300
+# Past the three launches' own deadlines, so that a stuck launch is ended with its ranks first.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60)]
 
 
 def _job(workspace, task, folder, resume=None):
@@ -35,7 +37,7 @@ def _launch(library, workspace, name, jobs):
     path = workspace / "trainer" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(jobs))
-    hf_stack.run_job(library, "trainer_job", [str(path)], workspace, timeout=600)
+    hf_stack.run_job(library, "trainer_job", [str(path)], workspace, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ def runs(workspace):
     _launch("hf", workspace, "hf", [_job(workspace, task, "hf") for task in TASKS]
             + [_job(workspace, task, f"hf_from_{source}", resume=source) for source in ("hf", "accel")
                for task in TASKS])  # fmt: skip
-    _launch("accel", workspace, "accel_from_hf", [_job(workspace, task, "accel_from_hf", resume="hf") for task in TASKS])
+    _launch("accel", workspace, "accel_from_hf",
+            [_job(workspace, task, "accel_from_hf", resume="hf") for task in TASKS])  # fmt: skip
     return {name: {task: workspace / "trainer" / name / task for task in TASKS}
             for name in ("hf", "accel", "hf_from_hf", "hf_from_accel", "accel_from_hf")}  # fmt: skip
 
@@ -121,8 +124,17 @@ def test_each_resumes_the_others_checkpoint_as_hf_resumes_its_own(runs, task, re
     uninterrupted run's weights."""
     reference, after_resume = _result(runs["hf_from_hf"][task]), _result(runs[resumed][task])
     assert after_resume["global_step"] == 8
-    assert after_resume["accelerate"] == ("accel.accelerator" if resumed.startswith("accel") else "accelerate.accelerator")
-    clipped = _clipped(_result(runs["hf"][task]))
-    _assert_same_log(after_resume["log_history"] + [after_resume["eval"]], reference["log_history"] + [reference["eval"]],
-                     clipped)  # fmt: skip
+    served_by = "accel.accelerator" if resumed.startswith("accel") else "accelerate.accelerator"
+    assert after_resume["accelerate"] == served_by
+    uninterrupted = _result(runs["hf"][task])
+    clipped = _clipped(uninterrupted)
+    _assert_same_log(after_resume["log_history"] + [after_resume["eval"]],
+                     reference["log_history"] + [reference["eval"]], clipped)  # fmt: skip
+    _assert_same_log(_steps(after_resume), _steps(uninterrupted), clipped)
     _assert_same_weights(runs[resumed][task], runs["hf"][task], clipped)
+
+
+def _steps(result):
+    """The log entries of the training steps (loss, grad_norm, learning_rate, ...), less TRL's `num_tokens`, which
+    counts from the resume on (in HF too)."""
+    return [{k: v for k, v in entry.items() if k != "num_tokens"} for entry in result["log_history"] if "loss" in entry]
