@@ -8,8 +8,11 @@ BUILD_TOOLS = ninja "setuptools>=64" wheel
 # Same lists as pyproject.toml's dependencies and [test] extra; the pure venv installs them by name so
 # that accel itself is installed exactly once, without its extension.
 RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
-TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "transformers>=4.40" "hypothesis>=6" \
-	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0"
+# The libraries built on HF Accelerate are pinned: tests/integrations run them against HF Accelerate, and
+# tests/conformance freezes the accelerate names these releases use (README: "Using Trainer, TRL, PEFT").
+TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "hypothesis>=6" \
+	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0" \
+	"transformers==5.25.0" "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
@@ -33,8 +36,10 @@ test: test-native test-fallback test-pure
 test-native: setup
 	ACCEL_EXPECT_NATIVE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The integration tests (real Trainer / TRL / PEFT jobs against HF Accelerate, minutes of 2-process runs) run once,
+# in test-native: the other two modes change only accel's kernels, which the rest of the suite checks in each.
 test-fallback: setup
-	ACCEL_DISABLE_NATIVE=1 ACCEL_EXPECT_NATIVE=0 $(VENV)/bin/pytest $(PYTEST_ARGS)
+	ACCEL_DISABLE_NATIVE=1 ACCEL_EXPECT_NATIVE=0 $(VENV)/bin/pytest $(PYTEST_ARGS) -m "not integration"
 
 # A non-editable install without the extension; pytest's console script keeps the source tree off sys.path.
 $(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py')
@@ -46,7 +51,7 @@ $(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py'
 	touch $@
 
 test-pure: $(PURE_VENV)/.installed
-	ACCEL_EXPECT_NATIVE=0 ACCEL_EXPECT_PURE_INSTALL=1 $(PURE_VENV)/bin/pytest $(PYTEST_ARGS)
+	ACCEL_EXPECT_NATIVE=0 ACCEL_EXPECT_PURE_INSTALL=1 $(PURE_VENV)/bin/pytest $(PYTEST_ARGS) -m "not integration"
 
 bench: setup
 	$(VENV)/bin/pytest benchmarks/bench_*.py $(BENCH_ARGS)

@@ -279,6 +279,19 @@ def test_pure_fsdp_helpers():
     assert isinstance(fsdp.get_fsdp2_grad_scaler(device="cpu", init_scale=4.0), torch.amp.GradScaler)
 
 
+def test_parameters_from_modules_as_hf():
+    """FSDP2's ignored parameters from a plugin's `ignored_modules` (TRL imports the helper at start-up): modules,
+    a regex fully matching qualified module names (the matches moved to the device), or None."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU()))
+    assert fsdp.get_parameters_from_modules(None, model, "cpu") == set()
+    assert fsdp.get_parameters_from_modules([model[0]], model, "cpu") == {model[0].weight, model[0].bias}
+    assert fsdp.get_parameters_from_modules(r"1\.\d", model, "cpu") == {model[1][0].weight, model[1][0].bias}
+    assert fsdp.get_parameters_from_modules("1", model, "cpu") == set(model[1].parameters())
+    assert fsdp.get_parameters_from_modules("0.weight", model, "cpu") == set()  # names modules, not parameters
+    moved = fsdp.get_parameters_from_modules("0", model, "meta")
+    assert moved == {model[0].weight, model[0].bias} and model[0].weight.is_meta and not model[1][0].weight.is_meta
+
+
 def test_layer_inspection(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
     assert not fp8.has_ao_layers(model) and not fp8.has_transformer_engine_layers(model)

@@ -4,8 +4,9 @@
 defaults, torch's FSDP enums and policies), so scripts and configs that build one work; passing it to
 `Accelerator` is refused. Of the helpers, those that need sharded models (saving, loading, preparing FSDP2
 models) are refused; those that do not work: the RAM-efficient-loading toggles (environment variables
-transformers reads), `ensure_weights_retied`, `fsdp2_canonicalize_names`, `fsdp2_switch_optimizer_parameters`
-and `get_fsdp2_grad_scaler`. (`merge_fsdp_weights`, which only reads files, lives with the launch helpers.)
+transformers reads), `ensure_weights_retied`, `fsdp2_canonicalize_names`, `fsdp2_switch_optimizer_parameters`,
+`get_fsdp2_grad_scaler` and `get_parameters_from_modules` (TRL imports it at start-up). (`merge_fsdp_weights`,
+which only reads files, lives with the launch helpers.)
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -321,6 +324,22 @@ def get_module_class_from_name(module: torch.nn.Module, name: str) -> type | Non
     return None
 
 
+def get_parameters_from_modules(modules: Iterable[torch.nn.Module] | str | None, model: torch.nn.Module,
+                                device: torch.device | str) -> set[torch.nn.Parameter]:  # fmt: skip
+    """The parameters of `modules` (FSDP2's `ignored_params`, from a plugin's `ignored_modules`), as a set.
+
+    `modules` is modules, or a regex that names them: each module of `model` whose qualified name fully matches
+    it is taken, and moved to `device` (as HF Accelerate does, for FSDP2 leaves them where they are). None gives
+    an empty set.
+    """
+    if modules is None:
+        return set()
+    if isinstance(modules, str):
+        pattern = re.compile(modules)
+        modules = [module.to(device) for name, module in model.named_modules() if pattern.fullmatch(name)]
+    return {parameter for module in modules for parameter in module.parameters()}
+
+
 # --- utils.fsdp_utils -------------------------------------------------------------------------------------------
 
 
@@ -425,5 +444,5 @@ __all__ = [
     "FullyShardedDataParallelPlugin", "disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading",
     "ensure_weights_retied", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
     "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler", "get_module_class_from_name",
-    "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer",
+    "get_parameters_from_modules", "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer",
 ]  # fmt: skip

@@ -20,6 +20,7 @@ from accel.checkpoint import (
     WEIGHTS_NAME,
     WEIGHTS_PATTERN_NAME,
 )
+from accel.backends.fsdp import FSDP_AUTO_WRAP_POLICY, FSDP_SHARDING_STRATEGY  # transformers' TrainingArguments
 from accel.collectives.operations import TORCH_DISTRIBUTED_OPERATION_TYPES
 from accel.environment import TORCH_LAUNCH_PARAMS
 from accel.launchers import ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION
