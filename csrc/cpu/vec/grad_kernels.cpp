@@ -206,7 +206,8 @@ ACCEL_BF16_TARGET __attribute__((flatten)) void scale_bf16_hardware(void* data, 
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-extern const GradKernels ACCEL_THIS_ISA_TABLE(grad_kernels_) = {
+// constinit: built by the compiler, not by this copy's (AVX-512 / AVX2) code at load time (see reduce_kernels.cpp).
+extern constinit const GradKernels ACCEL_THIS_ISA_TABLE(grad_kernels_) = {
     ACCEL_THIS_ISA_NAME,
     {CPU_CAPABILITY::unscale_float, CPU_CAPABILITY::unscale_reduced<c10::Half>,
      CPU_CAPABILITY::unscale_reduced<c10::BFloat16>},
@@ -215,7 +216,7 @@ extern const GradKernels ACCEL_THIS_ISA_TABLE(grad_kernels_) = {
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
-extern const GradKernels grad_kernels_ACCEL_AVX512_BF16 = {
+extern constinit const GradKernels grad_kernels_ACCEL_AVX512_BF16 = {
     "ACCEL_AVX512_BF16",
     {CPU_CAPABILITY::unscale_float, CPU_CAPABILITY::unscale_reduced<c10::Half>, CPU_CAPABILITY::unscale_bf16_hardware},
     {CPU_CAPABILITY::scale_float, CPU_CAPABILITY::scale_reduced<c10::Half>, CPU_CAPABILITY::scale_bf16_hardware},

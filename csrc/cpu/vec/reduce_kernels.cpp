@@ -135,7 +135,7 @@ constexpr int kKinds = static_cast<int>(ReduceKind::Count);
 constexpr int kDtypes = static_cast<int>(ReduceDtype::Count);
 
 template <typename Lanes>
-void set_arithmetic(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
+constexpr void set_arithmetic(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
   const int d = static_cast<int>(dtype);
   table[static_cast<int>(ReduceKind::Sum)][d] = reduce_parts<Lanes, Add>;
   table[static_cast<int>(ReduceKind::Product)][d] = reduce_parts<Lanes, Multiply>;
@@ -144,7 +144,7 @@ void set_arithmetic(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
 }
 
 template <typename Lanes>
-void set_floating(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
+constexpr void set_floating(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
   set_arithmetic<Lanes>(table, dtype);
   const int d = static_cast<int>(dtype);
   table[static_cast<int>(ReduceKind::Avg)][d] = reduce_parts<Lanes, Add, Extra::Average>;
@@ -152,7 +152,7 @@ void set_floating(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
 }
 
 template <typename T>
-void set_integral(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
+constexpr void set_integral(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
   set_arithmetic<Native<T>>(table, dtype);
   const int d = static_cast<int>(dtype);
   table[static_cast<int>(ReduceKind::BitAnd)][d] = reduce_parts<Native<T>, BitAnd>;
@@ -161,7 +161,7 @@ void set_integral(ReduceFn (&table)[kKinds][kDtypes], ReduceDtype dtype) {
 }
 
 // torch stores bool as one byte holding 0 or 1: or / and / xor of those bytes are the logical operations.
-void set_bool(ReduceFn (&table)[kKinds][kDtypes]) {
+constexpr void set_bool(ReduceFn (&table)[kKinds][kDtypes]) {
   const int d = static_cast<int>(ReduceDtype::Bool);
   for (ReduceKind kind : {ReduceKind::Sum, ReduceKind::Max, ReduceKind::BitOr}) {
     table[static_cast<int>(kind)][d] = reduce_parts<Native<uint8_t>, BitOr>;
@@ -173,7 +173,7 @@ void set_bool(ReduceFn (&table)[kKinds][kDtypes]) {
 }
 
 template <typename BFloat16Lanes>
-ReduceKernels make_table(const char* isa) {
+constexpr ReduceKernels make_table(const char* isa) {
   ReduceKernels k{isa, {}};
   set_floating<Native<float>>(k.fn, ReduceDtype::Float);
   set_floating<Native<double>>(k.fn, ReduceDtype::Double);
@@ -199,7 +199,7 @@ ACCEL_BF16_TARGET __attribute__((flatten)) void reduce_bf16_hardware(const void*
   reduce_parts<HardwareBf16, Op, kExtra>(parts, count, out, begin, end, factor);
 }
 
-ReduceKernels make_hardware_bf16_table() {
+constexpr ReduceKernels make_hardware_bf16_table() {
   ReduceKernels k = make_table<Widened<c10::BFloat16, AtenNarrow>>("ACCEL_AVX512_BF16");
   const int d = static_cast<int>(ReduceDtype::BFloat16);
   k.fn[static_cast<int>(ReduceKind::Sum)][d] = reduce_bf16_hardware<Add>;
@@ -215,11 +215,13 @@ ReduceKernels make_hardware_bf16_table() {
 }  // namespace
 }  // namespace CPU_CAPABILITY
 
-extern const ReduceKernels ACCEL_THIS_ISA_TABLE(reduce_kernels_) =
+// constinit: built by the compiler, not at load time. A table built by this copy's code at load would run its
+// instructions (AVX-512 for that copy) on every CPU, and kill the process with SIGILL where they are missing.
+extern constinit const ReduceKernels ACCEL_THIS_ISA_TABLE(reduce_kernels_) =
     CPU_CAPABILITY::make_table<CPU_CAPABILITY::Widened<c10::BFloat16, CPU_CAPABILITY::AtenNarrow>>(ACCEL_THIS_ISA_NAME);
 
 #if defined(CPU_CAPABILITY_AVX512)
-extern const ReduceKernels reduce_kernels_ACCEL_AVX512_BF16 = CPU_CAPABILITY::make_hardware_bf16_table();
+extern constinit const ReduceKernels reduce_kernels_ACCEL_AVX512_BF16 = CPU_CAPABILITY::make_hardware_bf16_table();
 #endif
 
 }  // namespace accel::cpu
