@@ -27,10 +27,8 @@ from accel.checkpoint import training_state
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.model_io import save_model_files
 from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
-from accel.module_tree import extract_model_from_parallel
 from accel.precision import precision_for
 from accel.precision.grads import Measured
-from accel.precision.grads import clip_grad_norm_ as fused_clip_grad_norm_
 from accel.scheduler import AcceleratedScheduler
 from accel._env import get_setting
 from accel.backends import DDP_INSTEAD, deepspeed, megatron
@@ -58,7 +56,7 @@ from accel.settings import (
 )
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.strategies import ddp_sync
-from accel.strategies import SingleDeviceStrategy, strategy_for
+from accel.strategies import SingleDeviceStrategy, StrategySettings, strategy_for
 from accel.tracking.session import TrackerSession
 from accel.unsupported import refuse
 
@@ -205,10 +203,11 @@ class Accelerator:
             self.parallelism_config._validate_accelerator(self)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
-        self.strategy = strategy_for(self.state, self.ddp_handler)
         autocast, scaler = self.autocast_handler, self.scaler_handler
         self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None,
                                        scaler.to_kwargs() if scaler else None)  # fmt: skip
+        settings = StrategySettings(ddp_kwargs=self.ddp_handler, mixed_precision=self.state.mixed_precision)
+        self.strategy = strategy_for(self.state, self.precision, settings)
         self.native_amp = self.state.mixed_precision in ("fp16", "bf16")  # autocast runs (CPU included)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -448,13 +447,13 @@ class Accelerator:
         if plugin is not None and plugin.enabled and plugin.use_regional_compilation:
             warnings.warn("accel does not support regional compilation yet; compiling the whole model")
         if evaluation_mode:
-            return SingleDeviceStrategy(self.state).setup_model(model, placement, plugin)
+            return SingleDeviceStrategy(self.state, self.precision).setup_model(model, placement, plugin)
         return self.strategy.setup_model(model, placement, plugin)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
         placement = self.device_placement if device_placement is None else device_placement
         self.has_lomo_optimizer |= is_lomo_optimizer(optimizer)
-        prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self.precision.scaler)
+        prepared = self.strategy.setup_optimizer(optimizer, placement)
         self._optimizers.append(prepared)
         return prepared
 
@@ -495,8 +494,7 @@ class Accelerator:
         """The user's module inside DDP (and torch.compile, unless `keep_torch_compile`, as in HF Accelerate:
         then the compiled wrapper is returned around the unwrapped module); the bf16 forward kept or removed.
         See `accel.module_tree.extract_model_from_parallel`."""
-        return extract_model_from_parallel(model, keep_fp32_wrapper=keep_fp32_wrapper,
-                                           keep_torch_compile=keep_torch_compile)  # fmt: skip
+        return self.strategy.unwrap(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
     # --- the training step -------------------------------------------------------------------------------
 
@@ -510,7 +508,7 @@ class Accelerator:
         if self.scaler is None and learning_rate is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss, learning_rate)
         else:
-            self.precision.backward(loss, **kwargs)
+            self.strategy.backward(loss, **kwargs)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """The fused backward-and-update of the prepared LOMO optimizers (`lomo_optim`'s Lomo / AdaLomo).
@@ -619,20 +617,23 @@ class Accelerator:
         self._unscale(optimizer)
 
     def _unscale(self, optimizer: Any = None) -> Measured:
+        return self.precision.unscale(self._inner_optimizers(optimizer))
+
+    def _inner_optimizers(self, optimizer: Any = None) -> list[torch.optim.Optimizer]:
         optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
-        return self.precision.unscale([getattr(opt, "optimizer", opt) for opt in optimizers])
+        return [getattr(opt, "optimizer", opt) for opt in optimizers]
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Unscales (fp16), then clips as `torch.nn.utils.clip_grad_norm_`; returns the total norm.
 
         With the native kernels and norm_type 2, the norm comes from the unscale's own pass over the gradients
-        (or one read-only pass without fp16) and the clip is one fused scaling: see accel.precision.grads.
+        (or one read-only pass without fp16) and the clip is one fused scaling: see accel.precision.grads. Where
+        each process holds a shard of every gradient (FSDP2), the norm is summed across the shards.
         """
-        return fused_clip_grad_norm_(parameters, max_norm, norm_type, measured=self._unscale())
+        return self.strategy.clip_grad_norm_(parameters, max_norm, norm_type, self._inner_optimizers())
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self.strategy.clip_grad_value_(parameters, clip_value, self._inner_optimizers())
 
     # --- collectives ----------------------------------------------------------------------------------------
 
@@ -683,8 +684,9 @@ class Accelerator:
         return self.is_local_main_process if each_node else self.is_main_process
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
-        """The model's state dict, of the user's module (DDP and compile wrappers removed) unless `unwrap=False`."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        """The model's full state dict, of the user's module (DDP and compile wrappers removed) unless
+        `unwrap=False` (a sharded model's is gathered)."""
+        return self.strategy.model_state_dict(model, unwrap=unwrap)
 
     def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True, *, async_save: bool | None = None,

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from accel import availability
-from accel.precision import scaler as scaler_record
+from accel.precision.scaler import step_optimizer
 from accel.pytree import send_to_device
 from accel.state import AcceleratorState, GradientState
 
@@ -116,16 +116,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients or self._updates_in_backward:
             return  # accumulating; or a LOMO optimizer, which updated the weights in its backward
-        if self.scaler is None or not self.scaler.is_enabled():
-            self.optimizer.step(closure)
-            return
-        self.scaler.step(self.optimizer, closure)
-        self._is_overflow = scaler_record.found_inf(self.scaler, self.optimizer)
-        # Another optimizer sharing the scaler was unscaled (clip_grad_norm_ unscales all) but has not stepped:
-        # updating now would forget that, and its step would divide its gradients by the scale a second time
-        # (HF Accelerate does that). The last of them updates; the fp16 policy's next backward makes a missing update.
-        if not scaler_record.unscaled_but_not_stepped(self.scaler, self.optimizer):
-            self.scaler.update()
+        self._is_overflow = step_optimizer(self.optimizer, self.scaler, closure)
 
     def train(self) -> None:
         if hasattr(self.optimizer, "train"):  # schedule-free optimizers

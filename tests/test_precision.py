@@ -376,7 +376,7 @@ def test_policies_and_strategies_fill_their_base_classes():
     with pytest.raises(TypeError, match="abstract"):
         Precision(torch.device("cpu"))
     with pytest.raises(TypeError, match="abstract"):
-        Strategy(None)
+        Strategy(None, None)
 
 
 def test_torchs_private_scaler_fields_are_read_in_one_module():

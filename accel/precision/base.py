@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from accel.precision.grads import Measured
+from accel.precision.scaler import step_optimizer
 
 
 class Precision(abc.ABC):
@@ -31,10 +32,22 @@ class Precision(abc.ABC):
 
     name: str
     scaler: torch.amp.GradScaler | None = None
+    _sharding = None
 
     def __init__(self, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None):
         self.device = device
         self.autocast_kwargs = autocast_kwargs or {}
+
+    @property
+    def sharding(self):
+        """Where the gradients this policy unscales live (the strategy; see accel.precision.grads.Sharding)."""
+        return self._sharding
+
+    @sharding.setter
+    def sharding(self, sharding) -> None:
+        self._sharding = sharding
+        if self.scaler is not None:
+            self.scaler.sharding = sharding
 
     @abc.abstractmethod
     def autocast(self, autocast_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
@@ -47,6 +60,11 @@ class Precision(abc.ABC):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagates `loss` (`kwargs` go to `Tensor.backward`)."""
         loss.backward(**kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Steps `optimizer` through this policy's scaler (if any); returns whether the step was skipped (fp16:
+        inf/nan gradients)."""
+        return step_optimizer(optimizer, self.scaler, closure)
 
     def unscale(self, optimizers: list[torch.optim.Optimizer]) -> Measured:
         """Divides the optimizers' gradients by the loss scale; returns the gradient norms measured doing so.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
@@ -45,6 +46,18 @@ def _fusable_on_device(grads: list[torch.Tensor], device: torch.device) -> list[
         return []
     strided, dtypes = torch.strided, FUSED_DTYPES
     return [g for g in grads if g.layout is strided and g.dtype in dtypes and g.is_contiguous()]
+
+
+class Sharding(Protocol):
+    """Where gradients live (an `accel.strategies.Strategy`): whole on every process, or one shard per process."""
+
+    shards_gradients: bool
+
+    def local_gradients(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def sum_across_shards(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def max_across_shards(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class Measured:
@@ -143,22 +156,30 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     measured: Measured | None = None,
+    sharding: Sharding | None = None,
 ) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_`, fused where it can be; returns the total norm (fp32 when fused).
 
     `measured`: sums of squares that `unscale_` just measured for some of these gradients (they are not read
-    again); the norm of the others is measured by a read-only pass of the same kernel.
+    again); the norm of the others is measured by a read-only pass of the same kernel. `sharding` (a strategy):
+    where each process holds a shard of every gradient (FSDP2's DTensors), the kernels see the local shards and
+    the sum of squares is summed across the shards before the root, in one all-reduce.
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
+    sharding = sharding if sharding is not None and sharding.shards_gradients else None
+    local = grads if sharding is None else sharding.local_gradients(grads)
     measured = measured or Measured()
-    if float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(grads):
-        total_norm = measured.sources[0][1].sum().sqrt().to(torch.float32)  # fusable by construction
-    elif _fused_clip_applies(grads, norm_type):
-        total_norm = total_norm_(grads, measured)
-    else:
+    if float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(local):
+        sum_sq = measured.sources[0][1].sum()  # fusable by construction
+    elif _fused_clip_applies(local, norm_type):
+        sum_sq = total_sum_of_squares_(local, measured)
+    else:  # torch's own: DTensor gradients included (it reduces their norms itself)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    ops.clip_grads_(grads, total_norm, float(max_norm))
+    if sharding is not None:
+        sum_sq = sharding.sum_across_shards(sum_sq)
+    total_norm = sum_sq.sqrt().to(torch.float32)
+    ops.clip_grads_(local, total_norm, float(max_norm))
     return total_norm
 
 
@@ -170,6 +191,11 @@ def _fused_clip_applies(grads: list[torch.Tensor], norm_type: float) -> bool:
 
 def total_norm_(grads: list[torch.Tensor], measured: Measured) -> torch.Tensor:
     """The 2-norm of all `grads` together (fp32, on their device, no host sync), reusing `measured` sums."""
+    return total_sum_of_squares_(grads, measured).sqrt().to(torch.float32)
+
+
+def total_sum_of_squares_(grads: list[torch.Tensor], measured: Measured) -> torch.Tensor:
+    """The sum of squares of all `grads` together (fp64, on their device), reusing `measured` sums."""
     indices_by_source: dict[int, tuple[torch.Tensor, list[int]]] = {}
     unmeasured = []
     for grad in grads:
@@ -182,8 +208,7 @@ def total_norm_(grads: list[torch.Tensor], measured: Measured) -> torch.Tensor:
     parts = [_selected_sum(sq_norms, indices) for sq_norms, indices in indices_by_source.values()]
     if unmeasured:
         parts.append(sq_norms_(unmeasured).sum())
-    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-    return total.sqrt().to(torch.float32)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _selected_sum(sq_norms: torch.Tensor, indices: list[int]) -> torch.Tensor:

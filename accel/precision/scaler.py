@@ -22,9 +22,14 @@ from accel.precision import grads as grad_ops
 
 
 class FusedGradScaler(torch.amp.GradScaler):
+    """torch's GradScaler with the fused unscale. `sharding` (set by the strategy; None: whole gradients): where each
+    process holds a shard of every gradient (FSDP2), it unscales the local shards and takes the inf/nan flag's
+    maximum over the shards, so every process skips the same steps."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._measured: grad_ops.Measured | None = None  # set only inside measuring()
+        self.sharding: grad_ops.Sharding | None = None
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[grad_ops.Measured]:
@@ -41,6 +46,8 @@ class FusedGradScaler(torch.amp.GradScaler):
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         with torch.no_grad():
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if self.sharding is not None and self.sharding.shards_gradients:
+                return self._unscale_shards_(grads, inv_scale, found_inf)
             # Usually every gradient is dense and on one device: one kernel call, no per-gradient Python.
             device = grads[0].device if grads else None
             measured = grads and grad_ops.try_unscale_fused_(
@@ -52,6 +59,16 @@ class FusedGradScaler(torch.amp.GradScaler):
                     self._record(grad_ops.unscale_(
                         device_grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)))  # fmt: skip
         return per_device_found_inf._per_device_tensors
+
+    def _unscale_shards_(self, grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+                         ) -> dict[torch.device, torch.Tensor]:  # fmt: skip
+        """The unscale of sharded gradients: this process's shards (one device), the flag maxed over shards."""
+        local = self.sharding.local_gradients(grads)
+        found = found_inf.to(local[0].device) if local else found_inf
+        if local:
+            self._record(grad_ops.unscale_(local, found, inv_scale.to(found.device)))
+        found = self.sharding.max_across_shards(found)
+        return {found.device: found}
 
     def _record(self, measured: grad_ops.Measured) -> None:
         if self._measured is not None:
@@ -73,6 +90,23 @@ class FusedGradScaler(torch.amp.GradScaler):
                     grad = grad._values()
                 by_device[grad.device].append(grad)
         return by_device
+
+
+def step_optimizer(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, closure=None) -> bool:
+    """Steps `optimizer`, through `scaler` when one is enabled (a step whose gradients hold inf/nan is skipped and
+    the scale backs off); returns whether the step was skipped. `Precision.optimizer_step` and HF's
+    `AcceleratedOptimizer(optimizer, scaler=...)` step this way."""
+    if scaler is None or not scaler.is_enabled():
+        optimizer.step(closure)
+        return False
+    scaler.step(optimizer, closure)
+    skipped = found_inf(scaler, optimizer)
+    # Another optimizer sharing the scaler was unscaled (clip_grad_norm_ unscales all) but has not stepped: updating
+    # now would forget that, and its step would divide its gradients by the scale a second time (HF Accelerate does
+    # that). The last of them updates; the fp16 policy's next backward makes a missing update.
+    if not unscaled_but_not_stepped(scaler, optimizer):
+        scaler.update()
+    return skipped
 
 
 # --- what an iteration did, from torch's per-optimizer record (cleared by `update()`) ------------------------------

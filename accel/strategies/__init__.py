@@ -1,14 +1,14 @@
 """How a model is placed, wrapped and synchronized across processes: one strategy object per setup.
 
-The Accelerator asks `strategy_for(state)` once and delegates; it never branches on DistributedType.
-New setups (FSDP) register here.
+The Accelerator asks `strategy_for(state, precision, settings)` once and delegates; it never branches on
+DistributedType. Each setup registers its strategy class here.
 """
 
 from __future__ import annotations
 
-from accel.settings import DistributedDataParallelKwargs
+from accel.precision import Precision
 from accel.state import DistributedType, PartialState
-from accel.strategies.base import Strategy
+from accel.strategies.base import Strategy, StrategySettings
 from accel.strategies.ddp import DDPStrategy
 from accel.strategies.single import SingleDeviceStrategy
 
@@ -19,13 +19,16 @@ STRATEGIES = {
 }
 
 
-def strategy_for(state: PartialState, ddp_kwargs: DistributedDataParallelKwargs | None = None) -> Strategy:
-    """The strategy of `state`'s distributed type (`ddp_kwargs` configure DDP where it is used)."""
+def strategy_for(state: PartialState, precision: Precision, settings: StrategySettings | None = None) -> Strategy:
+    """The strategy of `state`'s distributed type, holding `precision` (whose scaler then unscales the gradients
+    the strategy's processes hold); `settings` are what the Accelerator was given that a strategy may use."""
     try:
-        strategy = STRATEGIES[state.distributed_type]
+        strategy_class = STRATEGIES[state.distributed_type]
     except KeyError:
         raise NotImplementedError(f"{state.distributed_type} is not supported by accel yet") from None
-    return strategy.create(state, ddp_kwargs)
+    strategy = strategy_class.create(state, precision, settings or StrategySettings())
+    precision.sharding = strategy
+    return strategy
 
 
-__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "strategy_for"]
+__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]

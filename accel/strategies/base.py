@@ -1,20 +1,44 @@
 """`Strategy`: the seam every distributed setup fills (as Lightning Fabric's strategies do).
 
-The Accelerator asks `accel.strategies.strategy_for(state)` once and then only talks to the strategy: how a model
-is placed, wrapped and compiled (`setup_model`), and how gradient synchronization is skipped while accumulating
-(`no_sync`). It never asks which setup it runs.
+The Accelerator asks `accel.strategies.strategy_for(state, precision, ...)` once and then only talks to the
+strategy, never asking which setup it runs. A strategy owns what differs between setups:
+
+- models: how one is placed, wrapped and compiled (`setup_model`), what the user's module inside is (`unwrap`);
+- optimizers: the wrapper `prepare` returns (`setup_optimizer`), over the parameters the wrapped model trains;
+- gradients: skipping synchronization while accumulating (`no_sync`), the backward (`backward`), clipping
+  (`clip_grad_norm_`, `clip_grad_value_`), and where gradients live (`local_gradients`, `sum_across_shards`,
+  `max_across_shards`: the whole gradient on every process, or one shard of it);
+- state: the model's full state dict (`model_state_dict`).
+
+What a mixed-precision policy owns (autocast, the loss scaler, the optimizer step through it) is its
+`accel.precision.Precision`'s, which the strategy holds and hands the gradients it sees.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from accel.compilation import is_compiled_module
+from accel.module_tree import extract_model_from_parallel
+from accel.optimizer import AcceleratedOptimizer
+from accel.precision import Precision
+from accel.precision import grads as grad_ops
 from accel.state import PartialState
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySettings:
+    """What the Accelerator was given that a strategy may need (each strategy reads its own)."""
+
+    ddp_kwargs: Any = None  # DistributedDataParallelKwargs
+    fsdp_plugin: Any = None  # FullyShardedDataParallelPlugin
+    mixed_precision: str = "no"
 
 
 def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
@@ -25,25 +49,30 @@ def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module
 
 
 class Strategy(abc.ABC):
-    """How a model runs in one distributed setup.
+    """How models train in one distributed setup.
 
     Args:
         state: The process state (its device is where models go).
+        precision: The mixed-precision policy (autocast, loss scaling, the optimizer step).
     """
 
-    def __init__(self, state: PartialState):
+    def __init__(self, state: PartialState, precision: Precision):
         self.state = state
+        self.precision = precision
 
     @classmethod
-    def create(cls, state: PartialState, ddp_kwargs: Any = None) -> Strategy:
-        """The strategy for `state`, built from the Accelerator's settings it uses: only the state here; a strategy
-        that needs more (DDP's `DistributedDataParallelKwargs`) overrides this."""
-        return cls(state)
+    def create(cls, state: PartialState, precision: Precision, settings: StrategySettings) -> Strategy:
+        """The strategy for `state`, built from the Accelerator's settings it uses: only the state and the
+        precision here; a strategy that needs more (DDP's `DistributedDataParallelKwargs`, FSDP's plugin) overrides
+        this."""
+        return cls(state, precision)
 
     @property
     def device(self) -> torch.device:
         """The device this process's models go to."""
         return self.state.device
+
+    # --- models ---------------------------------------------------------------------------------------------
 
     def setup_model(self, model: torch.nn.Module, device_placement: bool, dynamo_plugin: Any = None) -> torch.nn.Module:
         """Places the model, wraps it for this setup and compiles it (`dynamo_plugin`, a TorchDynamoPlugin)."""
@@ -54,6 +83,62 @@ class Strategy(abc.ABC):
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         """`model` (already placed) wrapped for this setup and compiled with `dynamo_plugin`."""
 
+    def unwrap(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+               ) -> torch.nn.Module:  # fmt: skip
+        """The user's module inside this setup's wrappers (see `accel.module_tree.extract_model_from_parallel`)."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                           keep_torch_compile=keep_torch_compile)  # fmt: skip
+
+    # --- optimizers -------------------------------------------------------------------------------------------
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool) -> AcceleratedOptimizer:
+        """The wrapper `prepare` returns for `optimizer`: it steps through the precision's scaler, and only when
+        gradients are synchronized."""
+        return AcceleratedOptimizer(optimizer, device_placement=device_placement, scaler=self.precision.scaler)
+
+    # --- gradients --------------------------------------------------------------------------------------------
+
     @abc.abstractmethod
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward passes of `model` accumulate gradients without synchronizing them."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagates `loss` through the precision (which scales it for fp16)."""
+        self.precision.backward(loss, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
+                        optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:  # fmt: skip
+        """Unscales `optimizers`' gradients (fp16), then clips `parameters`' as `torch.nn.utils.clip_grad_norm_`
+        does; returns the total norm. The fused path measures the norm during the unscale (or in one read-only
+        pass), from the gradients this process holds, summed across shards where each holds a part."""
+        measured = self.precision.unscale(optimizers)
+        return grad_ops.clip_grad_norm_(parameters, max_norm, norm_type, measured=measured, sharding=self)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float,
+                         optimizers: list[torch.optim.Optimizer]) -> None:  # fmt: skip
+        """Unscales (fp16), then clamps every gradient to [-clip_value, clip_value]."""
+        self.precision.unscale(optimizers)
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # Whether each process holds only a shard of every gradient (FSDP2); the methods below then say which part.
+    shards_gradients = False
+
+    def local_gradients(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The part of each gradient this process holds: all of it, unless a strategy shards gradients."""
+        return grads
+
+    def sum_across_shards(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a sum over this process's gradient shards) summed over every shard: itself when every
+        process holds whole gradients."""
+        return tensor
+
+    def max_across_shards(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (e.g. an inf/nan flag of this process's shards) maxed over every shard: itself when every
+        process holds whole gradients."""
+        return tensor
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's full state dict: of the user's module (wrappers removed) unless `unwrap=False`."""
+        return (self.unwrap(model) if unwrap else model).state_dict()

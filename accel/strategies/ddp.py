@@ -17,16 +17,17 @@ class DDPStrategy(Strategy):
 
     Args:
         state: The process state.
+        precision: The mixed-precision policy.
         ddp_kwargs: The Accelerator's `DistributedDataParallelKwargs` (DDP's arguments and communication hook).
     """
 
-    def __init__(self, state, ddp_kwargs: DistributedDataParallelKwargs | None = None):
-        super().__init__(state)
+    def __init__(self, state, precision, ddp_kwargs: DistributedDataParallelKwargs | None = None):
+        super().__init__(state, precision)
         self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
 
     @classmethod
-    def create(cls, state, ddp_kwargs: DistributedDataParallelKwargs | None = None) -> DDPStrategy:
-        return cls(state, ddp_kwargs)
+    def create(cls, state, precision, settings) -> DDPStrategy:
+        return cls(state, precision, settings.ddp_kwargs)
 
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         """DDP around the model, compiled as torch advises for DDP.
