@@ -197,8 +197,9 @@ class Accelerator:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
-                                      torch_tp_plugin=torch_tp_plugin, parallelism_config=parallelism_config,
-                                      _from_accelerator=True, **init_kwargs)  # fmt: skip
+                                      fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
+                                      parallelism_config=parallelism_config, _from_accelerator=True,
+                                      **init_kwargs)  # fmt: skip
         if self.parallelism_config is not None:
             self.parallelism_config._validate_accelerator(self)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
@@ -206,7 +207,8 @@ class Accelerator:
         autocast, scaler = self.autocast_handler, self.scaler_handler
         self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None,
                                        scaler.to_kwargs() if scaler else None)  # fmt: skip
-        settings = StrategySettings(ddp_kwargs=self.ddp_handler, mixed_precision=self.state.mixed_precision)
+        settings = StrategySettings(ddp_kwargs=self.ddp_handler, fsdp_plugin=self.state.fsdp_plugin,
+                                    mixed_precision=self.state.mixed_precision)  # fmt: skip
         self.strategy = strategy_for(self.state, self.precision, settings)
         self.native_amp = self.state.mixed_precision in ("fp16", "bf16")  # autocast runs (CPU included)
         self.device_placement = device_placement
@@ -296,8 +298,8 @@ class Accelerator:
     # --- backends and parallelism accel does not run: HF's members, with accel's (constant) answers -------------
 
     deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin, doc="Always None: DeepSpeed is refused.")
-    is_fsdp2 = property(lambda self: self.state.is_fsdp2, doc="Always False: FSDP is refused.")
-    is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2, doc="Always False (needs FSDP2).")
+    is_fsdp2 = property(lambda self: self.state.is_fsdp2, doc="Whether FSDP (always FSDP2 in accel) shards the models.")
+    is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2, doc="Whether FSDP2 runs.")
     parallelism_config = property(lambda self: self.state.parallelism_config,
                                   doc="The ParallelismConfig given (data parallelism only), or None.")  # fmt: skip
     torch_device_mesh = property(lambda self: self.state.device_mesh,
@@ -725,6 +727,7 @@ class Accelerator:
             project_configuration=self.project_configuration, project_dir=self.project_dir,
             writes_shared_files=self._saves_here(), process_index=self.process_index,
             num_processes=self.num_processes, device=self.device, step=self.step,
+            sharded=self.strategy.sharded_states(),
         )  # fmt: skip
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,

@@ -20,6 +20,7 @@ import enum
 import os
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial, wraps
@@ -561,12 +562,30 @@ class AcceleratorState:
         if not self.initialized:
             self.dynamo_plugin = dynamo_plugin
             self.deepspeed_plugins = None  # HF's attributes, for code that reads them: nothing accel refuses is kept
-            self.fsdp_plugin = None
+            self.fsdp_plugin = self._use_fsdp(fsdp_plugin, mixed_precision)
             self.megatron_lm_plugin = None
             self.torch_tp_plugin = torch_tp_plugin
             self.parallelism_config = parallelism_config
             self.device_mesh = None  # DDP needs no device mesh
             self._mixed_precision = mixed_precision
+
+    def _use_fsdp(self, plugin: Any, mixed_precision: str) -> Any:
+        """The FSDP plugin when FSDP runs (`plugin`, or one built from HF's FSDP_* variables when ACCEL_USE_FSDP /
+        ACCELERATE_USE_FSDP says so), with the distributed type FSDP, as HF sets it; None otherwise. One process
+        has nothing to shard across: it trains as it would without the plugin, saying so (HF ignores it)."""
+        if plugin is None and get_flag("USE_FSDP"):
+            from accel.backends.fsdp import FullyShardedDataParallelPlugin
+
+            plugin = FullyShardedDataParallelPlugin()
+        if plugin is None:
+            return None
+        if self.distributed_type == DistributedType.NO:
+            warnings.warn("FSDP shards a model across processes and this job has one: training without it (launch "
+                          "with --num_processes 2 or more to shard)")  # fmt: skip
+            return None
+        # PartialState's too, as HF sets it: every later AcceleratorState() copies PartialState's attributes.
+        self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        return plugin
 
     @property
     def initialized(self) -> bool:
@@ -597,8 +616,8 @@ class AcceleratorState:
 
     @property
     def is_fsdp2(self) -> bool:
-        """Whether FSDP2 runs: never in accel (FSDP is refused)."""
-        return self.distributed_type == DistributedType.FSDP and getattr(self.fsdp_plugin, "fsdp_version", 1) == 2
+        """Whether FSDP runs: always FSDP2 in accel (an fsdp_version=1 plugin is translated to it)."""
+        return self.distributed_type == DistributedType.FSDP
 
     def get_deepspeed_plugin(self, name: str):
         """HF Accelerate's named DeepSpeed plugin: refused (accel runs no DeepSpeed)."""

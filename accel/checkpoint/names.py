@@ -17,6 +17,7 @@ DATALOADER_STATE_NAME = "dl_state_dict"  # a stateful dataloader's state_dict() 
 SCALER_NAME = "scaler.pt"
 RNG_STATE_NAME = "random_states"
 CUSTOM_CHECKPOINT_NAME = "custom_checkpoint"
+FSDP_MODEL_NAME = "pytorch_model_fsdp"  # FSDP's sharded model folders: pytorch_model_fsdp_0/, ... (DCP)
 
 SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
@@ -41,6 +42,7 @@ CHECKPOINT_FILE = re.compile(
     rf"({SAFE_MODEL_NAME}|{MODEL_NAME})(_\d+)?\.(safetensors|bin)|"
     rf"({OPTIMIZER_NAME}|{SCHEDULER_NAME}|{SAMPLER_NAME}|{DATALOADER_STATE_NAME})(_\d+)?\.bin|"
     rf"{re.escape(SCALER_NAME)}|{RNG_STATE_NAME}_\d+\.pkl|{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl|"
+    rf"({FSDP_MODEL_NAME}|{OPTIMIZER_NAME})_\d+|"  # FSDP's sharded state: DCP folders
     rf"{re.escape(DURABILITY_RECORD)}"
 )
 

@@ -91,6 +91,7 @@ from accel.checkpoint.publish import (
     readable_folder,
 )
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
+from accel.checkpoint.sharded import ShardedStates
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
@@ -123,6 +124,8 @@ class Checkpointable:
     num_processes: int
     device: torch.device
     step: int
+    # How models' and optimizers' state is saved when it is sharded (FSDP2's DCP folders); None: whole files.
+    sharded: ShardedStates | None = None
 
 
 # --- saving ------------------------------------------------------------------------------------------------------
@@ -194,9 +197,12 @@ def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: b
     failure = None
     try:
         os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
-        weights = [parts.state_dict(model) for model in parts.models]
+        # Sharded state (FSDP2) is written by every process through DCP; whole weights by the writer.
+        weights = [] if parts.sharded is not None else [parts.state_dict(model) for model in parts.models]
         for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
             hook(list(parts.models), weights, staging)
+        if parts.sharded is not None:
+            parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging)
         if writes_shared_files:
             files = shared_files(parts, weights, safe_serialization)
             if not mode.asynchronous:
@@ -340,7 +346,7 @@ def shared_files(parts: Checkpointable, weights: list[dict], safe_serialization:
             files[numbered(SAFE_MODEL_NAME, i, ".safetensors")] = without_shared_tensors(state_dict)
         else:
             files[numbered(MODEL_NAME, i, ".bin")] = state_dict
-    for i, optimizer in enumerate(parts.optimizers):
+    for i, optimizer in enumerate(parts.optimizers if parts.sharded is None else []):
         files[numbered(OPTIMIZER_NAME, i, ".bin")] = optimizer.state_dict()
     for i, scheduler in enumerate(parts.schedulers):
         files[numbered(SCHEDULER_NAME, i, ".bin")] = scheduler.state_dict()
@@ -476,11 +482,15 @@ def _folder_to_load(config: Any, project_dir: str | None, input_dir: str | None)
 def _check_complete(parts: Checkpointable, models: list, folder: str) -> None:
     """Raises, naming what is missing, unless `folder` holds a file for everything that will be restored."""
     missing = []
+    sharded = _sharded_states(parts, models, folder)
+    if sharded is not None:
+        missing += sharded.missing(folder, len(models), len(parts.optimizers))
+        models = []  # their state is in the DCP folders
     for i in range(len(models)):
         if not any(os.path.exists(os.path.join(folder, numbered(name, i, ext)))
                    for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin"))):  # fmt: skip
             missing.append(numbered(SAFE_MODEL_NAME, i, ".safetensors"))
-    missing += [numbered(OPTIMIZER_NAME, i, ".bin") for i in range(len(parts.optimizers))]
+    missing += [numbered(OPTIMIZER_NAME, i, ".bin") for i in range(len(parts.optimizers) if sharded is None else 0)]
     missing += [numbered(SCHEDULER_NAME, i, ".bin") for i in range(len(parts.schedulers))]
     missing = [name for name in missing if not os.path.exists(os.path.join(folder, name))]
     if missing:
@@ -491,6 +501,22 @@ def _check_complete(parts: Checkpointable, models: list, folder: str) -> None:
         raise RuntimeError(f"'{folder}' holds {len(found)} custom checkpoints but {len(parts.custom_objects)} "
                            "objects are registered (register_for_checkpointing): load a checkpoint saved with the "
                            "same registrations")  # fmt: skip
+
+
+def _sharded_states(parts: Checkpointable, models: list, folder: str) -> ShardedStates | None:
+    """How the models' and optimizers' state is read: sharded (DCP folders) when this run writes it so, or when
+    the folder holds a sharded checkpoint and no whole weights (saved under FSDP2, loaded by another setup: DCP
+    reshards); None: whole files."""
+    if parts.sharded is not None:
+        return parts.sharded
+    whole = any(os.path.exists(os.path.join(folder, numbered(name, 0, ext)))
+                for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin")))  # fmt: skip
+    return ShardedStates() if not whole and ShardedStates.present(folder, len(models)) else None
+
+
+def _inner(optimizers: list) -> list[torch.optim.Optimizer]:
+    """The user's optimizers inside the prepared wrappers."""
+    return [getattr(optimizer, "optimizer", optimizer) for optimizer in optimizers]
 
 
 def _load(path: str, load_kwargs: dict) -> Any:
@@ -594,9 +620,15 @@ def load_rng_state(folder: str, process_index: int) -> int | None:
 
 
 def _restore_files(parts: Checkpointable, models: list, folder: str, load_kwargs: dict, strict: bool) -> None:
-    for i, model in enumerate(models):
+    sharded = _sharded_states(parts, models, folder)
+    if sharded is not None:
+        # The scaler first: loading an optimizer's sharded state may initialise it with a step (HF's order).
+        if parts.scaler is not None and os.path.exists(os.path.join(folder, SCALER_NAME)):
+            parts.scaler.load_state_dict(_load(os.path.join(folder, SCALER_NAME), load_kwargs))
+        sharded.load(models, _inner(parts.optimizers), folder)
+    for i, model in enumerate(models if sharded is None else []):
         load_model_weights(model, folder, i, strict)
-    for i, optimizer in enumerate(parts.optimizers):
+    for i, optimizer in enumerate(parts.optimizers if sharded is None else []):
         optimizer.load_state_dict(_load(os.path.join(folder, numbered(OPTIMIZER_NAME, i, ".bin")), load_kwargs))
     for i, scheduler in enumerate(parts.schedulers):
         scheduler.load_state_dict(_load(os.path.join(folder, numbered(SCHEDULER_NAME, i, ".bin")), load_kwargs))

@@ -55,6 +55,8 @@ class Sharding(Protocol):
 
     def local_gradients(self, grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
+    def sharded(self, grads: list[torch.Tensor]) -> list[bool]: ...
+
     def sum_across_shards(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def max_across_shards(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -170,17 +172,28 @@ def clip_grad_norm_(
     sharding = sharding if sharding is not None and sharding.shards_gradients else None
     local = grads if sharding is None else sharding.local_gradients(grads)
     measured = measured or Measured()
-    if float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(local):
+    if sharding is None and float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(local):
         sum_sq = measured.sources[0][1].sum()  # fusable by construction
-    elif _fused_clip_applies(local, norm_type):
-        sum_sq = total_sum_of_squares_(local, measured)
-    else:  # torch's own: DTensor gradients included (it reduces their norms itself)
+    elif not _fused_clip_applies(local, norm_type):  # torch's own: DTensor gradients included (it reduces them)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    if sharding is not None:
-        sum_sq = sharding.sum_across_shards(sum_sq)
+    elif sharding is None:
+        sum_sq = total_sum_of_squares_(local, measured)
+    else:
+        sum_sq = _sum_of_squares_across_shards(local, sharding.sharded(grads), measured, sharding)
     total_norm = sum_sq.sqrt().to(torch.float32)
     ops.clip_grads_(local, total_norm, float(max_norm))
     return total_norm
+
+
+def _sum_of_squares_across_shards(local: list[torch.Tensor], sharded: list[bool], measured: Measured,
+                                  sharding: Sharding) -> torch.Tensor:  # fmt: skip
+    """The sum of squares of gradients of which every process holds a shard (summed across processes, in one
+    all-reduce) plus that of gradients every process holds whole (ignored parameters: counted once)."""
+    shards = [g for g, is_shard in zip(local, sharded) if is_shard]
+    whole = [g for g, is_shard in zip(local, sharded) if not is_shard]
+    zero = torch.zeros((), dtype=torch.float64, device=local[0].device)
+    total = sharding.sum_across_shards(total_sum_of_squares_(shards, measured) if shards else zero)
+    return total + total_sum_of_squares_(whole, measured) if whole else total
 
 
 def _fused_clip_applies(grads: list[torch.Tensor], norm_type: float) -> bool:

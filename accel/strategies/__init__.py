@@ -10,12 +10,14 @@ from accel.precision import Precision
 from accel.state import DistributedType, PartialState
 from accel.strategies.base import Strategy, StrategySettings
 from accel.strategies.ddp import DDPStrategy
+from accel.strategies.fsdp2 import FSDP2Strategy
 from accel.strategies.single import SingleDeviceStrategy
 
 STRATEGIES = {
     DistributedType.NO: SingleDeviceStrategy,
     DistributedType.MULTI_CPU: DDPStrategy,
     DistributedType.MULTI_GPU: DDPStrategy,
+    DistributedType.FSDP: FSDP2Strategy,
 }
 
 
@@ -31,4 +33,4 @@ def strategy_for(state: PartialState, precision: Precision, settings: StrategySe
     return strategy
 
 
-__all__ = ["DDPStrategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]
+__all__ = ["DDPStrategy", "FSDP2Strategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]

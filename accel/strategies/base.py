@@ -127,6 +127,10 @@ class Strategy(abc.ABC):
         """The part of each gradient this process holds: all of it, unless a strategy shards gradients."""
         return grads
 
+    def sharded(self, grads: list[torch.Tensor]) -> list[bool]:
+        """Which of `grads` this process holds a shard of (the others it holds whole)."""
+        return [False] * len(grads)
+
     def sum_across_shards(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (a sum over this process's gradient shards) summed over every shard: itself when every
         process holds whole gradients."""
@@ -138,6 +142,11 @@ class Strategy(abc.ABC):
         return tensor
 
     # --- state ------------------------------------------------------------------------------------------------
+
+    def sharded_states(self) -> Any:
+        """How save_state writes models' and optimizers' state when each process writes its shards (an
+        `accel.checkpoint.sharded.ShardedStates`), or None: whole files, written by one process."""
+        return None
 
     def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The model's full state dict: of the user's module (wrappers removed) unless `unwrap=False`."""

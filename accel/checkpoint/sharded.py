@@ -1,0 +1,79 @@
+"""Sharded training state in HF Accelerate's FSDP layout, through torch.distributed.checkpoint (DCP).
+
+`save_state` under FSDP2 with `SHARDED_STATE_DICT` (the FSDP2 default) writes, from every process, each model's
+shards into `pytorch_model_fsdp_{i}/` and each optimizer's into `optimizer_{i}/` (HF's folder names, DCP's files:
+`__{rank}_0.distcp` and `.metadata`), inside the same staging folder the rest of the checkpoint goes to, so a
+process killed mid-save leaves the previous checkpoint. The optimizer state keeps `step`. DCP reshards on load: a
+checkpoint saved by N processes loads on M, also on one process without FSDP (into plain tensors), which is how
+`accel merge-weights` and a single-process resume read it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from accel.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+
+def model_folder(index: int) -> str:
+    """HF's folder of the `index`-th model's shards (numbered from 0, also the first)."""
+    return f"{FSDP_MODEL_NAME}_{index}"
+
+
+def optimizer_folder(index: int) -> str:
+    return f"{OPTIMIZER_NAME}_{index}"
+
+
+class ShardedStates:
+    """Models' and optimizers' state as DCP folders (see the module docstring). Every process calls each method."""
+
+    @staticmethod
+    def present(folder: str, models: int) -> bool:
+        """Whether `folder` holds the sharded state of `models` models (`pytorch_model_fsdp_{i}/`)."""
+        return models > 0 and all(os.path.isdir(os.path.join(folder, model_folder(i))) for i in range(models))
+
+    @staticmethod
+    def missing(folder: str, models: int, optimizers: int) -> list[str]:
+        """The folders a load of `models` models and `optimizers` optimizers needs that `folder` lacks."""
+        needed = [model_folder(i) for i in range(models)] + [optimizer_folder(i) for i in range(optimizers)]
+        return [name for name in needed if not os.path.isfile(os.path.join(folder, name, ".metadata"))]
+
+    @staticmethod
+    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        for i, model in enumerate(models):
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, model_folder(i)))
+        for i, optimizer in enumerate(optimizers):
+            state = get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)
+            dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
+
+    @staticmethod
+    def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        """Loads into the models and optimizers as they are (sharded or not): DCP reads each process's part."""
+        for i, model in enumerate(models):
+            state = get_model_state_dict(model)
+            dcp.load({"model": state}, checkpoint_id=os.path.join(folder, model_folder(i)))
+            set_model_state_dict(model, state)
+        for i, optimizer in enumerate(optimizers):
+            owner = _owner(models, i, optimizer)
+            state = get_optimizer_state_dict(owner, optimizer)
+            dcp.load({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
+            set_optimizer_state_dict(owner, optimizer, state)
+
+
+def _owner(models: list[torch.nn.Module], index: int, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+    """The model whose parameters `optimizer` trains (HF pairs them by index; else the first that holds them)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    candidates = ([models[index]] if index < len(models) else []) + models
+    for model in candidates:
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise ValueError(f"optimizer {index} trains none of the prepared models' parameters")
