@@ -36,6 +36,7 @@ from accel.backends.fsdp import FullyShardedDataParallelPlugin, get_parameters_f
 from accel.checkpoint.sharded import ShardedStates
 from accel.optimizer import AcceleratedOptimizer
 from accel.strategies.base import Strategy, compile_model
+from accel.unsupported import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class FSDP2Strategy(Strategy):
     def __init__(self, state, precision, plugin: FullyShardedDataParallelPlugin, mixed_precision: str = "no"):
         super().__init__(state, precision)
         self.plugin = fsdp2_plugin(plugin)
+        if self.plugin.cpu_ram_efficient_loading:
+            raise refuse("FSDP cpu_ram_efficient_loading", "cpu_ram_efficient_loading=True (FSDP_CPU_RAM_EFFICIENT_LOADING)",
+                         "load the weights on every process (the default)")  # fmt: skip
         if mixed_precision != "no" and self.plugin.mixed_precision_policy is None:
             self.plugin.set_mixed_precision(mixed_precision)
         self.mixed_precision = mixed_precision
@@ -143,12 +147,20 @@ class FSDP2Strategy(Strategy):
 
     # --- state ------------------------------------------------------------------------------------------------
 
-    def sharded_states(self) -> ShardedStates | None:
-        """Sharded DCP folders under SHARDED_STATE_DICT (FSDP2's default); None under FULL_STATE_DICT (whole
-        weights gathered onto the main process, as `model_state_dict`)."""
+    def sharded_states(self) -> ShardedStates:
+        """save_state / load_state write and read sharded DCP folders (SHARDED_STATE_DICT, FSDP2's default).
+
+        Raises:
+            UnsupportedFeatureError: FULL_STATE_DICT, whose save_state (a full optimizer state gathered onto one
+                process) is not built yet; `save_model` / `get_state_dict` give the full model.
+        """
         from torch.distributed.fsdp import StateDictType
 
-        return ShardedStates() if self.plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT else None
+        if self.plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+            raise refuse("FSDP save_state / load_state with FULL_STATE_DICT", "the plugin's state_dict_type",
+                         "SHARDED_STATE_DICT (FSDP2's default; `accel merge-weights` turns it into one file), and "
+                         "save_model for the full model")  # fmt: skip
+        return ShardedStates()
 
     def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The full state dict, gathered shard by shard onto the main process's CPU (other processes get an
