@@ -186,6 +186,14 @@ def test_a_sharded_checkpoint_resumes_bit_identically_and_loads_on_one_process(t
     reference = run_on_ranks(_weights_after_three_steps, 2, timeout=180)[0]
     for name, tensor in reference.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0)
+    # `accel merge-weights` turns the model's shards into one file transformers loads.
+    from accel.checkpoint.dcp_merge import merge_fsdp_weights
+
+    merge_fsdp_weights(os.path.join(folder, "pytorch_model_fsdp_0"), str(tmp_path / "merged"))
+    tiny_gpt2().config.save_pretrained(tmp_path / "merged")
+    merged = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged").state_dict()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=0)
 
 
 def _weights_after_three_steps():
