@@ -2,7 +2,7 @@
 (HF's: load a file, upgrade keys of older versions, write it back with every current key).
 
 The questions, their texts, defaults and order follow HF Accelerate's `accelerate config` for the paths accel
-runs: this machine, no distributed training / multi-CPU / multi-GPU. Answers are read line by line from stdin
+runs: this machine, no distributed training / multi-CPU / multi-GPU, FSDP. Answers are read line by line from stdin
 (no arrow-key menu), so answers can be piped in. An option question takes the option's number or its name
 (case-insensitive); a yes/no question takes y/yes/n/no/true/false/1/0; an empty answer takes the default in
 brackets; an invalid answer is asked again with the allowed values. stdin closing before the last answer
@@ -10,7 +10,12 @@ exits with status 1 and saves nothing.
 
 Deliberate differences from HF Accelerate:
 
-- Not asked, because accel does not run them: DeepSpeed, FSDP, Megatron-LM, the parallelism config, TPU
+- FSDP is asked about on multi-GPU, as in HF, and offered on CPUs too, as a fourth machine type, "multi-CPU with
+  FSDP" (then the same FSDP questions follow): a question added to the multi-CPU path would shift every piped
+  answer after it (HF's multi-CPU answers, the seed's). An FSDP1 answer FSDP2 cannot honour (backward prefetch
+  BACKWARD_POST / NO_PREFETCH, forward prefetch, LOCAL_STATE_DICT: accel runs FSDP1 options on FSDP2) gets the
+  reason and the question again. As in HF, FSDP on GPUs does not ask for GPU ids.
+- Not asked, because accel does not run them: DeepSpeed, Megatron-LM, the parallelism config, TPU
   and the other device families, mpirun (accel launches through torch.distributed.run) and the FP8 backend
   questions (`fp8` may be chosen; `fp8_config` stays empty). Not asked either: NUMA affinity
   (`enable_cpu_affinity` is written as false; set the key or pass `accel launch --enable_cpu_affinity`). Amazon SageMaker is listed, as in HF, but answered with a message and the
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from accel._env import MIXED_PRECISIONS
+from accel.backends import fsdp_options
 from accel.cli.config_file import (
     ClusterConfig,
     ConfigError,
@@ -51,10 +57,12 @@ COMPUTE_ENVIRONMENT_OPTIONS: list[Option] = [
     ("This machine", "LOCAL_MACHINE"),
     ("AWS (Amazon SageMaker)", "AMAZON_SAGEMAKER"),
 ]
+CPU_FSDP = "MULTI_CPU_FSDP"  # accel's machine type: MULTI_CPU processes sharding with FSDP
 MACHINE_TYPE_OPTIONS: list[Option] = [
     ("No distributed training", "NO"),
     ("multi-CPU", "MULTI_CPU"),
     ("multi-GPU", "MULTI_GPU"),
+    ("multi-CPU with FSDP", CPU_FSDP),
 ]
 # The backends HF Accelerate's questionnaire offers, in its order (inductor, index 2, is the default).
 DYNAMO_BACKEND_OPTIONS: list[Option] = [
@@ -67,6 +75,17 @@ DYNAMO_BACKEND_OPTIONS: list[Option] = [
 DYNAMO_MODE_OPTIONS: list[Option] = [(mode, mode) for mode in ("default", "reduce-overhead", "max-autotune")]
 RDZV_BACKEND_OPTIONS: list[Option] = [(name, name) for name in ("static", "c10d", "etcd", "etcd-v2")]
 MIXED_PRECISION_OPTIONS: list[Option] = [(name, name) for name in MIXED_PRECISIONS]
+
+
+def _named_options(names: Sequence[str]) -> list[Option]:
+    return [(name, name) for name in names]
+
+
+SHARDING_STRATEGY_OPTIONS = _named_options(fsdp_options.SHARDING_STRATEGIES)
+AUTO_WRAP_POLICY_OPTIONS = _named_options(fsdp_options.AUTO_WRAP_POLICIES)
+BACKWARD_PREFETCH_OPTIONS = _named_options(fsdp_options.BACKWARD_PREFETCHES)
+STATE_DICT_TYPE_OPTIONS = {1: _named_options(fsdp_options.STATE_DICT_TYPES),
+                           2: _named_options(fsdp_options.FSDP2_STATE_DICT_TYPES)}  # fmt: skip
 
 _YES = ("y", "yes", "true", "1")
 _NO = ("n", "no", "false", "0")
@@ -277,6 +296,104 @@ def ask_dynamo() -> dict[str, Any]:
     return config
 
 
+def ask_fsdp2_runnable(key: str, ask_value: Callable[[], Any]) -> Any:
+    """Ask (with `ask_value`) until the answer for FSDP option `key` is one FSDP2 can honour."""
+    while True:
+        value = ask_value()
+        refusal = fsdp_options.fsdp2_refusal(key, value)
+        if refusal is None:
+            return value
+        print(f"{key.removeprefix('fsdp_')} {fsdp_options.shown(value)} is not supported by accel: {refusal}")
+
+
+def ask_fsdp_wrapping() -> dict[str, Any]:
+    """The auto wrap policy, and its layer classes or minimum size."""
+    config = {"fsdp_auto_wrap_policy": ask_option("What should be your auto wrap policy?", AUTO_WRAP_POLICY_OPTIONS)}
+    if config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP":
+        no_split_modules = ask_yes_no(
+            "Do you want to use the model's `_no_split_modules` to wrap. Only applicable for 🤗 Transformers "
+            "[yes/NO]: ",
+            default=False,
+        )
+        if not no_split_modules:
+            config["fsdp_transformer_layer_cls_to_wrap"] = ask(
+                "Specify the comma-separated list of transformer layer class names (case-sensitive) to wrap ,e.g, :"
+                "`BertLayer`, `GPTJBlock`, `T5Block`, `BertLayer,BertEmbeddings,BertSelfOutput` ...? : ",
+                required_text,
+            )
+    elif config["fsdp_auto_wrap_policy"] == "SIZE_BASED_WRAP":
+        config["fsdp_min_num_params"] = ask(
+            "What should be your FSDP's minimum number of parameters for Default Auto Wrapping Policy? [1e8]: ",
+            integer_between(0),
+            default=100000000,
+        )
+    return config
+
+
+def ask_fsdp_sharding(version: int) -> dict[str, Any]:
+    """Resharding after forward: FSDP1's sharding strategy (HF stores it under this key) or FSDP2's yes/no."""
+    if version == 1:
+        reshard = ask_option("What should be your sharding strategy?", SHARDING_STRATEGY_OPTIONS)
+    else:
+        reshard = ask_yes_no("Do you want to enable resharding after forward? [YES/no]: ", default=True)
+    return {"fsdp_reshard_after_forward": reshard}
+
+
+def ask_fsdp1_prefetching() -> dict[str, Any]:
+    """FSDP1's backward prefetch policy (asked before the state dict type, as HF does)."""
+    backward = ask_fsdp2_runnable("fsdp_backward_prefetch", lambda: ask_option(
+        "What should be your FSDP's backward prefetch policy?", BACKWARD_PREFETCH_OPTIONS))  # fmt: skip
+    return {"fsdp_backward_prefetch": backward}
+
+
+def ask_fsdp1_parameters() -> dict[str, Any]:
+    """FSDP1's forward prefetch and use_orig_params (asked after the state dict type, as HF does)."""
+    forward = ask_fsdp2_runnable("fsdp_forward_prefetch", lambda: ask_yes_no(
+        "Do you want to enable FSDP's forward prefetch policy? [yes/NO]: ", default=False))  # fmt: skip
+    use_orig_params = ask_yes_no("Do you want to enable FSDP's `use_orig_params` feature? [YES/no]: ", default=True)
+    return {"fsdp_forward_prefetch": forward, "fsdp_use_orig_params": use_orig_params}
+
+
+def ask_fsdp_loading(version: int) -> dict[str, Any]:
+    """RAM-efficient loading and, for FSDP1, whether rank 0's module states are broadcast (implied by the first)."""
+    config = {"fsdp_cpu_ram_efficient_loading": ask_yes_no(
+        "Do you want to enable CPU RAM efficient model loading? Only applicable for 🤗 Transformers models. "
+        "[YES/no]: ",
+        default=True,
+    )}  # fmt: skip
+    if version == 1:
+        config["fsdp_sync_module_states"] = config["fsdp_cpu_ram_efficient_loading"] or ask_yes_no(
+            "Do you want each individually wrapped FSDP unit to broadcast module parameters from rank 0 at the "
+            "start? [YES/no]: ",
+            default=True,
+        )
+    return config
+
+
+def ask_fsdp(chosen: bool = False) -> dict[str, Any]:
+    """HF's FSDP questions, in its order; an empty dict (no FSDP) when FSDP is not wanted (not asked when `chosen`
+    already)."""
+    if not chosen and not ask_yes_no("Do you want to use FullyShardedDataParallel? [yes/NO]: ", default=False):
+        return {}
+    version = ask("What should be your FSDP version? [2]: ", integer_between(1, 2), default=2)
+    config = {"fsdp_version": version, **ask_fsdp_sharding(version)}
+    config["fsdp_offload_params"] = ask_yes_no(
+        "Do you want to offload parameters and gradients to CPU? [yes/NO]: ", default=False
+    )
+    config.update(ask_fsdp_wrapping())
+    if version == 1:
+        config.update(ask_fsdp1_prefetching())
+    config["fsdp_state_dict_type"] = ask_fsdp2_runnable("fsdp_state_dict_type", lambda: ask_option(
+        "What should be your FSDP's state dict type?", STATE_DICT_TYPE_OPTIONS[version]))  # fmt: skip
+    if version == 1:
+        config.update(ask_fsdp1_parameters())
+    config.update(ask_fsdp_loading(version))
+    config["fsdp_activation_checkpointing"] = ask_yes_no(
+        "Do you want to enable FSDP activation checkpointing? [yes/NO]: ", default=False
+    )
+    return config
+
+
 def ask_num_processes(distributed_type: str, num_machines: int) -> int:
     """How many processes (multi-CPU) or GPUs (multi-GPU) in total, the same number on every machine."""
     device = "processes" if distributed_type == "MULTI_CPU" else "GPU(s)"
@@ -303,6 +420,8 @@ def get_user_input() -> ClusterConfig:
     """Ask every question, in HF Accelerate's order, and return the resulting config (not saved)."""
     compute_environment = ask_compute_environment()
     distributed_type = ask_option("Which type of machine are you using?", MACHINE_TYPE_OPTIONS)
+    cpu_fsdp = distributed_type == CPU_FSDP
+    distributed_type = "MULTI_CPU" if cpu_fsdp else distributed_type
     is_distributed = distributed_type != "NO"
     # HF's questionnaire writes same_network: true for a single machine too.
     machines = {"same_network": True, **ask_machines()} if is_distributed else {"same_network": True}
@@ -312,12 +431,13 @@ def get_user_input() -> ClusterConfig:
     ipex_config = ask_ipex() if use_cpu else {}
     ipex_config = ipex_config if ipex_config.get("ipex") else {}
     dynamo_config = ask_dynamo()
+    fsdp_config = ask_fsdp(chosen=cpu_fsdp) if cpu_fsdp or distributed_type == "MULTI_GPU" else {}
     num_processes = ask_num_processes(distributed_type, machines["num_machines"]) if is_distributed else 1
-    gpu_ids = None if use_cpu else ask_gpu_ids()
+    gpu_ids = None if use_cpu or fsdp_config else ask_gpu_ids()  # HF asks no GPU ids for FSDP
     mixed_precision = ask_option("Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)
     return ClusterConfig(
         compute_environment=compute_environment,
-        distributed_type=distributed_type,
+        distributed_type="FSDP" if fsdp_config else distributed_type,
         mixed_precision=mixed_precision,
         use_cpu=use_cpu,
         debug=debug,
@@ -325,6 +445,7 @@ def get_user_input() -> ClusterConfig:
         gpu_ids=gpu_ids,
         ipex_config=ipex_config,
         dynamo_config=dynamo_config,
+        fsdp_config=fsdp_config,
         **machines,
     )
 

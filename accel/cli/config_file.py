@@ -2,7 +2,7 @@
 
 `ClusterConfig` holds every key HF Accelerate writes, so an existing Accelerate config loads unchanged.
 Loading checks each key's type and value and says which file, which key and what is allowed. Whether accel
-can *run* what a file describes (DeepSpeed, FSDP, TPU, ...) is a separate check,
+can *run* what a file describes (DeepSpeed, TPU, ...) is a separate check,
 `ClusterConfig.check_supported()`, so such a file can still be loaded and shown.
 
 Where the default file lives (DESIGN.md §1):
@@ -20,6 +20,8 @@ Differences from HF Accelerate, all deliberate:
   are accepted, and so is an unquoted `NO` / `no` (which YAML reads as false) for `distributed_type` and
   `mixed_precision`.
 - `ipex_config` and `mpirun_config` (written by HF Accelerate before 1.0) are accepted.
+- `fsdp_config`'s keys and values are checked too (HF's keys, with or without their `fsdp_` prefix, and the
+  older `fsdp_backward_prefetch_policy`); the file keeps them as written.
 - `compute_environment: AMAZON_SAGEMAKER` is refused at load time: its keys are SageMaker's, not a cluster's.
 - Files are written atomically (temporary file + rename).
 """
@@ -40,6 +42,7 @@ from typing import Any
 import yaml
 
 from accel._env import MIXED_PRECISIONS
+from accel.backends import fsdp_options
 from accel.settings import DynamoBackend  # torch-free, so the CLI still starts without torch
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
@@ -234,6 +237,18 @@ _dynamo_config = _checked_mapping(
 _ipex_config = _checked_mapping({"ipex": _boolean, "use_xpu": _boolean})
 
 
+def _fsdp_config(value: Any) -> dict:
+    """HF's `fsdp_config`, each key and value checked (accel.backends.fsdp_options) and kept as written, so that
+    the file round-trips unchanged; null values mean unset."""
+    result = _mapping(value)
+    for subkey, subvalue in result.items():
+        try:
+            fsdp_options.parse_entry(str(subkey), subvalue)
+        except ValueError as error:
+            raise _Invalid(str(error), str(subkey), subvalue, True) from None
+    return result
+
+
 def _key(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -277,7 +292,7 @@ class ClusterConfig:
     dynamo_config: dict = _mapping_key(_dynamo_config)
     fp8_config: dict = _mapping_key()
     deepspeed_config: dict = _mapping_key()
-    fsdp_config: dict = _mapping_key()
+    fsdp_config: dict = _mapping_key(_fsdp_config)
     parallelism_config: dict = _mapping_key()
     megatron_lm_config: dict = _mapping_key()
     tpu_name: str | None = _key(None, _optional(_text))
@@ -336,7 +351,7 @@ class ClusterConfig:
     def check_supported(self) -> None:
         """Raise UnsupportedFeatureError when accel cannot run this setup; the error names the file and key.
 
-        Refused: a `distributed_type` accel does not run (DeepSpeed, FSDP, XLA, Megatron-LM, other devices), an
+        Refused: a `distributed_type` accel does not run (DeepSpeed, XLA, Megatron-LM, other devices), an
         `mpirun_config` naming a hostfile (HF then launches through mpirun) and a non-empty
         `parallelism_config` (HF then turns on N-d parallelism). Loading accepts every value HF Accelerate
         writes; call this before acting on the config.

@@ -20,8 +20,14 @@ Differences from `accelerate launch`, on purpose:
     read only on TPUs by HF and is ignored here as well.
   * `--tee` without `--log_dir` tees into a temporary folder removed after the run; give `--log_dir` to keep
     the files.
-  * `--mixed_precision fp8`, a config file asking for DeepSpeed, FSDP, Megatron-LM, TPUs, mpirun or the
-    parallelism config, and any of those backends' flags are refused with one error, exit status 2.
+  * `--mixed_precision fp8`, a config file asking for DeepSpeed, Megatron-LM, TPUs, mpirun or the parallelism
+    config, and any of those backends' flags are refused with one error, exit status 2.
+  * FSDP (`--use_fsdp`, `distributed_type: FSDP`, ACCEL_USE_FSDP / ACCELERATE_USE_FSDP) runs on CPU processes too
+    (`--cpu --use_fsdp`; HF refuses the pair). Its options' environment layer is HF's FSDP_* variables (those the
+    ranks read); `--multi_gpu` over a lower layer's FSDP runs DDP, as in HF, while `--cpu` keeps FSDP. accel runs
+    FSDP2: a resolved `fsdp_version` 1 is exported as FSDP2 through `accel to-fsdp2`'s rule
+    (accel/backends/fsdp_options.py), saying so in one line; an FSDP1 option FSDP2 cannot honour is refused, exit
+    status 2. An `--fsdp_*` flag without FSDP is refused (HF ignores it).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any
 
 from accel import accelerate_alias, availability
 from accel._env import MIXED_PRECISIONS, parse_bool
+from accel.backends import fsdp_options
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
@@ -81,6 +88,24 @@ class LaunchConfig:
     dynamo_use_dynamic: bool = False
     dynamo_use_regional_compilation: bool = False
     gradient_accumulation_steps: int | None = None
+    use_fsdp: bool = False
+    # FSDP's options (accel.backends.fsdp_options.OPTIONS), normalised; None: set nowhere, HF's default applies.
+    fsdp_version: int | None = None
+    fsdp_sharding_strategy: str | None = None
+    fsdp_reshard_after_forward: bool | str | None = None
+    fsdp_offload_params: bool | None = None
+    fsdp_min_num_params: int | None = None
+    fsdp_auto_wrap_policy: str | None = None
+    fsdp_transformer_layer_cls_to_wrap: str | None = None
+    fsdp_backward_prefetch: str | None = None
+    fsdp_state_dict_type: str | None = None
+    fsdp_forward_prefetch: bool | None = None
+    fsdp_use_orig_params: bool | None = None
+    fsdp_cpu_ram_efficient_loading: bool | None = None
+    fsdp_sync_module_states: bool | None = None
+    fsdp_activation_checkpointing: bool | None = None
+    fsdp_activation_checkpointing_offload: bool | None = None
+    fsdp_ignored_modules: str | None = None
     debug: bool = False
     ipex: bool = False
     enable_cpu_affinity: bool = False
@@ -95,8 +120,12 @@ class LaunchConfig:
     training_script_args: tuple[str, ...] = ()
 
 
-# ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_).
-ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX", "enable_cpu_affinity": "ACCEL_CPU_AFFINITY"}
+# ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_;
+# FSDP's options are HF's FSDP_* variables, which the ranks' FullyShardedDataParallelPlugin reads).
+ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX", "enable_cpu_affinity": "ACCEL_CPU_AFFINITY",
+             **{key: option.variable for key, option in fsdp_options.OPTIONS.items()}}  # fmt: skip
+# Read when the ACCEL_ name is unset: the ranks read HF's switch too, so the launcher must agree with them.
+HF_ENV_NAMES = {"use_fsdp": "ACCELERATE_USE_FSDP"}
 NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python", "main_training_function"}
 
 
@@ -106,6 +135,11 @@ def env_name(field: str) -> str:
 
 def parse_value(field: str, raw: Any, source: str) -> Any:
     """Converts a config/env/flag value to the field's type, or raises LaunchError naming `source`."""
+    if field in fsdp_options.OPTIONS and raw is not None:
+        try:
+            return fsdp_options.OPTIONS[field].parse(raw)
+        except ValueError as error:
+            raise LaunchError(f"{source}: {raw!r} is not valid; {error}") from None
     kind = typing.get_type_hints(LaunchConfig)[field]
     base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
     if raw is None or base is str:
@@ -124,7 +158,8 @@ def parse_value(field: str, raw: Any, source: str) -> Any:
 # --- the layers ------------------------------------------------------------------------------------------------
 
 
-def _config_file_values(cluster: Any) -> dict[str, Any]:
+def _config_file_values(cluster: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The fields the file sets, and where in the file those not named after their key come from."""
     config = cluster.to_dict()
     if config.get("num_processes", -1) < 1:
         config.pop("num_processes", None)  # HF's -1: let the launcher decide
@@ -132,6 +167,7 @@ def _config_file_values(cluster: Any) -> dict[str, Any]:
     values = {
         "use_cpu": config.get("use_cpu", False) or distributed_type == "MULTI_CPU",
         "multi_gpu": distributed_type == "MULTI_GPU",
+        "use_fsdp": distributed_type == "FSDP",
         "ipex": bool((config.get("ipex_config") or {}).get("ipex", False)),
         "downcast_bf16": config.get("downcast_bf16") in (True, "yes"),  # HF's questionnaire writes 'yes'/'no'
     }
@@ -143,7 +179,13 @@ def _config_file_values(cluster: Any) -> dict[str, Any]:
     for key, value in (config.get("dynamo_config") or {}).items():
         if key in DYNAMO_KEYS:
             values[key] = value
-    return values
+    # Read whatever distributed_type says, as HF does: `--use_fsdp` over a MULTI_GPU file uses its fsdp_config.
+    names = {"use_fsdp": "distributed_type"}
+    for name, value in (config.get("fsdp_config") or {}).items():
+        key = fsdp_options.option_key(name)  # the loader has checked the keys
+        if value is not None:
+            values[key], names[key] = value, f"fsdp_config.{name}"
+    return values, names
 
 
 def values_from_config_file(path: str | None) -> tuple[dict[str, Any], dict[str, str]]:
@@ -155,28 +197,33 @@ def values_from_config_file(path: str | None) -> tuple[dict[str, Any], dict[str,
         return {}, {}
     cluster = load_config(path)
     cluster.check_supported()
-    values = _config_file_values(cluster)
-    origins = {key: f"{path}: {key}" for key in values}
+    values, names = _config_file_values(cluster)
+    origins = {key: f"{path}: {names.get(key, key)}" for key in values}
     return {k: parse_value(k, v, origins[k]) for k, v in values.items()}, origins
 
 
 def values_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     values, origins = {}, {}
     for field in dataclasses.fields(LaunchConfig):
-        name = env_name(field.name)
-        if field.name not in NOT_FROM_ENV and environ.get(name, "") != "":
-            values[field.name], origins[field.name] = parse_value(field.name, environ[name], name), name
+        if field.name in NOT_FROM_ENV:
+            continue
+        for name in (env_name(field.name), HF_ENV_NAMES.get(field.name)):
+            if name and environ.get(name, "") != "":
+                values[field.name], origins[field.name] = parse_value(field.name, environ[name], name), name
+                break
     return values, origins
 
 
 def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
-    """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice."""
+    """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice,
+    and one choosing multi-GPU without FSDP turns a lower layer's FSDP off (HF: `--multi_gpu` runs DDP)."""
     if layer.get("use_cpu") and layer.get("multi_gpu"):
         raise LaunchError("use_cpu (--cpu) and multi_gpu (--multi_gpu) cannot be used together")
     if layer.get("use_cpu"):
         values["multi_gpu"] = False
     if layer.get("multi_gpu"):
         values["use_cpu"] = False
+        values["use_fsdp"] = layer.get("use_fsdp", False)
     values.update(layer)
 
 
@@ -252,7 +299,80 @@ def validate(config: LaunchConfig, origins: Mapping[str, str] | None = None) -> 
         raise LaunchError("--module and --no_python cannot be used together")
     _check_processes(config)
     _check_torchrun_formats(config)
+    return _check_fsdp(config, origins or {})
+
+
+# --- FSDP ------------------------------------------------------------------------------------------------------
+
+
+def _fsdp_settings(config: LaunchConfig) -> dict[str, Any]:
+    """The FSDP options some layer set, by key (the others take HF's launch defaults)."""
+    return {key: getattr(config, key) for key in fsdp_options.OPTIONS if getattr(config, key) is not None}
+
+
+def _check_fsdp(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
+    """Normalises the FSDP options and refuses, before anything starts, what cannot run (see the module docstring)."""
+    options = {key: parse_value(key, value, origins.get(key, key)) for key, value in _fsdp_settings(config).items()}
+    config = dataclasses.replace(config, **options)
+    if not config.use_fsdp:
+        flags = [origins[key] for key in options if origins.get(key, "").startswith("-")]
+        if flags:
+            raise LaunchError(f"{flags[0]} has no effect without FSDP: add --use_fsdp (or use a config file with "
+                              "distributed_type: FSDP)")  # fmt: skip
+        return config
+    if options.get("fsdp_cpu_ram_efficient_loading", True) and options.get("fsdp_sync_module_states") is False:
+        origin = origins.get("fsdp_sync_module_states", "fsdp_sync_module_states")
+        raise LaunchError(f"{_asked_by(origin, 'false')}: fsdp_cpu_ram_efficient_loading (true unless set to false) "
+                          "needs fsdp_sync_module_states true, as in HF Accelerate")  # fmt: skip
+    fsdp_translation(config, origins)  # FSDP1 options FSDP2 cannot honour are refused here
     return config
+
+
+def fsdp_translation(config: LaunchConfig, origins: Mapping[str, str] | None = None) -> Any:
+    """The FSDP2 translation (`accel.backends.fsdp_options.Translation`) of the launch's FSDP options when FSDP
+    runs with fsdp_version 1; None otherwise. `origins` name who set an option refused or contradicted.
+
+    Raises:
+        LaunchError: the sharding strategy and fsdp_reshard_after_forward disagree.
+        accel.unsupported.UnsupportedFeatureError: an FSDP1 option asks for what FSDP2 cannot do.
+    """
+    if not config.use_fsdp or (config.fsdp_version or 1) != 1:
+        return None
+    origins = origins or {}
+
+    def asked_by(key: str, value: Any) -> str:
+        return _asked_by(origins.get(key, key), fsdp_options.shown(value))
+
+    try:
+        return fsdp_options.to_fsdp2(_fsdp_settings(config), asked_by)
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+
+
+def fsdp_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """ACCEL_USE_FSDP, and with FSDP what HF's launcher exports (ACCELERATE_USE_FSDP and the FSDP_* variables),
+    FSDP1 options as their FSDP2 translation."""
+    if not config.use_fsdp:
+        # An inherited ACCELERATE_USE_FSDP=true (turned off here by --multi_gpu) must not turn FSDP on in the ranks.
+        return {"ACCEL_USE_FSDP": "false", **({"ACCELERATE_USE_FSDP": "false"} if "ACCELERATE_USE_FSDP" in environ
+                                               else {})}  # fmt: skip
+    translation = fsdp_translation(config)
+    options = translation.options if translation is not None else _fsdp_settings(config)
+    return {"ACCEL_USE_FSDP": "true", **fsdp_options.environment(options)}
+
+
+def dropped_variables(config: LaunchConfig, env: Mapping[str, str]) -> list[str]:
+    """The FSDP_* variables the ranks must not inherit: with FSDP, those `env` (child_env's) leaves out, such as
+    an FSDP1 option the translation dropped."""
+    return [name for name in fsdp_options.VARIABLES if name not in env] if config.use_fsdp else []
+
+
+def fsdp_line(config: LaunchConfig) -> str | None:
+    """The line saying how fsdp_version 1 options run on FSDP2; None when nothing was translated."""
+    translation = fsdp_translation(config)
+    if translation is None:
+        return None
+    return "accel launch: fsdp_version 1 options run on FSDP2: " + "; ".join(translation.changes)
 
 
 # --- the hand-off to torch.distributed.run --------------------------------------------------------------------
@@ -263,7 +383,8 @@ def processes_per_machine(config: LaunchConfig) -> int:
     if total is None:
         import torch
 
-        total = torch.cuda.device_count() if config.multi_gpu else 1
+        on_gpus = config.multi_gpu or (config.use_fsdp and not config.use_cpu)  # HF: FSDP takes every GPU
+        total = torch.cuda.device_count() if on_gpus else 1
     return max(1, total // config.num_machines)
 
 
@@ -324,6 +445,7 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     }
     if config.gradient_accumulation_steps is not None:
         env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
+    env.update(fsdp_env(config, environ))
     if config.enable_cpu_affinity:
         env["ACCEL_CPU_AFFINITY"] = "1"
     if config.as_accelerate:
@@ -361,7 +483,13 @@ def launch(config: LaunchConfig) -> int:
     from torch.distributed.run import get_args_parser, run
 
     # ACCEL_LAUNCHER_PID: the ranks' expected parent (the elastic agent runs here); see accel.cli.worker.
-    os.environ.update(child_env(config), ACCEL_LAUNCHER_PID=str(os.getpid()))
+    env = child_env(config)
+    os.environ.update(env, ACCEL_LAUNCHER_PID=str(os.getpid()))
+    for name in dropped_variables(config, env):
+        os.environ.pop(name, None)
+    translated = fsdp_line(config)
+    if translated is not None:
+        print(translated, file=sys.stderr, flush=True)
     if config.as_accelerate:
         print(f"accel launch: `import accelerate` resolves to accel in every rank ({accelerate_alias.describe()})",
               file=sys.stderr, flush=True)  # fmt: skip

@@ -8,9 +8,11 @@ finds them; booleans are written "true"/"false" (HF writes "True"/"False"; both 
 
 Differences from HF Accelerate: no `KMP_AFFINITY`/`KMP_BLOCKTIME` (accel's launcher does not set them either);
 on one machine without a port, the rendezvous goes to a free port (`args.standalone = True`) rather than 29500;
-a Namespace asking for DeepSpeed, FSDP, Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused
-with UnsupportedFeatureError, as `accel launch` refuses it. The DeepSpeed, TPU and SageMaker helpers always
-refuse.
+a Namespace asking for DeepSpeed, Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused with
+UnsupportedFeatureError, as `accel launch` refuses it. The DeepSpeed, TPU and SageMaker helpers always refuse.
+With `use_fsdp`, the FSDP variables are `accel launch`'s (HF's, fsdp_version 1 options as their FSDP2
+translation); an FSDP option holding HF's launch default counts as unset (HF's parser fills them all in), so the
+sharding strategy wins over the default `fsdp_reshard_after_forward`, as in HF's FSDP1.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import os
 import sys
 from typing import Any
 
-from accel.cli.launch import LaunchConfig, child_env, parse_value, torchrun_argv, validate
+from accel.backends import fsdp_options
+from accel.cli.launch import LaunchConfig, child_env, dropped_variables, parse_value, torchrun_argv, validate
 from accel.cli.refusals import refuse_backend
 
 # Namespace attributes that ask for a backend accel does not run, when true.
 _BACKEND_ATTRIBUTES = {
-    "use_deepspeed": "deepspeed", "use_fsdp": "fsdp", "use_megatron_lm": "megatron_lm", "tpu": "tpu",
+    "use_deepspeed": "deepspeed", "use_megatron_lm": "megatron_lm", "tpu": "tpu",
     "tpu_use_cluster": "tpu_pod", "use_parallelism_config": "parallelism_config", "mpirun_hostfile": "mpirun",
 }  # fmt: skip
 # torch.distributed.run's names that HF's prepare_multi_gpu_env sets on `args` for its hand-off to torchrun.
@@ -53,9 +56,12 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
         value = getattr(args, field.name, None)
         if value is not None and field.name != "training_script_args":
             values[field.name] = parse_value(field.name, value, f"args.{field.name}")
+    for key, option in fsdp_options.OPTIONS.items():
+        if key in values and values[key] == option.default:
+            del values[key]
     values["use_cpu"] = bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False))
     values["training_script_args"] = tuple(getattr(args, "training_script_args", None) or ())
-    origins = {"mixed_precision": "args.mixed_precision"}
+    origins = {key: f"args.{key}" for key in ("mixed_precision", *fsdp_options.OPTIONS)}
     return validate(LaunchConfig(**values), origins)
 
 
@@ -67,7 +73,10 @@ def _with_hf_spellings(variables: dict[str, str]) -> dict[str, str]:
 
 def _environment(config: LaunchConfig) -> dict[str, str]:
     env = os.environ.copy()
-    env.update(_with_hf_spellings(child_env(config, env)))
+    launch_env = child_env(config, env)
+    env.update(_with_hf_spellings(launch_env))
+    for name in dropped_variables(config, launch_env):
+        env.pop(name, None)
     return env
 
 

@@ -4,10 +4,11 @@ spellings), short forms (`-t`, `-q`, `-m`), types, defaults and actions.
 Two kinds of options:
 
 - RUN groups: accel does what they ask; each option's dest is a LaunchConfig field (`--cpu` is `use_cpu`).
-- REFUSED groups: backends accel does not run (DeepSpeed, FSDP, Megatron-LM, FP8, TPU, SageMaker, mpirun, the
+- REFUSED groups: backends accel does not run (DeepSpeed, Megatron-LM, FP8, TPU, SageMaker, mpirun, the
   parallelism config). They parse, so HF command lines read; giving any of them is refused with one
-  `UnsupportedFeatureError` naming the flag, before anything starts. HF ignores, e.g., `--fsdp_offload_params`
-  without `--use_fsdp`; accel refuses it too, since a flag that silently does nothing hides a mistake.
+  `UnsupportedFeatureError` naming the flag, before anything starts. HF ignores, e.g., `--zero_stage` without
+  `--use_deepspeed`; accel refuses it too, since a flag that silently does nothing hides a mistake (likewise an
+  `--fsdp_*` flag without FSDP, see launch.py).
 
 Which options were given is recorded in `namespace.nondefault`, a {dest: option string as typed} dict (HF's
 parser keeps a set of the same name), so an option repeating its default still counts as given, and a default
@@ -134,23 +135,30 @@ _DEEPSPEED = Group("DeepSpeed", (
     Option("deepspeed_moe_layer_cls_names", "MoE layer class names to wrap."),
 ), backend="deepspeed")  # fmt: skip
 _FSDP = Group("FSDP", (
-    _flag("use_fsdp", "Use FSDP."),
-    Option("fsdp_version", "FSDP version.", default="1", choices=("1", "2")),
-    Option("fsdp_offload_params", "Offload parameters and gradients to the CPU.", default="false"),
-    Option("fsdp_min_num_params", "Minimum parameters for size-based auto wrapping.", type=int, default=int(1e8)),
-    Option("fsdp_sharding_strategy", "FSDP1 sharding strategy.", default="FULL_SHARD"),
-    Option("fsdp_reshard_after_forward", "Reshard after forward.", default="true"),
-    Option("fsdp_auto_wrap_policy", "Auto wrap policy."),
-    Option("fsdp_transformer_layer_cls_to_wrap", "Transformer layer classes to wrap."),
-    Option("fsdp_backward_prefetch", "Backward prefetch policy."),
-    Option("fsdp_state_dict_type", "State dict type."),
-    Option("fsdp_forward_prefetch", "Forward prefetch.", default="false"),
-    Option("fsdp_use_orig_params", "Use the original parameters.", default="true"),
-    Option("fsdp_cpu_ram_efficient_loading", "Load the checkpoint on the first process only.", default="true"),
-    Option("fsdp_sync_module_states", "Broadcast module states from rank 0.", default="true"),
-    Option("fsdp_activation_checkpointing", "Activation checkpointing.", default="false"),
-    Option("fsdp_activation_checkpointing_offload", "Offload checkpointed activations.", default="false"),
-), backend="fsdp")  # fmt: skip
+    _flag("use_fsdp", "Shard the model with FSDP (accel runs FSDP2; on CPU processes too, with --cpu)."),
+    Option("fsdp_version", "FSDP version: 2, or 1 (its options run on FSDP2, as `accel to-fsdp2` translates them).",
+           default="1", choices=("1", "2")),
+    Option("fsdp_offload_params", "Offload parameters and gradients to the CPU (true|false).", default="false"),
+    Option("fsdp_min_num_params", "Minimum parameters of a module for SIZE_BASED_WRAP.", type=int, default=int(1e8)),
+    Option("fsdp_sharding_strategy", "FSDP1's sharding strategy: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+           "HYBRID_SHARD_ZERO2.", default="FULL_SHARD"),
+    Option("fsdp_reshard_after_forward", "Reshard the parameters after forward (true|false; FSDP1: a sharding "
+           "strategy).", default="true"),
+    Option("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."),
+    Option("fsdp_transformer_layer_cls_to_wrap", "Comma-separated transformer layer classes to wrap (BertLayer, ...)."),
+    Option("fsdp_backward_prefetch", "FSDP1's backward prefetch: BACKWARD_PRE (FSDP2 always does it), BACKWARD_POST "
+           "or NO_PREFETCH."),
+    Option("fsdp_state_dict_type", "FULL_STATE_DICT or SHARDED_STATE_DICT (FSDP1: also LOCAL_STATE_DICT)."),
+    Option("fsdp_forward_prefetch", "FSDP1's explicit forward prefetch (true|false).", default="false"),
+    Option("fsdp_use_orig_params", "FSDP1's use_orig_params (true|false; FSDP2 always uses them).", default="true"),
+    Option("fsdp_cpu_ram_efficient_loading", "Load a Transformers checkpoint on the first process only (true|false).",
+           default="true"),
+    Option("fsdp_sync_module_states", "FSDP1: broadcast the module states from rank 0 (true|false).", default="true"),
+    Option("fsdp_activation_checkpointing", "Activation checkpointing of the wrapped layers (true|false).",
+           default="false"),
+    Option("fsdp_activation_checkpointing_offload", "Offload the checkpointed activations to the CPU (true|false; "
+           "needs activation checkpointing).", default="false"),
+))  # fmt: skip
 _MEGATRON = Group("Megatron-LM", (
     _flag("use_megatron_lm", "Use Megatron-LM."),
     Option("megatron_lm_tp_degree", "Tensor parallel degree.", type=int, default=1),

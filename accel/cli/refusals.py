@@ -22,7 +22,6 @@ class Backend(NamedTuple):
 
 BACKENDS = {
     "deepspeed": Backend("DeepSpeed", _DDP),
-    "fsdp": Backend("FSDP", _DDP + " FSDP support is planned."),
     "megatron_lm": Backend("Megatron-LM", _DDP),
     "parallelism_config": Backend("The N-d parallelism config (tensor, context, sequence parallelism)", _DDP),
     "fp8": Backend("FP8 training (TransformerEngine, MS-AMP, torchao)", "Use `--mixed_precision bf16` or `fp16`."),
@@ -46,7 +45,6 @@ BACKENDS = {
 # The backend each `distributed_type` accel does not run stands for.
 DISTRIBUTED_TYPE_BACKENDS = {
     "DEEPSPEED": "deepspeed",
-    "FSDP": "fsdp",
     "MEGATRON_LM": "megatron_lm",
     "XLA": "tpu",
     **{kind: "other_devices" for kind in ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",

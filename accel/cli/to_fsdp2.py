@@ -1,13 +1,17 @@
 """`accel to-fsdp2 --config_file IN (--output_file OUT | --overwrite)`: an FSDP1 config file, converted to FSDP2.
 
-HF Accelerate's conversion of the `fsdp_config` keys: renamed or kept as FSDP2 names them, FSDP1-only keys
-dropped (each named in a warning), `fsdp_sharding_strategy` turned into `fsdp_reshard_after_forward`, and
-`fsdp_version: 2`. A file without `fsdp_config` or already at version 2 is written unchanged. accel does not
-run FSDP yet, so the converted file still refuses at `accel launch`; the command exists so that configs can be
-kept up to date with accel alone.
+HF Accelerate's conversion of the `fsdp_config` keys, by the rule `accel launch` applies to fsdp_version 1
+(accel/backends/fsdp_options.py `to_fsdp2`): the sharding strategy becomes `fsdp_reshard_after_forward`,
+FSDP1-only keys FSDP2 does not need are dropped (each translation said in a warning), and `fsdp_version: 2`.
+A file without `fsdp_config` or already at version 2 is written unchanged.
 
-Differences from HF Accelerate: the input is checked like every config file (errors name the file and key),
-the output is written atomically and in the input's format (YAML, or JSON for a .json name).
+Differences from HF Accelerate: the input is checked like every config file (errors name the file and key), the
+output is written atomically and in the input's format (YAML, or JSON for a .json name). The conversion keeps
+what FSDP1 meant: a hybrid or NO_SHARD strategy keeps `fsdp_sharding_strategy` (HF drops the mesh), an unset
+`fsdp_state_dict_type` is written as FSDP1's default, FULL_STATE_DICT (HF's conversion would switch to FSDP2's
+SHARDED_STATE_DICT), and a key FSDP2 cannot honour (`fsdp_backward_prefetch: BACKWARD_POST` or `NO_PREFETCH`,
+`fsdp_forward_prefetch: true`, `fsdp_state_dict_type: LOCAL_STATE_DICT`) stops the conversion with exit status 2
+naming it (HF drops it), as `accel launch` refuses it.
 """
 
 from __future__ import annotations
@@ -18,54 +22,37 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from accel.backends import fsdp_options
 from accel.cli.errors import CommandError
 
 logger = logging.getLogger(__name__)
 
-_REMOVED, _NOT_YET_IMPLEMENTED = "removed in FSDP2", "not yet implemented in FSDP2"
-# FSDP1 key -> its FSDP2 key, or why it is dropped. Keys not listed are carried over unchanged.
-FSDP2_KEYS: dict[str, str] = {
-    "fsdp_version": "fsdp_version",
-    "fsdp_reshard_after_forward": "fsdp_reshard_after_forward",
-    "fsdp_auto_wrap_policy": "fsdp_auto_wrap_policy",
-    "fsdp_backward_prefetch": _REMOVED,
-    "fsdp_forward_prefetch": _NOT_YET_IMPLEMENTED,
-    "fsdp_cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
-    "fsdp_offload_params": "fsdp_offload_params",
-    "fsdp_sharding_strategy": "fsdp_reshard_after_forward",
-    "fsdp_state_dict_type": "fsdp_state_dict_type",
-    "fsdp_sync_module_states": _REMOVED,
-    "fsdp_transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
-    "fsdp_min_num_params": "fsdp_min_num_params",
-    "fsdp_use_orig_params": _REMOVED,
-    "fsdp_activation_checkpointing": "fsdp_activation_checkpointing",
-}
-# FSDP1 sharding strategies as FSDP2's reshard_after_forward (both keys may hold one in FSDP1 files).
-RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True,
-                         "HYBRID_SHARD_ZERO2": False, "NO_SHARD": False}  # fmt: skip
-_STRATEGY_KEYS = ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
 
+def convert_config_to_fsdp2(config: dict[str, Any], source: str = "<config>") -> dict[str, Any]:
+    """`config` (a config file's mapping) with its `fsdp_config` converted to FSDP2; a new dict.
 
-def convert_config_to_fsdp2(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` (a config file's mapping) with its `fsdp_config` converted to FSDP2; a new dict."""
+    Raises:
+        ValueError: an unknown `fsdp_config` key, an invalid value, or a sharding strategy and
+            `fsdp_reshard_after_forward` that disagree.
+        accel.unsupported.UnsupportedFeatureError: a key asks for something FSDP2 cannot do.
+    """
     fsdp_config = config.get("fsdp_config") or {}
     if not fsdp_config:
         logger.info("No FSDP config found in the config file, skipping conversion...")
         return dict(config)
-    if str(fsdp_config.get("fsdp_version", 1)) == "2":
+    options = fsdp_options.options_of(fsdp_config)
+    if options.get("fsdp_version", 1) == 2:
         logger.warning("Config already specifies FSDP2, skipping conversion...")
         return dict(config)
-    converted = {}
-    for key, value in fsdp_config.items():
-        target = FSDP2_KEYS.get(key, key)
-        if target in (_REMOVED, _NOT_YET_IMPLEMENTED):
-            logger.warning(f"Argument {key} is {target}, skipping this key...")
-            continue
-        if key in _STRATEGY_KEYS:
-            value = RESHARD_AFTER_FORWARD.get(value, value)
-        converted[target] = value
-    converted["fsdp_version"] = 2
-    return {**config, "fsdp_config": converted}
+    names = {fsdp_options.option_key(str(name)): name for name in fsdp_config}
+
+    def asked_by(key: str, value: Any) -> str:
+        return f"{source}: fsdp_config.{names.get(key, key)}: {fsdp_options.shown(value)}"
+
+    translation = fsdp_options.to_fsdp2(options, asked_by)
+    for change in translation.changes:
+        logger.warning(f"FSDP1 to FSDP2: {change}")
+    return {**config, "fsdp_config": translation.options}
 
 
 def _output_path(args: argparse.Namespace) -> Path:
@@ -87,7 +74,10 @@ def to_fsdp2_command(args: argparse.Namespace) -> int:
 
     output = _output_path(args)
     config = load_config(args.config_file)
-    converted = convert_config_to_fsdp2({"fsdp_config": config.fsdp_config})["fsdp_config"]
+    try:
+        converted = convert_config_to_fsdp2({"fsdp_config": config.fsdp_config}, args.config_file)["fsdp_config"]
+    except ValueError as error:
+        raise CommandError(str(error)) from None
     path = save_config(dataclasses.replace(config, fsdp_config=converted), output)
     print(f"FSDP2 config written to {path}")
     return 0

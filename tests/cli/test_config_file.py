@@ -241,7 +241,7 @@ def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path
     assert "--multi_gpu" in error.value.instead
 
 
-@pytest.mark.parametrize("kind,feature", [("FSDP", "FSDP"), ("XLA", "TPU"), ("MEGATRON_LM", "Megatron-LM"),
+@pytest.mark.parametrize("kind,feature", [("XLA", "TPU"), ("MEGATRON_LM", "Megatron-LM"),
                                           ("MULTI_NPU", "other than CUDA GPUs")])  # fmt: skip
 def test_every_unsupported_distributed_type_names_its_backend(kind, feature):
     config = ClusterConfig.from_dict({"distributed_type": kind}, source="c.yaml")

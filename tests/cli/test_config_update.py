@@ -6,6 +6,7 @@ import textwrap
 import yaml
 
 from accel.cli.config_file import load_config
+from accel.cli.launch import child_env, resolve
 from accel.cli.main import main
 from accel.cli.to_fsdp2 import convert_config_to_fsdp2
 
@@ -73,7 +74,13 @@ def test_update_of_a_missing_or_bad_file_is_a_clear_error(tmp_path, capsys):
     assert "num_proceses" in bad.read_text()  # left as it was
 
 
-def test_to_fsdp2_converts_hf_accelerates_keys(tmp_path, capsys):
+def fsdp_variables(config_file) -> dict[str, str]:
+    """The FSDP variables `accel launch --config_file CONFIG_FILE` exports to the ranks."""
+    env = child_env(resolve({"config_file": str(config_file)}, environ={}), environ={})
+    return {name: value for name, value in env.items() if "FSDP" in name}
+
+
+def test_to_fsdp2_converts_hf_accelerates_keys(tmp_path, caplog):
     source, output = write(tmp_path / "fsdp1.yaml", FSDP1), tmp_path / "fsdp2.yaml"
     assert main(["to-fsdp2", "--config_file", str(source), "--output_file", str(output)]) == 0
     fsdp = yaml.safe_load(output.read_text())["fsdp_config"]
@@ -83,9 +90,10 @@ def test_to_fsdp2_converts_hf_accelerates_keys(tmp_path, capsys):
         "fsdp_transformer_layer_cls_to_wrap": "BertLayer",
     }  # fmt: skip
     assert load_config(output).distributed_type == "FSDP" and source.read_text() == FSDP1
-    # The converted file still asks for FSDP, which accel launch refuses.
-    assert main(["launch", "--config_file", str(output), "train.py"]) == 2
-    assert "FSDP is not supported by accel" in capsys.readouterr().err
+    assert "FSDP1 to FSDP2: SHARD_GRAD_OP → reshard_after_forward false" in caplog.text
+    # One rule: `accel launch` runs the FSDP1 file with the converted file's variables.
+    assert fsdp_variables(source) == fsdp_variables(output)
+    assert fsdp_variables(output)["FSDP_RESHARD_AFTER_FORWARD"] == "false"
 
 
 def test_to_fsdp2_output_rules(tmp_path, capsys):

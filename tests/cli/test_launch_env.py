@@ -50,7 +50,7 @@ def test_multi_gpu_env_sets_torchruns_names_on_args():
     assert one.standalone  # no port on one machine: a free one
 
 
-@pytest.mark.parametrize("attribute", ["use_fsdp", "use_deepspeed", "use_megatron_lm", "tpu", "mpirun_hostfile"])
+@pytest.mark.parametrize("attribute", ["use_deepspeed", "use_megatron_lm", "tpu", "mpirun_hostfile"])
 def test_namespaces_asking_for_other_backends_are_refused(attribute):
     args = launch_command_parser().parse_args(["train.py"])
     setattr(args, attribute, "hosts" if attribute == "mpirun_hostfile" else True)

@@ -155,8 +155,6 @@ def test_worker_target_for_main_function_module_and_pinned_executables():
     (["--zero_stage", "2"], "DeepSpeed"),
     (["--gradient-clipping", "1.0"], "DeepSpeed"),
     (["--deepspeed_config_file", "ds.json"], "DeepSpeed"),
-    (["--use_fsdp"], "FSDP"),
-    (["--fsdp_version", "1"], "FSDP"),
     (["--use_megatron_lm"], "Megatron-LM"),
     (["--megatron_lm_tp_degree", "2"], "Megatron-LM"),
     (["--fp8_backend", "te"], "FP8"),
@@ -192,9 +190,9 @@ def test_fp8_is_refused_naming_where_it_came_from(tmp_path, layer):
 def test_a_refused_option_stops_the_launch_before_anything_starts(tmp_path, capsys):
     marker = tmp_path / "ran"
     script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
-    assert main(["launch", "--cpu", "--use_fsdp", "--fsdp_offload_params", "true", str(script)]) == 2
+    assert main(["launch", "--cpu", "--use_deepspeed", "--zero_stage", "2", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("accel launch: error: FSDP is not supported by accel (asked for by --use_fsdp)")
+    assert err.startswith("accel launch: error: DeepSpeed is not supported by accel (asked for by --use_deepspeed)")
     assert not marker.exists()
 
 
