@@ -161,6 +161,25 @@ def _save_train_load_train(folder):
     return straight, resumed, step, sorted(os.listdir(folder)), full_weights(accelerator, model)
 
 
+def _full_state_resume(folder):
+    accelerator = fresh_accelerator({"state_dict_type": "FULL_STATE_DICT"})
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, batches(accelerator.process_index, 3))
+    accelerator.save_state(folder)
+    straight = train(accelerator, model, optimizer, batches(accelerator.process_index, 3, seed=2))
+    accelerator = fresh_accelerator({"state_dict_type": "FULL_STATE_DICT"})
+    model, optimizer = prepared(accelerator, seed=7)
+    accelerator.load_state(folder)
+    resumed = train(accelerator, model, optimizer, batches(accelerator.process_index, 3, seed=2))
+    return straight, resumed, sorted(os.listdir(folder))
+
+
+def test_a_full_state_checkpoint_has_hf_files_and_resumes_bit_identically(tmp_path):
+    for straight, resumed, listing in run_on_ranks(_full_state_resume, 2, str(tmp_path / "state"), timeout=240):
+        assert straight == resumed
+        assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(listing) and "pytorch_model_fsdp_0" not in listing
+
+
 def _load_on_one_process(folder):
     accelerator = Accelerator()
     model, optimizer = prepared(accelerator, seed=9)
@@ -224,15 +243,7 @@ def test_save_model_writes_the_full_model_that_transformers_loads(tmp_path):
 
 
 def _refusals_and_translation():
-    from accel.checkpoint import training_state  # noqa: F401 - save_state's module
-
     outcome = {}
-    accelerator = fresh_accelerator({"state_dict_type": "FULL_STATE_DICT"})
-    prepared(accelerator)
-    try:
-        accelerator.save_state("/nonexistent/never-written")
-    except UnsupportedFeatureError as error:
-        outcome["full"] = str(error)
     with warnings.catch_warnings(record=True):
         accelerator = fresh_accelerator({"fsdp_version": 1, "sharding_strategy": "SHARD_GRAD_OP",
                                          "auto_wrap_policy": "transformer_based_wrap"})  # fmt: skip
@@ -241,13 +252,17 @@ def _refusals_and_translation():
         fresh_accelerator({"cpu_ram_efficient_loading": True})
     except UnsupportedFeatureError as error:
         outcome["ram"] = str(error)
+    try:
+        fresh_accelerator({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD"})
+    except UnsupportedFeatureError as error:
+        outcome["hybrid"] = str(error)
     return outcome
 
 
 def test_fsdp1_plugins_run_on_fsdp2_and_what_is_not_built_is_refused():
     outcome = run_on_ranks(_refusals_and_translation, 2, timeout=120)[0]
-    assert "FULL_STATE_DICT" in outcome["full"] and "SHARDED_STATE_DICT" in outcome["full"]
     assert outcome["translated"] == (2, False)
+    assert "HYBRID_SHARD" in outcome["hybrid"] and "2-D" in outcome["hybrid"]
     assert "cpu_ram_efficient_loading" in outcome["ram"]
 
 

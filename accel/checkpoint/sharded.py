@@ -1,4 +1,4 @@
-"""Sharded training state in HF Accelerate's FSDP layout, through torch.distributed.checkpoint (DCP).
+"""Training state of sharded models in HF Accelerate's FSDP layouts: sharded (DCP folders) or full (gathered files).
 
 `save_state` under FSDP2 with `SHARDED_STATE_DICT` (the FSDP2 default) writes, from every process, each model's
 shards into `pytorch_model_fsdp_{i}/` and each optimizer's into `optimizer_{i}/` (HF's folder names, DCP's files:
@@ -6,6 +6,11 @@ shards into `pytorch_model_fsdp_{i}/` and each optimizer's into `optimizer_{i}/`
 process killed mid-save leaves the previous checkpoint. The optimizer state keeps `step`. DCP reshards on load: a
 checkpoint saved by N processes loads on M, also on one process without FSDP (into plain tensors), which is how
 `accel merge-weights` and a single-process resume read it.
+
+With `FULL_STATE_DICT` (`FullStates`) every process takes part in gathering each model's and optimizer's full state
+onto the main process, which writes HF's files `pytorch_model_fsdp.bin` (`_1`, ...) and `optimizer.bin` (torch.save;
+the optimizer's state keyed by parameter names); loading, the main process reads them and the tensors are
+broadcast and sharded into every process's part.
 """
 
 from __future__ import annotations
@@ -13,15 +18,19 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
-from accel.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from accel.checkpoint.atomic_files import write_atomically
+from accel.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, numbered
 
 
 def model_folder(index: int) -> str:
@@ -67,6 +76,68 @@ class ShardedStates:
             state = get_optimizer_state_dict(owner, optimizer)
             dcp.load({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
             set_optimizer_state_dict(owner, optimizer, state)
+
+
+class FullStates:
+    """Models' and optimizers' full state in HF's FSDP FULL_STATE_DICT files (see the module docstring). Every
+    process calls each method; the main process reads and writes the files."""
+
+    @staticmethod
+    def present(folder: str, models: int) -> bool:
+        return models > 0 and all(os.path.isfile(os.path.join(folder, _model_file(i))) for i in range(models))
+
+    @staticmethod
+    def missing(folder: str, models: int, optimizers: int) -> list[str]:
+        needed = [_model_file(i) for i in range(models)] + [_optimizer_file(i) for i in range(optimizers)]
+        return [name for name in needed if not os.path.isfile(os.path.join(folder, name))]
+
+    @staticmethod
+    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered onto the main process
+        states = {_model_file(i): get_model_state_dict(model, options=options) for i, model in enumerate(models)}
+        states.update({_optimizer_file(i): get_optimizer_state_dict(_owner(models, i, optimizer), optimizer,
+                                                                    options=options)
+                       for i, optimizer in enumerate(optimizers)})  # fmt: skip
+        if _is_main():
+            for name, state in states.items():
+                write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+
+    @staticmethod
+    def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        """Sharded models get the main process's reading, broadcast; others read the files themselves."""
+        for i, model in enumerate(models):
+            sharded = _is_sharded(model)
+            state = _read(os.path.join(folder, _model_file(i))) if _is_main() or not sharded else {}
+            set_model_state_dict(model, state, options=_full_options(sharded))
+        for i, optimizer in enumerate(optimizers):
+            owner = _owner(models, i, optimizer)
+            sharded = _is_sharded(owner)
+            state = _read(os.path.join(folder, _optimizer_file(i))) if _is_main() or not sharded else {}
+            set_optimizer_state_dict(owner, optimizer, state, options=_full_options(sharded))
+
+
+def _model_file(index: int) -> str:
+    return numbered(FSDP_MODEL_NAME, index, ".bin")
+
+
+def _optimizer_file(index: int) -> str:
+    return numbered(OPTIMIZER_NAME, index, ".bin")
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _full_options(sharded: bool) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded and dist.is_initialized())
+
+
+def _read(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _owner(models: list[torch.nn.Module], index: int, optimizer: torch.optim.Optimizer) -> torch.nn.Module:

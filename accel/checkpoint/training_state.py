@@ -91,7 +91,7 @@ from accel.checkpoint.publish import (
     readable_folder,
 )
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from accel.checkpoint.sharded import ShardedStates
+from accel.checkpoint.sharded import FullStates, ShardedStates
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
@@ -503,15 +503,17 @@ def _check_complete(parts: Checkpointable, models: list, folder: str) -> None:
                            "same registrations")  # fmt: skip
 
 
-def _sharded_states(parts: Checkpointable, models: list, folder: str) -> ShardedStates | None:
-    """How the models' and optimizers' state is read: sharded (DCP folders) when this run writes it so, or when
-    the folder holds a sharded checkpoint and no whole weights (saved under FSDP2, loaded by another setup: DCP
-    reshards); None: whole files."""
+def _sharded_states(parts: Checkpointable, models: list, folder: str) -> ShardedStates | FullStates | None:
+    """How the models' and optimizers' state is read: as this run's strategy writes it (FSDP's sharded DCP folders
+    or full files), or, in another setup, as the folder holds it when it has no model.safetensors /
+    pytorch_model.bin (an FSDP checkpoint: DCP reshards, full files are read whole); None: whole files."""
     if parts.sharded is not None:
         return parts.sharded
     whole = any(os.path.exists(os.path.join(folder, numbered(name, 0, ext)))
                 for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin")))  # fmt: skip
-    return ShardedStates() if not whole and ShardedStates.present(folder, len(models)) else None
+    if whole:
+        return None
+    return next((kind() for kind in (ShardedStates, FullStates) if kind.present(folder, len(models))), None)
 
 
 def _inner(optimizers: list) -> list[torch.optim.Optimizer]:

@@ -344,9 +344,11 @@ def fsdp_translation(config: LaunchConfig, origins: Mapping[str, str] | None = N
         return _asked_by(origins.get(key, key), fsdp_options.shown(value))
 
     try:
-        return fsdp_options.to_fsdp2(_fsdp_settings(config), asked_by)
+        translation = fsdp_options.to_fsdp2(_fsdp_settings(config), asked_by)
     except ValueError as error:
         raise LaunchError(str(error)) from None
+    fsdp_options.refuse_mesh_strategy(translation.options, asked_by)
+    return translation
 
 
 def fsdp_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from accel.backends import fsdp_options
 from accel.backends.fsdp import FullyShardedDataParallelPlugin, get_parameters_from_modules
-from accel.checkpoint.sharded import ShardedStates
+from accel.checkpoint.sharded import FullStates, ShardedStates
 from accel.optimizer import AcceleratedOptimizer
 from accel.strategies.base import Strategy, compile_model
 from accel.unsupported import refuse
@@ -147,20 +148,12 @@ class FSDP2Strategy(Strategy):
 
     # --- state ------------------------------------------------------------------------------------------------
 
-    def sharded_states(self) -> ShardedStates:
-        """save_state / load_state write and read sharded DCP folders (SHARDED_STATE_DICT, FSDP2's default).
-
-        Raises:
-            UnsupportedFeatureError: FULL_STATE_DICT, whose save_state (a full optimizer state gathered onto one
-                process) is not built yet; `save_model` / `get_state_dict` give the full model.
-        """
+    def sharded_states(self) -> ShardedStates | FullStates:
+        """How save_state / load_state write and read the models' and optimizers' state: sharded DCP folders
+        (SHARDED_STATE_DICT, FSDP2's default) or HF's full files gathered onto the main process (FULL_STATE_DICT)."""
         from torch.distributed.fsdp import StateDictType
 
-        if self.plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-            raise refuse("FSDP save_state / load_state with FULL_STATE_DICT", "the plugin's state_dict_type",
-                         "SHARDED_STATE_DICT (FSDP2's default; `accel merge-weights` turns it into one file), and "
-                         "save_model for the full model")  # fmt: skip
-        return ShardedStates()
+        return ShardedStates() if self.plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT else FullStates()
 
     def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """The full state dict, gathered shard by shard onto the main process's CPU (other processes get an
@@ -175,30 +168,46 @@ class FSDP2Strategy(Strategy):
 
 
 def fsdp2_plugin(plugin: FullyShardedDataParallelPlugin) -> FullyShardedDataParallelPlugin:
-    """`plugin` itself for FSDP2; an `fsdp_version=1` plugin translated to FSDP2 as `accel to-fsdp2` translates a
-    config (FULL_SHARD -> reshard after forward, SHARD_GRAD_OP -> not; offload and mixed precision as their FSDP2
-    policies), saying so in one line. NO_SHARD and the hybrid strategies have no 1-D FSDP2 meaning: refused."""
+    """`plugin` itself for FSDP2; an `fsdp_version=1` plugin translated to FSDP2 by the one rule `accel launch` and
+    `accel to-fsdp2` apply (`accel.backends.fsdp_options.to_fsdp2`: the sharding strategy becomes
+    reshard_after_forward, FSDP1-only options FSDP2 does without go, FULL_STATE_DICT stays the default), saying so
+    in one line; what FSDP2 cannot do (hybrid sharding's 2-D mesh, NO_SHARD, BACKWARD_POST...) is refused."""
     if plugin.fsdp_version == 2:
         return plugin
-    from torch.distributed.fsdp import ShardingStrategy
-
-    strategy = plugin.sharding_strategy or plugin.reshard_after_forward
-    reshard = {ShardingStrategy.FULL_SHARD: True, ShardingStrategy.SHARD_GRAD_OP: False}.get(strategy)
-    if reshard is None:
-        raise ValueError(f"FullyShardedDataParallelPlugin(sharding_strategy={strategy.name}) has no meaning in FSDP2, "
-                         "which accel runs: use FULL_SHARD or SHARD_GRAD_OP, or fsdp_version=2")  # fmt: skip
+    translation = fsdp_options.to_fsdp2(_fsdp1_options(plugin), _asked_by_plugin)
+    fsdp_options.refuse_mesh_strategy(translation.options, _asked_by_plugin)
+    options = translation.options
     policy = plugin.mixed_precision_policy
     translated = dataclasses.replace(
-        plugin, fsdp_version=2, sharding_strategy=None, reshard_after_forward=reshard,
+        plugin, fsdp_version=2, sharding_strategy=None, reshard_after_forward=options["fsdp_reshard_after_forward"],
         cpu_offload=bool(getattr(plugin.cpu_offload, "offload_params", False)),
         mixed_precision_policy=None if policy is None else {"param_dtype": policy.param_dtype,
                                                             "reduce_dtype": policy.reduce_dtype,
                                                             "output_dtype": policy.param_dtype},
-        backward_prefetch=None, use_orig_params=None, sync_module_states=None, forward_prefetch=None,
-        param_init_fn=None, state_dict_config=None, optim_state_dict_config=None,
+        state_dict_type=options["fsdp_state_dict_type"], backward_prefetch=None, use_orig_params=None,
+        sync_module_states=None, forward_prefetch=None, param_init_fn=None, state_dict_config=None,
+        optim_state_dict_config=None,
     )  # fmt: skip
-    logger.warning("FSDP: fsdp_version 1 runs on FSDP2 in accel: %s -> reshard_after_forward=%s", strategy.name, reshard)
+    logger.warning("FSDP: fsdp_version 1 options run on FSDP2: %s", "; ".join(translation.changes))
     return translated
+
+
+def _fsdp1_options(plugin: FullyShardedDataParallelPlugin) -> dict[str, Any]:
+    """The FSDP1 plugin's options as `fsdp_options` names them (what translates or is refused)."""
+    strategy = plugin.sharding_strategy or plugin.reshard_after_forward
+    options = {
+        "fsdp_sharding_strategy": getattr(strategy, "name", strategy),
+        "fsdp_backward_prefetch": getattr(plugin.backward_prefetch, "name", None),
+        "fsdp_forward_prefetch": plugin.forward_prefetch,
+        "fsdp_use_orig_params": plugin.use_orig_params,
+        "fsdp_sync_module_states": plugin.sync_module_states,
+        "fsdp_state_dict_type": getattr(plugin.state_dict_type, "name", plugin.state_dict_type),
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _asked_by_plugin(key: str, value: Any) -> str:
+    return f"FullyShardedDataParallelPlugin({key.removeprefix('fsdp_')}={fsdp_options.shown(value)})"
 
 
 def wrap_policy(plugin: FullyShardedDataParallelPlugin) -> Callable[[torch.nn.Module], bool] | None:

@@ -259,19 +259,20 @@ def test_fsdp1_defaults_run_on_fsdp2_saying_so():
     assert fsdp_line(resolved("--cpu", "--use_fsdp", "--fsdp_version", "2")) is None
 
 
-@pytest.mark.parametrize("strategy,reshard,mesh", [
-    ("FULL_SHARD", "true", None), ("SHARD_GRAD_OP", "false", None), ("HYBRID_SHARD", "true", "HYBRID_SHARD"),
-    ("HYBRID_SHARD_ZERO2", "false", "HYBRID_SHARD_ZERO2"), ("NO_SHARD", "false", "NO_SHARD"), ("2", "false", None),
-])  # fmt: skip
-def test_each_sharding_strategy_becomes_reshard_after_forward(strategy, reshard, mesh):
+@pytest.mark.parametrize("strategy,reshard", [("FULL_SHARD", "true"), ("SHARD_GRAD_OP", "false"), ("2", "false")])
+def test_each_sharding_strategy_becomes_reshard_after_forward(strategy, reshard):
     for argv in (["--fsdp_sharding_strategy", strategy], ["--fsdp_reshard_after_forward", strategy]):
         config = resolved("--use_fsdp", "--fsdp_version", "1", *argv)
         env = fsdp_env(config)
         assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"]) == ("2", reshard)
-        # The strategies that need a 2-D mesh are passed on for the runtime; the others are HF's default.
-        assert env["FSDP_SHARDING_STRATEGY"] == (mesh or "FULL_SHARD")
+        assert env["FSDP_SHARDING_STRATEGY"] == "FULL_SHARD"
         assert f"→ reshard_after_forward {reshard}" in fsdp_line(config)
-    assert "on a 2-D mesh" in fsdp_line(resolved("--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD"))
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
+def test_strategies_that_need_a_2d_mesh_are_refused_naming_the_flag(strategy):
+    with pytest.raises(UnsupportedFeatureError, match=rf"asked for by --fsdp_sharding_strategy {strategy}.*2-D"):
+        resolved("--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
 
 
 def test_hf_fsdp1_defaults_translate_and_the_others_are_said(tmp_path):
