@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -73,15 +74,27 @@ def child_env(contender: str, home: Path) -> dict[str, str]:
     return env
 
 
+def launch(command: list[str], env: dict[str, str], cwd: Path, what: str) -> None:
+    """Runs one 2-process launch; fails with its output when it fails or outlives JOB_TIMEOUT_S. It runs in a
+    session of its own, so that a launch past its deadline is ended with all its ranks."""
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"{what} ran past {JOB_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-5000:]}") from None
+    assert process.returncode == 0, f"{what} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
 def run_wrappers(library: str, workspace: Path) -> dict:
     """hf_stack_wrappers.py on 2 processes (torchrun) with `library` ("accel" or "hf"); rank 0's report."""
     out = workspace / f"wrappers-{library}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(_free_port()), str(HERE / "hf_stack_wrappers.py"),
                "--library", "accelerate" if library == "hf" else "accel", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(command, env=child_env(library, workspace / "hf_home"), cwd=workspace, capture_output=True,
-                         text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
-    assert run.returncode == 0, f"{library} wrapper job failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    launch(command, child_env(library, workspace / "hf_home"), workspace, f"the {library} wrapper job")
     return json.loads(out.read_text())
 
 
@@ -89,9 +102,8 @@ def run_job(contender: str, task: str, workspace: Path) -> dict:
     """One job; rank 0's report with both ranks' peak RSS (`peak_rss_bytes`: [rank 0, rank 1]) and their mean CPU
     time per step."""
     out = workspace / f"{contender}-{task}"
-    run = subprocess.run(command(contender, task, out), env=child_env(contender, workspace / "hf_home"), cwd=workspace,
-                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S)  # fmt: skip
-    assert run.returncode == 0, f"{contender} {task} job failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    launch(command(contender, task, out), child_env(contender, workspace / "hf_home"), workspace,
+           f"the {contender} {task} job")  # fmt: skip
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     return {**ranks[0], "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
             "cpu_ms_per_step": statistics.mean(rank["cpu_ms_per_step"] for rank in ranks)}  # fmt: skip
@@ -102,6 +114,7 @@ def _relative_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+@pytest.mark.timeout(ROUNDS * len(CONTENDERS) * JOB_TIMEOUT_S + 60)  # past every job's own deadline
 @pytest.mark.parametrize("task", ["lm", "sft"])
 def test_hf_stack_steps_per_second(benchmark, task, tmp_path):
     pytest.importorskip("accelerate", reason="HF Accelerate is not installed: `pip install accelerate==1.15.0`")
@@ -139,6 +152,7 @@ def test_hf_stack_steps_per_second(benchmark, task, tmp_path):
     })  # fmt: skip
 
 
+@pytest.mark.timeout(ROUNDS * 2 * JOB_TIMEOUT_S + 60)
 def test_wrapper_cost_per_call(benchmark, tmp_path):
     """Each Accelerator call a `Trainer` step makes, against the torch call it stands for (hf_stack_wrappers.py),
     accel and HF Accelerate alternating; the per-round medians are kept."""
