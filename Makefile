@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group cuda-check shm-check gpu-check gpu-docs ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -58,7 +58,7 @@ bench: setup
 
 # Every public-path benchmark against HF Accelerate, one after another (run it on a quiet machine): regenerates every
 # table and plot under docs/benchmarks/.
-bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group
+bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
 # regenerates docs/benchmarks/gather.md and gather.png.
@@ -112,6 +112,15 @@ bench-process-group: setup
 	$(VENV)/bin/pytest benchmarks/bench_training.py $(BENCH_ARGS) --benchmark-json=build/bench-training.json
 	$(VENV)/bin/python benchmarks/report/process_group.py $(BENCH_OUT) build/bench-allreduce-2.json \
 	  build/bench-allreduce-4.json build/bench-training.json
+
+# transformers' Trainer and TRL's SFTTrainer on 2 CPU processes, accel (`accel launch --as_accelerate`) against HF
+# Accelerate 1.15 (torchrun), with a raw torch DDP loop of the same model over accel's shared-memory group and over
+# plain gloo as the limit; regenerates docs/benchmarks/hf_stack.md and hf_stack.png (about 10 minutes on 2 cores).
+bench-hf-stack: setup
+	$(VENV)/bin/pip install -q accelerate==1.15.0 transformers==5.25.0 trl==1.16.0 datasets==5.2.0 matplotlib
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_hf_stack.py $(BENCH_ARGS) --benchmark-json=build/bench-hf-stack.json
+	$(VENV)/bin/python benchmarks/report/hf_stack.py $(BENCH_OUT) build/bench-hf-stack.json
 
 cuda-check:
 	tools/cuda_compile_check.sh

@@ -506,7 +506,9 @@ class Accelerator:
         With a LOMO optimizer prepared (without fp16's scaler) and `learning_rate=` given, runs `lomo_backward`.
         """
         learning_rate = kwargs.get("learning_rate")
-        loss = loss / self.gradient_accumulation_steps
+        steps = self.gradient_accumulation_steps
+        if steps != 1:  # dividing by 1 changes no value but costs an op and a node in the graph at every step
+            loss = loss / steps
         if self.scaler is None and learning_rate is not None and self.has_lomo_optimizer:
             self.lomo_backward(loss, learning_rate)
         else:

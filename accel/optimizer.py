@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -44,6 +45,24 @@ def is_lomo_optimizer(optimizer: Any) -> bool:
     """Whether `optimizer` is a LOMO optimizer (it updates the weights in its fused backward, not in `step`)."""
     classes = lomo_optimizer_classes()
     return classes is not None and isinstance(optimizer, classes)
+
+
+def _takes_set_to_none(zero_grad: Callable) -> bool:
+    """Whether an optimizer's `zero_grad` takes `set_to_none` (torch's do, some others do not).
+
+    Asked at every step: the answer is kept per function (a bound method's, so per optimizer class), as
+    `inspect.signature` costs about as much as zeroing a small model's gradients.
+    """
+    function = getattr(zero_grad, "__func__", zero_grad)
+    try:
+        return _function_takes_set_to_none(function)
+    except TypeError:  # an unhashable callable object
+        return "set_to_none" in inspect.signature(zero_grad).parameters
+
+
+@functools.lru_cache(maxsize=128)
+def _function_takes_set_to_none(function: Callable) -> bool:
+    return "set_to_none" in inspect.signature(function).parameters
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -108,10 +127,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if not self.gradient_state.sync_gradients:
             return  # keep accumulating
-        if "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters:
-            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        zero_grad = self.optimizer.zero_grad
+        if _takes_set_to_none(zero_grad):
+            zero_grad(set_to_none=True if set_to_none is None else set_to_none)
         else:
-            self.optimizer.zero_grad()
+            zero_grad()
 
     def step(self, closure: Any = None) -> None:
         if not self.gradient_state.sync_gradients or self._updates_in_backward:

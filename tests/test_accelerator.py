@@ -79,6 +79,44 @@ def test_accumulation_really_accumulates():
         torch.testing.assert_close(mine, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_backward_divides_the_loss_only_when_accumulating(monkeypatch, accumulation):
+    # Dividing by 1 would change no value but add an op and a graph node to every step.
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+    received = []
+    monkeypatch.setattr(accelerator.precision, "backward", lambda loss, **kwargs: received.append(loss))
+    loss = (torch.ones(2, requires_grad=True) * 3).sum()
+    accelerator.backward(loss)
+    if accumulation == 1:
+        assert received == [loss] and received[0] is loss
+    else:
+        torch.testing.assert_close(received[0], loss / 3, atol=0, rtol=0)
+
+
+def test_optimizer_zero_grad_reads_the_signature_once_and_passes_set_to_none_where_taken(monkeypatch):
+    import inspect
+
+    accelerator = Accelerator()
+    model = make_model()
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    reads = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda function, *args, **kwargs: reads.append(function)
+                        or signature(function, *args, **kwargs))  # fmt: skip
+    for _ in range(3):
+        model(torch.ones(1, 8)).sum().backward()
+        optimizer.zero_grad()
+        assert all(param.grad is None for param in model.parameters())  # torch's set_to_none=True default
+    assert len(reads) <= 1  # an inspect.signature per step costs as much as zeroing a small model
+    calls = []
+    optimizer.optimizer.zero_grad = lambda: calls.append("no set_to_none")  # a zero_grad that does not take it
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.optimizer.zero_grad = lambda set_to_none=True: calls.append(set_to_none)
+    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()
+    assert calls == ["no set_to_none", False, True]
+
+
 def test_prepare_returns_wrappers_in_the_order_given():
     accelerator = Accelerator()
     model = make_model()
