@@ -6,6 +6,7 @@ clipping, a learning rate schedule and an evaluation pass whose metric sees ever
 
     accel launch --cpu --num_processes 2 examples/train.py
     accel launch --cpu --num_processes 2 --mixed_precision fp16 examples/train.py   # real fp16 on the CPU
+    accel launch --cpu --num_processes 2 --use_fsdp examples/train.py    # sharded with FSDP2 (HF refuses this)
     python examples/train.py                           # one process
     accelerate launch --cpu examples/train.py          # HF Accelerate, after changing the import back
 """

@@ -53,3 +53,31 @@ def test_the_seed_configuration_trains_the_example(tmp_path):
     assert "first layer computes in ['torch.float16']" in trained
     losses = [float(loss) for loss in re.findall(r"epoch \d+: loss ([0-9.]+)", trained)]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+FSDP_ANSWERS = [
+    "This machine", "multi-CPU with FSDP", "1", "no", "no", "no",  # one machine, no debug, no IPEX, no dynamo
+    "", "", "no", "NO_WRAP", "",  # FSDP version 2, reshard after forward, no offload, the root unit only, sharded
+    "no", "no", "2", "no",  # no RAM-efficient loading, no activation checkpointing, 2 processes, fp32
+]  # fmt: skip
+
+
+def epoch_losses(output: str) -> list[str]:
+    return re.findall(r"epoch \d+: loss ([0-9.]+), eval mse ([0-9.]+)", output)
+
+
+@pytest.mark.slow
+def test_the_fsdp_questionnaire_trains_the_example_as_ddp_does(tmp_path):
+    """HF's FSDP questions answered for CPUs ('multi-CPU with FSDP'), then `accel launch` with that file: the example
+    trains sharded on 2 processes with DDP's losses and evaluation (printed to 4 digits)."""
+    config = tmp_path / "fsdp.yaml"
+    run(tmp_path, "config", "--config_file", str(config), stdin="".join(a + "\n" for a in FSDP_ANSWERS))
+    saved = yaml.safe_load(config.read_text())
+    assert (saved["distributed_type"], saved["use_cpu"], saved["fsdp_config"]["fsdp_version"]) == ("FSDP", True, 2)
+
+    example = ["examples/train.py", "--epochs", "2", "--samples", "1024", "--batch_size", "64"]
+    sharded = run(tmp_path, "launch", "--config_file", str(config), *example).stdout
+    assert "2 process(es) (DistributedType.FSDP)" in sharded
+    replicated = run(tmp_path, "launch", "--cpu", "--num_processes", "2", *example).stdout
+    assert "2 process(es) (DistributedType.MULTI_CPU)" in replicated
+    assert len(epoch_losses(sharded)) == 2 and epoch_losses(sharded) == epoch_losses(replicated)
