@@ -144,6 +144,78 @@ def test_fp16_loss_scaling_skips_a_step_whose_overflow_only_one_shard_holds():
     assert results[0][1]  # the main process sees the full weights: untouched by the skipped step
 
 
+# --- 2-D meshes: hybrid sharding, NO_SHARD -----------------------------------------------------------------------
+
+MESH_SETUPS = {
+    # name: (FSDP plugin fields or False for DDP, ParallelismConfig sizes, LOCAL_WORLD_SIZE)
+    "ddp": (False, None, None),
+    "no_shard": ({"fsdp_version": 1, "sharding_strategy": "NO_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
+                 None, None),
+    "hybrid": ({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
+               None, 2),
+    "hsdp": ({"fsdp_version": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}, None),
+}  # fmt: skip
+
+
+def _on_mesh(setups, steps, folder):
+    from accel.backends.parallelism import ParallelismConfig
+
+    results = {}
+    for setup in setups:
+        fsdp, sizes, local_world = MESH_SETUPS[setup]
+        if local_world is not None:  # as if two machines of two processes each
+            os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+        config = ParallelismConfig(**sizes) if sizes else None
+        accelerator = fresh_accelerator(fsdp, gradient_accumulation_steps=2, parallelism_config=config)
+        model, optimizer = prepared(accelerator)
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, steps))
+        mesh = getattr(accelerator.strategy, "mesh", None)
+        groups = [] if mesh is None else [mesh.get_group(i)._get_backend(torch.device("cpu")).name()
+                                          for i in range(mesh.ndim) if mesh.size(i) > 1]  # fmt: skip
+        local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+        resumed = None
+        if folder is not None and setup != "ddp":
+            accelerator.save_state(os.path.join(folder, setup))
+            straight = train(accelerator, model, optimizer, batches(accelerator.process_index, 2, seed=2))
+            accelerator.load_state(os.path.join(folder, setup))
+            resumed = (straight, train(accelerator, model, optimizer, batches(accelerator.process_index, 2, seed=2)))
+        results[setup] = (losses, norms, None if mesh is None else tuple(mesh.shape), groups, local, resumed)
+    return results
+
+
+def _assert_mesh_runs_match_ddp(results, expected_meshes):
+    whole = sum(p.numel() for p in tiny_gpt2().parameters())  # the tied lm_head once
+    for result in results:
+        ddp_losses, ddp_norms, *_ = result["ddp"]
+        for setup, (shape, fraction) in expected_meshes.items():
+            losses, norms, mesh, groups, local, resumed = result[setup]
+            torch.testing.assert_close(losses, ddp_losses, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(norms, ddp_norms, rtol=1e-5, atol=1e-6)  # replicas not counted twice
+            assert mesh == shape, setup
+            assert abs(local - whole * fraction) <= 1024, (setup, local, whole)
+            if resumed is not None:
+                assert resumed[0] == resumed[1], setup  # a sharded checkpoint on a 2-D mesh resumes bit-identically
+            if grad_kernels_loaded():  # every sub-group with more than one process shares memory, as the default one
+                assert groups and set(groups) == {"accel"}, (setup, groups)
+
+
+def test_no_shard_and_hybrid_shard_run_on_2d_meshes_as_ddp_does(tmp_path):
+    """FSDP1's NO_SHARD (every process a replica) and HYBRID_SHARD on one machine (one replica sharded over
+    both) on FSDP2's 2-D mesh: DDP's losses and clip norms over 12 steps, whole or half the parameters per process,
+    and sharded save_state / load_state resuming bit-identically."""
+    results = run_on_ranks(_on_mesh, 2, ["ddp", "no_shard", "hybrid"], 12, str(tmp_path), timeout=300)
+    _assert_mesh_runs_match_ddp(results, {"no_shard": ((2, 1), 1.0), "hybrid": ((1, 2), 0.5)})
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_processes_replicates_two_shards_as_ddp_does(tmp_path):
+    """Hybrid sharding proper on 4 processes, from HF's ParallelismConfig(dp_replicate_size=2, dp_shard_size=2) and
+    from FSDP1's HYBRID_SHARD with two 'machines' of two processes: each process holds half the parameters
+    (sharded within its replica pair), gradients are all-reduced across the pairs: DDP's losses and norms."""
+    results = run_on_ranks(_on_mesh, 4, ["ddp", "hsdp", "hybrid"], 8, None, timeout=400)
+    _assert_mesh_runs_match_ddp(results, {"hsdp": ((2, 2), 0.5), "hybrid": ((2, 2), 0.5)})
+
+
 # --- checkpoints -------------------------------------------------------------------------------------------------
 
 
@@ -252,17 +324,12 @@ def _refusals_and_translation():
         fresh_accelerator({"cpu_ram_efficient_loading": True})
     except UnsupportedFeatureError as error:
         outcome["ram"] = str(error)
-    try:
-        fresh_accelerator({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD"})
-    except UnsupportedFeatureError as error:
-        outcome["hybrid"] = str(error)
     return outcome
 
 
 def test_fsdp1_plugins_run_on_fsdp2_and_what_is_not_built_is_refused():
     outcome = run_on_ranks(_refusals_and_translation, 2, timeout=120)[0]
     assert outcome["translated"] == (2, False)
-    assert "HYBRID_SHARD" in outcome["hybrid"] and "2-D" in outcome["hybrid"]
     assert "cpu_ram_efficient_loading" in outcome["ram"]
 
 

@@ -41,14 +41,13 @@ def _refused(call, feature: str, asked_by: str) -> UnsupportedFeatureError:
     [
         (lambda: {"deepspeed_plugin": deepspeed.DeepSpeedPlugin()}, "DeepSpeed", "deepspeed_plugin=DeepSpeedPlugin"),
         (lambda: {"deepspeed_plugins": {"a": deepspeed.DeepSpeedPlugin()}}, "DeepSpeed", "deepspeed_plugins=dict"),
-        (lambda: {"fsdp_plugin": fsdp.FullyShardedDataParallelPlugin()}, "FSDP", "fsdp_plugin="),
         (lambda: {"megatron_lm_plugin": megatron.MegatronLMPlugin()}, "Megatron-LM", "megatron_lm_plugin="),
         (lambda: {"torch_tp_plugin": parallelism.TorchTensorParallelPlugin(tp_size=2)}, "tensor parallelism",
          "torch_tp_plugin="),
         (lambda: {"parallelism_config": parallelism.ParallelismConfig(tp_size=2)}, "tensor parallelism",
          "parallelism_config=...) with tp_size=2"),
         (lambda: {"parallelism_config": parallelism.ParallelismConfig(dp_shard_size=2)}, "sharded data parallelism",
-         "dp_shard_size=2"),
+         "dp_shard_size=2"),  # without FSDP (with it: tests/test_fsdp2.py)
         (lambda: {"parallelism_config": parallelism.ParallelismConfig(cp_size=2)}, "context parallelism", "cp_size=2"),
         (lambda: {"mixed_precision": "fp8"}, "FP8 training", "mixed_precision='fp8'"),
         (lambda: {"kwargs_handlers": [fp8.TERecipeKwargs()]}, "FP8 training", "kwargs_handlers=[TERecipeKwargs"),
@@ -67,7 +66,6 @@ def test_accelerator_refuses_backends_before_any_state(kwargs, feature, asked_by
     [
         ("ACCEL_USE_DEEPSPEED", "true", "DeepSpeed"),
         ("ACCELERATE_USE_DEEPSPEED", "1", "DeepSpeed"),
-        ("ACCELERATE_USE_FSDP", "true", "FSDP"),
         ("ACCEL_USE_MEGATRON_LM", "yes", "Megatron-LM"),
         ("ACCEL_MIXED_PRECISION", "fp8", "FP8 training"),
         ("ACCELERATE_TORCH_DEVICE", "xla:0", "TPU/XLA"),

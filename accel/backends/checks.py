@@ -41,7 +41,8 @@ def refuse_unsupported_arguments(deepspeed_plugin: Any = None, deepspeed_plugins
         if value is not None:
             raise refuse(feature, f"Accelerator({argument}={type(value).__name__}(...))", DDP_INSTEAD)
     if parallelism_config is not None:
-        refuse_unsupported_parallelism(parallelism_config, "Accelerator(parallelism_config=...)")
+        sharded = fsdp_plugin is not None or get_flag("USE_FSDP")
+        refuse_unsupported_parallelism(parallelism_config, "Accelerator(parallelism_config=...)", sharded)
     if mixed_precision is not None and str(mixed_precision).lower() == "fp8":
         raise refuse("FP8 training", "Accelerator(mixed_precision='fp8')", FP8_INSTEAD)
     for handler in kwargs_handlers or ():
@@ -71,7 +72,8 @@ def parallelism_config_from_environment() -> ParallelismConfig | None:
     if not get_flag("USE_PARALLELISM_CONFIG"):
         return None
     config = ParallelismConfig()
-    refuse_unsupported_parallelism(config, f"the environment variable {_set_variable('USE_PARALLELISM_CONFIG')}")
+    refuse_unsupported_parallelism(config, f"the environment variable {_set_variable('USE_PARALLELISM_CONFIG')}",
+                                   sharded=get_flag("USE_FSDP"))  # fmt: skip
     return config
 
 

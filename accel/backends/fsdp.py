@@ -37,6 +37,17 @@ def _refuse(asked_by: str):
     return refuse(FEATURE, asked_by, DDP_INSTEAD)
 
 
+
+def _mesh_strategy_from_launcher() -> str | None:
+    """The FSDP1 strategy FSDP2 runs on a 2-D mesh (HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD) that `accel launch`
+    exports as FSDP_SHARDING_STRATEGY beside FSDP_VERSION=2 when it translates an FSDP1 configuration; None for any
+    other value, which FSDP2 reads from FSDP_RESHARD_AFTER_FORWARD instead (as HF does)."""
+    from accel.backends.fsdp_options import MESH_STRATEGIES
+
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "").strip().upper()
+    return strategy if strategy in MESH_STRATEGIES else None
+
+
 def _fsdp_enum(value: Any, enum_cls: type, names: list[str]) -> Any:
     """HF's parsing of an FSDP enum: a member, a name from `names` (1-based position), a number, or a member name."""
     if isinstance(value, enum_cls):
@@ -121,6 +132,8 @@ class FullyShardedDataParallelPlugin:
             else:
                 self.reshard_after_forward = _fsdp_enum(self.reshard_after_forward, ShardingStrategy,
                                                         FSDP_SHARDING_STRATEGY)  # fmt: skip
+        if self.fsdp_version == 2 and self.sharding_strategy is None:
+            self.sharding_strategy = _mesh_strategy_from_launcher()
         is_bool = isinstance(self.reshard_after_forward, bool)
         if self.fsdp_version == 2 and not is_bool:
             raise ValueError(f"reshard_after_forward set to {self.reshard_after_forward}. This is not supported with "

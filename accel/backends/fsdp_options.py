@@ -306,17 +306,6 @@ def _sharding(options: Mapping[str, Any], asked_by: AskedBy) -> tuple[dict[str, 
     return translated, phrase
 
 
-def refuse_mesh_strategy(options: Mapping[str, Any], asked_by: AskedBy = _default_asked_by) -> None:
-    """Raises UnsupportedFeatureError when translated `options` keep a strategy FSDP2 runs on a 2-D device mesh
-    (the hybrid ones, NO_SHARD), which accel does not build yet: what `accel launch` and the Accelerator run.
-    (`accel to-fsdp2` only converts a file and keeps it.)"""
-    strategy = options.get("fsdp_sharding_strategy")
-    if strategy in MESH_STRATEGIES:
-        raise refuse(f"FSDP sharding_strategy {strategy} (FSDP2 {MESH_STRATEGIES[strategy]})",
-                     asked_by("fsdp_sharding_strategy", strategy),
-                     "FULL_SHARD or SHARD_GRAD_OP: accel does not build FSDP2's 2-D device meshes yet")  # fmt: skip
-
-
 def to_fsdp2(options: Mapping[str, Any], asked_by: AskedBy = _default_asked_by) -> Translation:
     """FSDP1 `options` (canonical keys, normalised values, only those set) translated to FSDP2.
 
@@ -350,7 +339,6 @@ def to_fsdp2(options: Mapping[str, Any], asked_by: AskedBy = _default_asked_by) 
 
 __all__ = [
     "AUTO_WRAP_POLICIES", "BACKWARD_PREFETCHES", "FSDP2_STATE_DICT_TYPES", "MESH_STRATEGIES", "OPTIONS",
-    "refuse_mesh_strategy",
     "RESHARD_AFTER_FORWARD", "SHARDING_STRATEGIES", "STATE_DICT_TYPES", "Translation", "VARIABLES", "environment",
     "fsdp2_refusal", "option_key", "options_of", "parse_entry", "shown", "to_fsdp2",
 ]  # fmt: skip

@@ -1,8 +1,9 @@
 """Composable parallelism's names: `ParallelismConfig` and the tensor / context / sequence parallel configs.
 
-accel runs data parallelism (DDP). A `ParallelismConfig` that asks only for that (data-parallel replication,
-every other size 1) is accepted by `Accelerator`; one with tensor, context, sequence parallelism or sharded data
-parallelism (`tp_size`, `cp_size`, `sp_size`, `dp_shard_size` > 1) is refused, naming the size that asked.
+accel runs data parallelism: replicated (DDP) and, with FSDP on, sharded. A `ParallelismConfig` that asks only
+for those (`dp_replicate_size`, and `dp_shard_size` under FSDP: FSDP or HSDP over its device mesh, as HF builds
+it) is accepted by `Accelerator`; one with tensor, context or sequence parallelism (`tp_size`, `cp_size`, `sp_size`
+> 1), or `dp_shard_size` > 1 without FSDP, is refused, naming the size that asked.
 The configs themselves build and validate as in HF Accelerate (PARALLELISM_CONFIG_* variables).
 """
 
@@ -18,6 +19,7 @@ from accel.backends import DDP_INSTEAD
 from accel.unsupported import refuse
 
 _MESH_ORDER = ["dp_replicate", "dp_shard", "cp", "sp", "tp"]
+SHARD_INSTEAD = "turn FSDP on to shard (fsdp_plugin=FullyShardedDataParallelPlugin(), accel launch --use_fsdp)"
 _UNSUPPORTED_SIZES = {"tp_size": "tensor parallelism", "cp_size": "context parallelism",
                       "sp_size": "sequence parallelism", "dp_shard_size": "sharded data parallelism (FSDP/HSDP)"}  # fmt: skip
 
@@ -220,17 +222,16 @@ class ParallelismConfig:
         """A torch `DeviceMesh` over the enabled dimensions (None when none is), with HF's flattened dims."""
         if self.sp_backend == "deepspeed" and self.sp_size > 1:
             return None
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = self._get_mesh()
         if len(mesh) == 0:
             return None
         names, shape = mesh
-        device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        device_mesh = init_mesh(device_type, shape, names)
+        override = mesh_backend(device_type)
         for dims, flat in ((self.dp_dim_names, "dp"), (self.dp_shard_cp_dim_names, "dp_shard_cp"),
                            (self.dp_cp_dim_names, "dp_cp")):  # fmt: skip
             if dims:
-                device_mesh[dims]._flatten(flat)
+                device_mesh[dims]._flatten(flat, backend_override=override)
         return device_mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
@@ -260,14 +261,43 @@ class ParallelismConfig:
             raise ValueError(f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
                              f"({accelerator.num_processes}). Please adjust dp_replicate_size/dp_shard_size/tp_size/"
                              "cp_size/sp_size.")  # fmt: skip
+        if accelerator.is_fsdp2 and not self.dp_shard_enabled:
+            raise ValueError("FSDP is enabled but the parallelism config has no dimension for FSDP to shard across "
+                             "(dp_shard_size is 1): give dp_shard_size > 1 (with dp_replicate_size for HSDP), or "
+                             "launch without FSDP to replicate")  # fmt: skip
 
 
-def refuse_unsupported_parallelism(config: ParallelismConfig, asked_by: str) -> None:
-    """Raises UnsupportedFeatureError when `config` asks for more than data-parallel replication."""
+def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """torch's `init_device_mesh`; on CPU processes whose default group shares memory (accel's backend) every
+    dimension's sub-groups are accel's backend too, which serves them through shared memory where their ranks can
+    share it (a mesh's sub-groups are new groups: torch would give them plain gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = mesh_backend(device_type)
+    override = None if backend is None else {name: backend for name in names}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+
+
+def mesh_backend(device_type: str) -> str | None:
+    """The backend of a mesh's sub-groups (see `init_mesh`): "accel" on CPU processes whose default group shares
+    memory, else None (torch's choice)."""
+    import torch
+    import torch.distributed as dist
+
+    if device_type != "cpu" or not dist.is_initialized():
+        return None
+    cpu = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return "accel" if cpu.name() == "accel" else None
+
+
+def refuse_unsupported_parallelism(config: ParallelismConfig, asked_by: str, sharded: bool = False) -> None:
+    """Raises UnsupportedFeatureError when `config` asks for more than data parallelism: replication, and with
+    `sharded` (FSDP on) sharding too."""
     for field, feature in _UNSUPPORTED_SIZES.items():
         size = getattr(config, field)
-        if size > 1:
-            raise refuse(feature, f"{asked_by} with {field}={size}", DDP_INSTEAD)
+        if size > 1 and not (sharded and field == "dp_shard_size"):
+            instead = SHARD_INSTEAD if field == "dp_shard_size" else DDP_INSTEAD
+            raise refuse(feature, f"{asked_by} with {field}={size}", instead)
 
 
 __all__ = [

@@ -347,7 +347,6 @@ def fsdp_translation(config: LaunchConfig, origins: Mapping[str, str] | None = N
         translation = fsdp_options.to_fsdp2(_fsdp_settings(config), asked_by)
     except ValueError as error:
         raise LaunchError(str(error)) from None
-    fsdp_options.refuse_mesh_strategy(translation.options, asked_by)
     return translation
 
 

@@ -3,7 +3,10 @@
 Each process holds a shard of every parameter, gradient and optimizer state (DTensors over a 1-D mesh of all
 processes); a wrapped block's parameters are all-gathered for its forward and backward, its gradients
 reduce-scattered after. The collectives run on the job's default group: on CPU processes of one host that is
-accel's shared-memory process group (HF refuses FSDP on CPUs), on GPUs NCCL.
+accel's shared-memory process group (HF refuses FSDP on CPUs), on GPUs NCCL. Hybrid sharding runs on a 2-D mesh
+(dp_replicate, dp_shard): shards within each replica group, gradients all-reduced across replicas; it comes from a
+`ParallelismConfig` (HF's way for FSDP2) or from FSDP1's HYBRID_SHARD / HYBRID_SHARD_ZERO2 (replicas = machines)
+and NO_SHARD (every process a replica), and its sub-groups share memory too on one host.
 
 What `prepare` does (HF's order): the auto-wrap policy is bound to the model (transformer layer classes, or a
 parameter count), activation checkpointing wraps the matching blocks, trainable parameters are upcast to fp32 under
@@ -24,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -59,7 +64,7 @@ class FSDP2Strategy(Strategy):
 
     def __init__(self, state, precision, plugin: FullyShardedDataParallelPlugin, mixed_precision: str = "no"):
         super().__init__(state, precision)
-        self.plugin = fsdp2_plugin(plugin)
+        self.plugin, self._mesh_strategy = fsdp2_plugin(plugin)
         if self.plugin.cpu_ram_efficient_loading:
             raise refuse("FSDP cpu_ram_efficient_loading", "cpu_ram_efficient_loading=True (FSDP_CPU_RAM_EFFICIENT_LOADING)",
                          "load the weights on every process (the default)")  # fmt: skip
@@ -68,6 +73,9 @@ class FSDP2Strategy(Strategy):
         self.mixed_precision = mixed_precision
         self._sharded_of: dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> its sharded one
         self._optimizers: list[torch.optim.Optimizer] = []  # switched again when a later model is sharded
+        # The mesh models are sharded over: None for FSDP's 1-D mesh of every process; a 2-D (dp_replicate,
+        # dp_shard) one for hybrid sharding and NO_SHARD (built now, on every process: its groups are collective).
+        self.mesh: DeviceMesh | None = fsdp_mesh(state, self._mesh_strategy)
 
     @classmethod
     def create(cls, state, precision, settings) -> FSDP2Strategy:
@@ -93,6 +101,7 @@ class FSDP2Strategy(Strategy):
         kwargs: dict[str, Any] = {
             "reshard_after_forward": self.plugin.reshard_after_forward,
             "mp_policy": self.plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+            "mesh": self.mesh,
         }
         if self.plugin.cpu_offload is not None:
             kwargs["offload_policy"] = self.plugin.cpu_offload
@@ -139,7 +148,10 @@ class FSDP2Strategy(Strategy):
         return [isinstance(g, DTensor) for g in grads]
 
     def sum_across_shards(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        """Summed over the processes that hold the other shards: on a 2-D mesh the replicas hold copies, which
+        must not be counted again."""
+        group = None if self.mesh is None else self.mesh.get_group(self.mesh.ndim - 1)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
         return tensor
 
     def max_across_shards(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -167,15 +179,16 @@ class FSDP2Strategy(Strategy):
 # --- preparing a model ------------------------------------------------------------------------------------------
 
 
-def fsdp2_plugin(plugin: FullyShardedDataParallelPlugin) -> FullyShardedDataParallelPlugin:
+def fsdp2_plugin(plugin: FullyShardedDataParallelPlugin) -> tuple[FullyShardedDataParallelPlugin, str | None]:
     """`plugin` itself for FSDP2; an `fsdp_version=1` plugin translated to FSDP2 by the one rule `accel launch` and
     `accel to-fsdp2` apply (`accel.backends.fsdp_options.to_fsdp2`: the sharding strategy becomes
     reshard_after_forward, FSDP1-only options FSDP2 does without go, FULL_STATE_DICT stays the default), saying so
-    in one line; what FSDP2 cannot do (hybrid sharding's 2-D mesh, NO_SHARD, BACKWARD_POST...) is refused."""
-    if plugin.fsdp_version == 2:
-        return plugin
+    in one line; what FSDP2 cannot do (BACKWARD_POST, LOCAL_STATE_DICT...) is refused. Also returns the FSDP1
+    strategy that FSDP2 runs on a 2-D mesh (HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD), else None."""
+    if plugin.fsdp_version == 2:  # a mesh strategy here is what `accel launch` exported for an FSDP1 configuration
+        strategy = getattr(plugin.sharding_strategy, "name", plugin.sharding_strategy)
+        return plugin, strategy if strategy in fsdp_options.MESH_STRATEGIES else None
     translation = fsdp_options.to_fsdp2(_fsdp1_options(plugin), _asked_by_plugin)
-    fsdp_options.refuse_mesh_strategy(translation.options, _asked_by_plugin)
     options = translation.options
     policy = plugin.mixed_precision_policy
     translated = dataclasses.replace(
@@ -189,7 +202,38 @@ def fsdp2_plugin(plugin: FullyShardedDataParallelPlugin) -> FullyShardedDataPara
         optim_state_dict_config=None,
     )  # fmt: skip
     logger.warning("FSDP: fsdp_version 1 options run on FSDP2: %s", "; ".join(translation.changes))
-    return translated
+    return translated, options.get("fsdp_sharding_strategy")
+
+
+def fsdp_mesh(state: Any, mesh_strategy: str | None) -> DeviceMesh | None:
+    """The mesh `fully_shard` gets: from a `ParallelismConfig` as HF builds it (its mesh becomes the state's
+    `device_mesh`, `Accelerator.torch_device_mesh`, and FSDP takes its (dp_replicate, dp_shard_cp) dimensions), or
+    from a translated FSDP1 strategy (`fsdp_mesh_shape`; the state's `device_mesh` too); None: the default 1-D
+    mesh."""
+    config = getattr(state, "parallelism_config", None)
+    if config is not None and (config.dp_shard_enabled or config.dp_replicate_enabled):
+        state.device_mesh = config.get_device_mesh(state.device.type)
+        return state.device_mesh[tuple(config.fsdp_dim_names)]
+    if mesh_strategy is None:
+        return None
+    from accel.backends.parallelism import init_mesh
+
+    state.device_mesh = init_mesh(state.device.type, fsdp_mesh_shape(mesh_strategy, state.num_processes),
+                                  ("dp_replicate", "dp_shard"))  # fmt: skip
+    return state.device_mesh
+
+
+def fsdp_mesh_shape(mesh_strategy: str, num_processes: int) -> tuple[int, int]:
+    """(replicas, shards) of FSDP1's `mesh_strategy` on FSDP2: the hybrid ones shard within each machine (its
+    processes, torch elastic's LOCAL_WORLD_SIZE) and replicate across machines, as FSDP1 does; NO_SHARD replicates
+    on every process."""
+    if mesh_strategy == "NO_SHARD":
+        return num_processes, 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    if local < 1 or num_processes % local:
+        raise ValueError(f"FSDP {mesh_strategy}: {num_processes} processes do not split into machines of "
+                         f"LOCAL_WORLD_SIZE={local}")  # fmt: skip
+    return num_processes // local, local
 
 
 def _fsdp1_options(plugin: FullyShardedDataParallelPlugin) -> dict[str, Any]:

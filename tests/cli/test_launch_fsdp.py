@@ -269,10 +269,24 @@ def test_each_sharding_strategy_becomes_reshard_after_forward(strategy, reshard)
         assert f"→ reshard_after_forward {reshard}" in fsdp_line(config)
 
 
-@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD"])
-def test_strategies_that_need_a_2d_mesh_are_refused_naming_the_flag(strategy):
-    with pytest.raises(UnsupportedFeatureError, match=rf"asked for by --fsdp_sharding_strategy {strategy}.*2-D"):
-        resolved("--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
+@pytest.mark.parametrize("strategy,reshard", [("HYBRID_SHARD", "true"), ("HYBRID_SHARD_ZERO2", "false"),
+                                              ("NO_SHARD", "false")])  # fmt: skip
+def test_strategies_on_a_2d_mesh_are_exported_for_the_ranks_to_build_it(strategy, reshard, monkeypatch):
+    config = resolved("--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
+    env = fsdp_env(config)
+    assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"], env["FSDP_SHARDING_STRATEGY"]) == (
+        "2", reshard, strategy)
+    assert ("replicate-only mesh" if strategy == "NO_SHARD" else "2-D mesh") in fsdp_line(config)
+    # The ranks' plugin (FSDP2, from these variables) carries the strategy for the mesh; FSDP2 reads no other.
+    from accel.backends.fsdp import FullyShardedDataParallelPlugin
+    from accel.strategies.fsdp2 import fsdp2_plugin
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plugin, mesh_strategy = fsdp2_plugin(FullyShardedDataParallelPlugin())
+    assert (plugin.fsdp_version, plugin.reshard_after_forward, mesh_strategy) == (2, reshard == "true", strategy)
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    assert fsdp2_plugin(FullyShardedDataParallelPlugin())[1] is None
 
 
 def test_hf_fsdp1_defaults_translate_and_the_others_are_said(tmp_path):
