@@ -446,8 +446,6 @@ class Accelerator:
         self._models.append(model)
         model = self.precision.wrap_forward(model)
         plugin = self.state.dynamo_plugin
-        if plugin is not None and plugin.enabled and plugin.use_regional_compilation:
-            warnings.warn("accel does not support regional compilation yet; compiling the whole model")
         if evaluation_mode:
             return SingleDeviceStrategy(self.state, self.precision).setup_model(model, placement, plugin)
         return self.strategy.setup_model(model, placement, plugin)

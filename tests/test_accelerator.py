@@ -474,12 +474,33 @@ def test_autocast_kwargs_reach_the_forward():
         assert model.linear(torch.randn(2, 4)).dtype == torch.bfloat16
 
 
-def test_regional_compilation_is_not_faked():
+class Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_regional_compilation_compiles_each_repeated_block_in_place():
+    """`use_regional_compilation`: each repeated block (and each module without repeated blocks) is compiled in
+    place, as HF does for FSDP2; the model keeps its class, tree and state-dict names, and computes the same."""
     from accel.settings import TorchDynamoPlugin
 
+    torch.manual_seed(0)
+    model, inputs = Blocks(), torch.randn(2, 4)
+    expected = model(inputs)
     accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", use_regional_compilation=True))
-    with pytest.warns(UserWarning, match="does not support regional compilation yet"):
-        accelerator.prepare(make_model())
+    prepared = accelerator.prepare(model)
+    assert prepared is model and list(prepared.state_dict()) == list(Blocks().state_dict())
+    compiled = [name for name, module in model.named_modules() if module._compiled_call_impl is not None]
+    assert compiled == ["embed", "blocks.0", "blocks.1", "blocks.2"]
+    torch.testing.assert_close(prepared(inputs), expected, rtol=0, atol=0)
 
 
 def _ragged_metrics():

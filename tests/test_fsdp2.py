@@ -144,6 +144,32 @@ def test_fp16_loss_scaling_skips_a_step_whose_overflow_only_one_shard_holds():
     assert results[0][1]  # the main process sees the full weights: untouched by the skipped step
 
 
+def _regional_compilation(steps):
+    from accel.settings import TorchDynamoPlugin
+
+    results = {}
+    for regional in (False, True):
+        plugin = TorchDynamoPlugin(backend="eager", use_regional_compilation=True) if regional else None
+        accelerator = fresh_accelerator(dynamo_plugin=plugin)
+        model, optimizer = prepared(accelerator)
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, steps))
+        compiled = [name for name, m in model.named_modules() if m._compiled_call_impl is not None]
+        results[regional] = (losses, norms, compiled, type(model).__name__)
+    return results
+
+
+def test_regional_compilation_compiles_each_block_in_place_and_trains_as_without():
+    """dynamo with use_regional_compilation under FSDP2: every GPT2Block compiled in place (one compiled code
+    reused for each), the model still the sharded FSDP module (fully_shard's hooks run), the same losses."""
+    for result in run_on_ranks(_regional_compilation, 2, 4, timeout=240):
+        plain_losses, plain_norms, nothing, _ = result[False]
+        losses, norms, compiled, kind = result[True]
+        assert nothing == [] and kind == "FSDPGPT2LMHeadModel"
+        assert {"transformer.h.0", "transformer.h.1"} <= set(compiled)
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norms, plain_norms, rtol=1e-5, atol=1e-6)
+
+
 # --- 2-D meshes: hybrid sharding, NO_SHARD -----------------------------------------------------------------------
 
 MESH_SETUPS = {

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from accel.compilation import is_compiled_module
+from accel.compilation import compile_regions_in_place, is_compiled_module
 from accel.module_tree import extract_model_from_parallel
 from accel.optimizer import AcceleratedOptimizer
 from accel.precision import Precision
@@ -42,9 +42,17 @@ class StrategySettings:
 
 
 def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
-    """`torch.compile(model)` with the plugin's settings; a model without a plugin, or compiled already, as is."""
+    """`torch.compile(model)` with the plugin's settings; a model without a plugin, or compiled already, as is.
+
+    With `use_regional_compilation`, each repeated block (and each module without repeated blocks) is compiled in
+    place instead (`nn.Module.compile`, HF's recipe for FSDP2 and DeepSpeed, used here for every strategy): a
+    block is compiled once and reused for its repeats, the model keeps its module tree and names, and the hooks
+    of a wrapper around it (DDP, `fully_shard`) still run.
+    """
     if dynamo_plugin is None or not dynamo_plugin.enabled or is_compiled_module(model):
         return model
+    if dynamo_plugin.use_regional_compilation:
+        return compile_regions_in_place(model, **dynamo_plugin.compile_kwargs())
     return torch.compile(model, **dynamo_plugin.compile_kwargs())
 
 
