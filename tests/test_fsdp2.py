@@ -170,6 +170,27 @@ def test_regional_compilation_compiles_each_block_in_place_and_trains_as_without
         torch.testing.assert_close(norms, plain_norms, rtol=1e-5, atol=1e-6)
 
 
+def _cpu_offload(steps):
+    results = {}
+    for offload in (False, True):
+        accelerator = fresh_accelerator({"cpu_offload": offload})
+        model, optimizer = prepared(accelerator)
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, steps))
+        results[offload] = (losses, norms, repr(accelerator.strategy.plugin.cpu_offload))
+    return results
+
+
+def test_cpu_offload_policy_trains_as_without():
+    """`cpu_offload` (FSDP_OFFLOAD_PARAMS) gives fully_shard torch's CPUOffloadPolicy; on CPU processes the shards
+    already live in CPU memory, so the losses and norms are those of the run without it."""
+    for result in run_on_ranks(_cpu_offload, 2, 4, timeout=240):
+        plain_losses, plain_norms, *_ = result[False]
+        losses, norms, policy = result[True]
+        assert "CPUOffloadPolicy" in policy
+        torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(norms, plain_norms, rtol=1e-5, atol=1e-6)
+
+
 # --- 2-D meshes: hybrid sharding, NO_SHARD -----------------------------------------------------------------------
 
 MESH_SETUPS = {

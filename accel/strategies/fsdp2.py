@@ -105,6 +105,9 @@ class FSDP2Strategy(Strategy):
         }
         if self.plugin.cpu_offload is not None:
             kwargs["offload_policy"] = self.plugin.cpu_offload
+            if self.device.type == "cpu" and getattr(self.plugin.cpu_offload, "pin_memory", False):
+                # Pinned memory needs an accelerator; on CPU processes the shards live in CPU memory already.
+                kwargs["offload_policy"] = dataclasses.replace(self.plugin.cpu_offload, pin_memory=False)
         if self.plugin.ignored_modules is not None:
             kwargs["ignored_params"] = get_parameters_from_modules(self.plugin.ignored_modules, model, self.device)
         return kwargs
