@@ -2,6 +2,9 @@
 over shards, fp16 loss scaling with sharded gradients, sharded save_state / load_state (bit-identical resume, a
 different number of processes), the full state dict for save_model, and what is refused."""
 
+import contextlib
+import ctypes
+import gc
 import os
 import warnings
 
@@ -144,6 +147,66 @@ def test_fp16_loss_scaling_skips_a_step_whose_overflow_only_one_shard_holds():
     assert results[0][1]  # the main process sees the full weights: untouched by the skipped step
 
 
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def wide_gpt2(seed=0):
+    """About 24 MiB of fp32 weights in 100 tensors of at most 1 MiB: enough for a process's RSS to tell a full copy."""
+    config = transformers.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=97, n_positions=32)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _build_and_prepare_measured(efficient):
+    """(MiB the process's peak RSS grew by while building and preparing the model, the prepared model, optimizer)."""
+    from accel.big_modeling import init_empty_weights
+
+    accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient})
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory goes back to the system: new tensors count again
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
+    start = _kib("VmRSS")
+    on_meta = efficient and not accelerator.is_main_process
+    with init_empty_weights() if on_meta else contextlib.nullcontext():
+        model = wide_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return (_kib("VmHWM") - start) / 1024, accelerator, model, optimizer
+
+
+def _ram_efficient_and_plain():
+    results = {}
+    for efficient in (False, True):  # the plain run first: it pays for the first imports
+        growth, accelerator, model, optimizer = _build_and_prepare_measured(efficient)
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        torch.manual_seed(1)  # for dropout: a model built on the meta device draws no random numbers
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, 2))
+        results[efficient] = (growth, tied, losses, norms, full_weights(accelerator, model))
+        results["MiB"] = sum(p.numel() * 4 for p in model.parameters()) / 2**20  # DTensors: the full numel
+        del accelerator, model, optimizer
+    return results
+
+
+def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_only():
+    """cpu_ram_efficient_loading: process 1 builds its model on meta and gets its shards from process 0, its peak
+    RSS growing by less than one copy of the weights (its plain run: more); training is the same as without it."""
+    for rank, result in enumerate(run_on_ranks(_ram_efficient_and_plain, 2, timeout=180)):
+        weights_mib = result["MiB"]
+        (efficient_growth, efficient_tied, *efficient_run), (plain_growth, plain_tied, *plain_run) = (
+            result[True], result[False])
+        assert efficient_tied and plain_tied
+        # The same losses, clip norms and full weights (on the main process), bit for bit.
+        torch.testing.assert_close(efficient_run, plain_run, rtol=0, atol=0)
+        if rank == 1:
+            assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
+
+
 # --- checkpoints -------------------------------------------------------------------------------------------------
 
 
@@ -249,10 +312,6 @@ def _refusals_and_translation():
                                          "auto_wrap_policy": "transformer_based_wrap"})  # fmt: skip
     outcome["translated"] = (accelerator.strategy.plugin.fsdp_version, accelerator.strategy.plugin.reshard_after_forward)
     try:
-        fresh_accelerator({"cpu_ram_efficient_loading": True})
-    except UnsupportedFeatureError as error:
-        outcome["ram"] = str(error)
-    try:
         fresh_accelerator({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD"})
     except UnsupportedFeatureError as error:
         outcome["hybrid"] = str(error)
@@ -263,7 +322,6 @@ def test_fsdp1_plugins_run_on_fsdp2_and_what_is_not_built_is_refused():
     outcome = run_on_ranks(_refusals_and_translation, 2, timeout=120)[0]
     assert outcome["translated"] == (2, False)
     assert "HYBRID_SHARD" in outcome["hybrid"] and "2-D" in outcome["hybrid"]
-    assert "cpu_ram_efficient_loading" in outcome["ram"]
 
 
 def test_one_process_with_a_plugin_trains_without_sharding_and_says_so():
