@@ -34,8 +34,9 @@ def grad_kernels_loaded():
     return grads.native_on("cpu")
 
 
-def tiny_gpt2(seed=0):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32)
+def tiny_gpt2(seed=0, **config):
+    config = transformers.GPT2Config(**{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32,
+                                        **config})  # fmt: skip
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
 
@@ -145,6 +146,146 @@ def test_fp16_loss_scaling_skips_a_step_whose_overflow_only_one_shard_holds():
         assert skipped and masters == {torch.float32}
         assert all(torch.isfinite(torch.tensor(losses)))
     assert results[0][1]  # the main process sees the full weights: untouched by the skipped step
+
+
+# --- what prepare sets up ----------------------------------------------------------------------------------------
+
+
+def fsdp_groups(model):
+    """The model's FSDP parameter groups, each once (the modules of a unit, e.g. the tail's, share one state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in module._get_fsdp_state()._fsdp_param_groups}  # fmt: skip
+    return list(groups.values())
+
+
+def _tied_weights_through_a_step():
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    embedding, head = model.transformer.wte, model.lm_head
+    used = {}  # the weight each module computes with, gathered: one tensor for both
+    for module in (embedding, head):
+        module.register_forward_pre_hook(lambda m, args: used.setdefault(m, []).append(m.weight.data_ptr()))
+    before = embedding.weight.to_local().clone()
+    train(accelerator, model, optimizer, batches(accelerator.process_index, 1))
+    holders = [group for group in fsdp_groups(model) for p in group.fsdp_params if p.sharded_param is head.weight]
+    return {
+        "same parameter": head.weight is embedding.weight,
+        "same shard": head.weight.to_local().data_ptr() == embedding.weight.to_local().data_ptr(),
+        "same gathered weight in the forward": used[embedding] == used[head],
+        "one FSDP unit holds it": len(holders) == 1,
+        "updated": not torch.equal(before, embedding.weight.to_local()),
+    }
+
+
+def test_tied_weights_stay_one_sharded_parameter_updated_once():
+    """GPT-2's lm_head and wte: one sharded parameter (one storage, one FSDP unit), one gathered weight in the
+    forward, updated by the step (its gradient, both uses summed, is checked against DDP in the first test)."""
+    for facts in run_on_ranks(_tied_weights_through_a_step, 2, timeout=120):
+        assert all(facts.values()), facts
+
+
+def _bf16_policy():
+    accelerator = fresh_accelerator(mixed_precision="bf16")
+    model = tiny_gpt2().to(torch.bfloat16)  # as loaded in bf16: the trainable parameters become fp32 masters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    in_forward = set()
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(lambda m, args: in_forward.add(m.weight.dtype))
+    losses, _ = train(accelerator, model, optimizer, batches(accelerator.process_index, 2))
+    return {
+        "policy": accelerator.strategy.plugin.mixed_precision_policy,
+        "groups' policies": {group.mp_policy for group in fsdp_groups(model)},
+        "in the forward": in_forward,
+        "masters": {(type(p).__name__, p.dtype) for p in model.parameters()},
+        "optimizer state": {t.dtype for state in optimizer.optimizer.state.values() for t in state.values()
+                            if t.dim() > 0},  # fmt: skip
+        "losses": losses,
+    }
+
+
+def test_bf16_sets_hf_mixed_precision_policy_on_every_unit_and_keeps_fp32_masters():
+    from accelerate.utils import FullyShardedDataParallelPlugin as HFPlugin
+
+    hf = HFPlugin(fsdp_version=2)
+    hf.set_mixed_precision("bf16")  # what HF's AcceleratorState does with mixed_precision="bf16"
+    for outcome in run_on_ranks(_bf16_policy, 2, timeout=120):
+        assert outcome["policy"] == hf.mixed_precision_policy
+        assert outcome["policy"].param_dtype == outcome["policy"].reduce_dtype == torch.bfloat16
+        assert outcome["groups' policies"] == {hf.mixed_precision_policy}
+        assert outcome["in the forward"] == {torch.bfloat16}
+        assert outcome["masters"] == {("DTensor", torch.float32)}
+        assert outcome["optimizer state"] == {torch.float32}
+        assert all(0 < loss < 10 for loss in outcome["losses"])
+
+
+def _checkpointed_and_not():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    results = {}
+    for checkpointing in (False, True):
+        accelerator = fresh_accelerator({"activation_checkpointing": checkpointing})
+        torch.manual_seed(0)
+        model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # recomputing redraws dropout's masks
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        blocks = list(model.transformer.h)
+        calls = []
+        mlp = getattr(blocks[0], "_checkpoint_wrapped_module", blocks[0]).mlp
+        forward = mlp.forward  # counted by a wrapper: torch's checkpoint recomputes without the module hooks
+        mlp.forward = lambda *args: (calls.append(1), forward(*args))[1]
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, 3))
+        results[checkpointing] = {
+            "wrapped": [(isinstance(b, CheckpointWrapper), isinstance(b, FSDPModule)) for b in blocks],
+            "block forwards per step": len(calls) / 3,
+            "run": (losses, norms, full_weights(accelerator, model)),
+        }
+    return results
+
+
+def test_activation_checkpointing_recomputes_each_block_and_trains_the_same():
+    for outcome in run_on_ranks(_checkpointed_and_not, 2, timeout=120):
+        plain, checkpointed = outcome[False], outcome[True]
+        assert plain["wrapped"] == [(False, True)] * 2 and checkpointed["wrapped"] == [(True, True)] * 2
+        assert (plain["block forwards per step"], checkpointed["block forwards per step"]) == (1, 2)
+        torch.testing.assert_close(checkpointed["run"], plain["run"], rtol=0, atol=0)
+
+
+def _ignored_module_runs():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for setup in ("ddp", "fsdp", "fsdp, loaded from the main process"):
+        efficient = setup.endswith("process")
+        accelerator = fresh_accelerator(setup != "ddp" and {"ignored_modules": "transformer.wpe",
+                                                            "cpu_ram_efficient_loading": efficient})  # fmt: skip
+        with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
+            model = tiny_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        wpe = accelerator.unwrap_model(model).transformer.wpe.weight
+        torch.manual_seed(1)
+        # The same batches on both processes: an ignored parameter's gradient is its process's own.
+        run = train(accelerator, model, optimizer, batches(0, 3))
+        tokens = batches(0, 1, seed=1)[0]
+        accelerator.backward(model(tokens, labels=tokens).loss)
+        max_norm = float(accelerator.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf")))
+        results[setup] = (type(wpe).__name__, tuple(wpe.shape), (*run, max_norm), wpe.detach().clone())
+    return results
+
+
+def test_ignored_modules_stay_whole_and_unsharded_and_train_as_ddp():
+    """A plugin's ignored_modules (a regex of names) stay plain, whole parameters, also when loaded from the main
+    process; with the same batches on both processes the losses and clip norms (2 and inf) are DDP's: the ignored
+    parameter's gradient counted once, with or without the fused clip."""
+    for outcome in run_on_ranks(_ignored_module_runs, 2, timeout=120):
+        _, _, ddp_run, ddp_wpe = outcome["ddp"]
+        for setup in ("fsdp", "fsdp, loaded from the main process"):
+            kind, shape, run, wpe = outcome[setup]
+            assert (kind, shape) == ("Parameter", (32, 32))
+            torch.testing.assert_close((run, wpe), (ddp_run, ddp_wpe), rtol=1e-5, atol=1e-6)
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
