@@ -1,6 +1,7 @@
 """FSDP2 through `Accelerator` on 2 CPU processes (issue 21): parity with DDP, sharded parameters, the fused clip
-over shards, fp16 loss scaling with sharded gradients, sharded save_state / load_state (bit-identical resume, a
-different number of processes), the full state dict for save_model, and what is refused."""
+over shards, fp16 loss scaling with sharded gradients, what prepare sets up (tied weights, bf16's policy, activation
+checkpointing, ignored modules), RAM-efficient loading from the main process, sharded save_state / load_state
+(bit-identical resume, a different number of processes), the full state dict for save_model, and what is refused."""
 
 import contextlib
 import ctypes
@@ -346,6 +347,31 @@ def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_on
         torch.testing.assert_close(efficient_run, plain_run, rtol=0, atol=0)
         if rank == 1:
             assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
+
+
+def _loaded_from_the_main_process_with_checkpointing_and_bf16():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for efficient in (False, True):
+        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "activation_checkpointing": True},
+                                        mixed_precision="bf16")  # fmt: skip
+        with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
+            model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        run = train(accelerator, model, optimizer, batches(accelerator.process_index, 3))
+        results[efficient] = (tied, {p.dtype for p in model.parameters()}, run, full_weights(accelerator, model))
+    return results
+
+
+def test_cpu_ram_efficient_loading_under_checkpointing_and_bf16_trains_as_without_it():
+    """The checkpoint wrapper's names, the fp32 upcast of a bf16 model and the tied weights, loaded from the main
+    process: the same training, bit for bit."""
+    for outcome in run_on_ranks(_loaded_from_the_main_process_with_checkpointing_and_bf16, 2, timeout=120):
+        assert outcome[True][:2] == outcome[False][:2] == (True, {torch.float32})
+        torch.testing.assert_close(outcome[True][2:], outcome[False][2:], rtol=0, atol=0)
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------------
