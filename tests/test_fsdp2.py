@@ -349,6 +349,21 @@ def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_on
             assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
 
 
+def _loading_into_a_different_model():
+    accelerator = fresh_accelerator({"cpu_ram_efficient_loading": True})
+    model = tiny_gpt2(n_layer=2 + accelerator.process_index)  # process 1's has a third block
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    except ValueError as error:
+        return str(error)
+
+
+def test_cpu_ram_efficient_loading_into_models_that_differ_is_refused_on_every_process():
+    for message in run_on_ranks(_loading_into_a_different_model, 2, timeout=120):
+        assert message is not None and "the processes' models differ" in message, message
+    assert "('transformer.h.2.ln_1.weight', (32,), torch.float32) where the main process has" in message
+
+
 def _loaded_from_the_main_process_with_checkpointing_and_bf16():
     from accel.big_modeling import init_empty_weights
 

@@ -316,8 +316,10 @@ def load_main_process_weights(model: torch.nn.Module, weights: dict[str, torch.T
     tensor at a time, each process keeping its shard (buffers and ignored parameters whole): a process other than
     the main one holds its shards and one full tensor at most. Loading assigns new parameters, one per name: tied
     parameters are tied again (as HF's `tie_weights` after loading)."""
+    local = model.state_dict()
+    _check_same_layout(local, device)
     loaded = {}
-    for name, like in model.state_dict().items():
+    for name, like in local.items():
         if dist.get_rank() == 0:
             full = weights.pop(name).detach().to(device)
         else:
@@ -331,6 +333,29 @@ def load_main_process_weights(model: torch.nn.Module, weights: dict[str, torch.T
         for name in names[1:]:
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner), attribute, shared)
+
+
+def _check_same_layout(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Raises on every process, before any weight is sent, when a process's model differs from the main process's
+    (names, shapes, dtypes of its state dict): its weights could not take the main process's."""
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    main = [layout if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(main, src=0)
+    difference = _first_difference(layout, main[0])
+    differs = torch.tensor([difference is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if differs.item():
+        raise ValueError("FSDP cpu_ram_efficient_loading: the processes' models differ, so the main process's "
+                         f"weights cannot load into them: {difference or 'on another process'}")  # fmt: skip
+
+
+def _first_difference(ours: list[tuple], main: list[tuple]) -> str | None:
+    for mine, theirs in zip(ours, main):
+        if mine != theirs:
+            return f"{mine} where the main process has {theirs}"
+    if len(ours) != len(main):
+        return f"{len(ours)} state dict entries, the main process's {len(main)}"
+    return None
 
 
 def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
