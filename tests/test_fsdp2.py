@@ -349,6 +349,58 @@ def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_on
             assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
 
 
+class Buffered(torch.nn.Module):
+    """Two linear layers, a persistent buffer (in the state dict: loaded) and a non-persistent one (computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+        self.register_buffer("shift", torch.zeros(8))
+        self.register_buffer("mask", torch.arange(8.0) % 2, persistent=False)
+
+    def forward(self, x):
+        return (self.body(x) + self.shift) * self.mask
+
+
+def _buffers_loaded_from_the_main_process():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for efficient in (False, True):
+        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "auto_wrap_policy": "size_based_wrap",
+                                         "min_num_params": 100})  # fmt: skip
+        torch.manual_seed(0)
+        if efficient and not accelerator.is_main_process:
+            with init_empty_weights():
+                model = Buffered()
+        else:
+            model = Buffered()
+            model.shift.fill_(0.5)  # as a checkpoint would hold it
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(accelerator.process_index))
+        losses = []
+        for _ in range(2):
+            loss = model(inputs).square().mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        results[efficient] = (buffers, losses)
+    return results
+
+
+def test_cpu_ram_efficient_loading_takes_the_main_process_buffers_and_keeps_computed_ones():
+    """A persistent buffer comes from the main process (process 1's own value differs); a non-persistent one, not in
+    the state dict, stays as each process computed it; training is the same as without the option."""
+    for outcome in run_on_ranks(_buffers_loaded_from_the_main_process, 2, timeout=120):
+        buffers, losses = outcome[True]
+        assert torch.equal(buffers["shift"], torch.full((8,), 0.5))
+        assert torch.equal(buffers["mask"], torch.arange(8.0) % 2)
+        torch.testing.assert_close(outcome[True], outcome[False], rtol=0, atol=0)
+
+
 def _loading_into_a_different_model():
     accelerator = fresh_accelerator({"cpu_ram_efficient_loading": True})
     model = tiny_gpt2(n_layer=2 + accelerator.process_index)  # process 1's has a third block
