@@ -1,7 +1,11 @@
 """FSDP2 through `Accelerator` on 2 CPU processes (issue 21): parity with DDP, sharded parameters, the fused clip
-over shards, fp16 loss scaling with sharded gradients, sharded save_state / load_state (bit-identical resume, a
-different number of processes), the full state dict for save_model, and what is refused."""
+over shards, fp16 loss scaling with sharded gradients, what prepare sets up (tied weights, bf16's policy, activation
+checkpointing, ignored modules), RAM-efficient loading from the main process, sharded save_state / load_state
+(bit-identical resume, a different number of processes), the full state dict for save_model, and what is refused."""
 
+import contextlib
+import ctypes
+import gc
 import os
 import warnings
 
@@ -31,8 +35,9 @@ def grad_kernels_loaded():
     return grads.native_on("cpu")
 
 
-def tiny_gpt2(seed=0):
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32)
+def tiny_gpt2(seed=0, **config):
+    config = transformers.GPT2Config(**{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32,
+                                        **config})  # fmt: skip
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
 
@@ -198,8 +203,8 @@ MESH_SETUPS = {
     "ddp": (False, None, None),
     "no_shard": ({"fsdp_version": 1, "sharding_strategy": "NO_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
                  None, None),
-    "hybrid": ({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
-               None, 2),
+    "hybrid": ({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD", "state_dict_type": "SHARDED_STATE_DICT",
+                "cpu_ram_efficient_loading": True}, None, 2),  # the main process's weights sent into a 2-D mesh
     "hsdp": ({"fsdp_version": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}, None),
 }  # fmt: skip
 
@@ -261,6 +266,298 @@ def test_hsdp_on_four_processes_replicates_two_shards_as_ddp_does(tmp_path):
     (sharded within its replica pair), gradients are all-reduced across the pairs: DDP's losses and norms."""
     results = run_on_ranks(_on_mesh, 4, ["ddp", "hsdp", "hybrid"], 8, None, timeout=400)
     _assert_mesh_runs_match_ddp(results, {"hsdp": ((2, 2), 0.5), "hybrid": ((2, 2), 0.5)})
+
+
+# --- what prepare sets up ----------------------------------------------------------------------------------------
+
+
+def fsdp_groups(model):
+    """The model's FSDP parameter groups, each once (the modules of a unit, e.g. the tail's, share one state)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
+              for group in module._get_fsdp_state()._fsdp_param_groups}  # fmt: skip
+    return list(groups.values())
+
+
+def _tied_weights_through_a_step():
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    embedding, head = model.transformer.wte, model.lm_head
+    used = {}  # the weight each module computes with, gathered: one tensor for both
+    for module in (embedding, head):
+        module.register_forward_pre_hook(lambda m, args: used.setdefault(m, []).append(m.weight.data_ptr()))
+    before = embedding.weight.to_local().clone()
+    train(accelerator, model, optimizer, batches(accelerator.process_index, 1))
+    holders = [group for group in fsdp_groups(model) for p in group.fsdp_params if p.sharded_param is head.weight]
+    return {
+        "same parameter": head.weight is embedding.weight,
+        "same shard": head.weight.to_local().data_ptr() == embedding.weight.to_local().data_ptr(),
+        "same gathered weight in the forward": used[embedding] == used[head],
+        "one FSDP unit holds it": len(holders) == 1,
+        "updated": not torch.equal(before, embedding.weight.to_local()),
+    }
+
+
+def test_tied_weights_stay_one_sharded_parameter_updated_once():
+    """GPT-2's lm_head and wte: one sharded parameter (one storage, one FSDP unit), one gathered weight in the
+    forward, updated by the step (its gradient, both uses summed, is checked against DDP in the first test)."""
+    for facts in run_on_ranks(_tied_weights_through_a_step, 2, timeout=120):
+        assert all(facts.values()), facts
+
+
+def _bf16_policy():
+    accelerator = fresh_accelerator(mixed_precision="bf16")
+    model = tiny_gpt2().to(torch.bfloat16)  # as loaded in bf16: the trainable parameters become fp32 masters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    in_forward = set()
+    model.transformer.h[0].mlp.c_fc.register_forward_pre_hook(lambda m, args: in_forward.add(m.weight.dtype))
+    losses, _ = train(accelerator, model, optimizer, batches(accelerator.process_index, 2))
+    return {
+        "policy": accelerator.strategy.plugin.mixed_precision_policy,
+        "groups' policies": {group.mp_policy for group in fsdp_groups(model)},
+        "in the forward": in_forward,
+        "masters": {(type(p).__name__, p.dtype) for p in model.parameters()},
+        "optimizer state": {t.dtype for state in optimizer.optimizer.state.values() for t in state.values()
+                            if t.dim() > 0},  # fmt: skip
+        "losses": losses,
+    }
+
+
+def test_bf16_sets_hf_mixed_precision_policy_on_every_unit_and_keeps_fp32_masters():
+    from accelerate.utils import FullyShardedDataParallelPlugin as HFPlugin
+
+    hf = HFPlugin(fsdp_version=2)
+    hf.set_mixed_precision("bf16")  # what HF's AcceleratorState does with mixed_precision="bf16"
+    for outcome in run_on_ranks(_bf16_policy, 2, timeout=120):
+        assert outcome["policy"] == hf.mixed_precision_policy
+        assert outcome["policy"].param_dtype == outcome["policy"].reduce_dtype == torch.bfloat16
+        assert outcome["groups' policies"] == {hf.mixed_precision_policy}
+        assert outcome["in the forward"] == {torch.bfloat16}
+        assert outcome["masters"] == {("DTensor", torch.float32)}
+        assert outcome["optimizer state"] == {torch.float32}
+        assert all(0 < loss < 10 for loss in outcome["losses"])
+
+
+def _checkpointed_and_not():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+
+    results = {}
+    for checkpointing in (False, True):
+        accelerator = fresh_accelerator({"activation_checkpointing": checkpointing})
+        torch.manual_seed(0)
+        model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # recomputing redraws dropout's masks
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        blocks = list(model.transformer.h)
+        calls = []
+        mlp = getattr(blocks[0], "_checkpoint_wrapped_module", blocks[0]).mlp
+        forward = mlp.forward  # counted by a wrapper: torch's checkpoint recomputes without the module hooks
+        mlp.forward = lambda *args: (calls.append(1), forward(*args))[1]
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, 3))
+        results[checkpointing] = {
+            "wrapped": [(isinstance(b, CheckpointWrapper), isinstance(b, FSDPModule)) for b in blocks],
+            "block forwards per step": len(calls) / 3,
+            "run": (losses, norms, full_weights(accelerator, model)),
+        }
+    return results
+
+
+def test_activation_checkpointing_recomputes_each_block_and_trains_the_same():
+    for outcome in run_on_ranks(_checkpointed_and_not, 2, timeout=120):
+        plain, checkpointed = outcome[False], outcome[True]
+        assert plain["wrapped"] == [(False, True)] * 2 and checkpointed["wrapped"] == [(True, True)] * 2
+        assert (plain["block forwards per step"], checkpointed["block forwards per step"]) == (1, 2)
+        torch.testing.assert_close(checkpointed["run"], plain["run"], rtol=0, atol=0)
+
+
+def _ignored_module_runs():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for setup in ("ddp", "fsdp", "fsdp, loaded from the main process"):
+        efficient = setup.endswith("process")
+        accelerator = fresh_accelerator(setup != "ddp" and {"ignored_modules": "transformer.wpe",
+                                                            "cpu_ram_efficient_loading": efficient})  # fmt: skip
+        with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
+            model = tiny_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        wpe = accelerator.unwrap_model(model).transformer.wpe.weight
+        torch.manual_seed(1)
+        # The same batches on both processes: an ignored parameter's gradient is its process's own.
+        run = train(accelerator, model, optimizer, batches(0, 3))
+        tokens = batches(0, 1, seed=1)[0]
+        accelerator.backward(model(tokens, labels=tokens).loss)
+        max_norm = float(accelerator.clip_grad_norm_(model.parameters(), 1.0, norm_type=float("inf")))
+        results[setup] = (type(wpe).__name__, tuple(wpe.shape), (*run, max_norm), wpe.detach().clone())
+    return results
+
+
+def test_ignored_modules_stay_whole_and_unsharded_and_train_as_ddp():
+    """A plugin's ignored_modules (a regex of names) stay plain, whole parameters, also when loaded from the main
+    process; with the same batches on both processes the losses and clip norms (2 and inf) are DDP's: the ignored
+    parameter's gradient counted once, with or without the fused clip."""
+    for outcome in run_on_ranks(_ignored_module_runs, 2, timeout=120):
+        _, _, ddp_run, ddp_wpe = outcome["ddp"]
+        for setup in ("fsdp", "fsdp, loaded from the main process"):
+            kind, shape, run, wpe = outcome[setup]
+            assert (kind, shape) == ("Parameter", (32, 32))
+            torch.testing.assert_close((run, wpe), (ddp_run, ddp_wpe), rtol=1e-5, atol=1e-6)
+
+
+# --- loading -----------------------------------------------------------------------------------------------------
+
+
+def wide_gpt2(seed=0):
+    """About 24 MiB of fp32 weights in 100 tensors of at most 1 MiB: enough for a process's RSS to tell a full copy."""
+    config = transformers.GPT2Config(n_layer=8, n_embd=256, n_head=4, vocab_size=97, n_positions=32)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _build_and_prepare_measured(efficient):
+    """(MiB the process's peak RSS grew by while building and preparing the model, the prepared model, optimizer)."""
+    from accel.big_modeling import init_empty_weights
+
+    accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient})
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory goes back to the system: new tensors count again
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
+    start = _kib("VmRSS")
+    on_meta = efficient and not accelerator.is_main_process
+    with init_empty_weights() if on_meta else contextlib.nullcontext():
+        model = wide_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return (_kib("VmHWM") - start) / 1024, accelerator, model, optimizer
+
+
+def _ram_efficient_and_plain():
+    results = {}
+    for efficient in (False, True):  # the plain run first: it pays for the first imports
+        growth, accelerator, model, optimizer = _build_and_prepare_measured(efficient)
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        torch.manual_seed(1)  # for dropout: a model built on the meta device draws no random numbers
+        losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, 2))
+        results[efficient] = (growth, tied, losses, norms, full_weights(accelerator, model))
+        results["MiB"] = sum(p.numel() * 4 for p in model.parameters()) / 2**20  # DTensors: the full numel
+        del accelerator, model, optimizer
+    return results
+
+
+def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_only():
+    """cpu_ram_efficient_loading: process 1 builds its model on meta and gets its shards from process 0, its peak
+    RSS growing by less than one copy of the weights (its plain run: more); training is the same as without it."""
+    for rank, result in enumerate(run_on_ranks(_ram_efficient_and_plain, 2, timeout=180)):
+        weights_mib = result["MiB"]
+        (efficient_growth, efficient_tied, *efficient_run), (plain_growth, plain_tied, *plain_run) = (
+            result[True], result[False])
+        assert efficient_tied and plain_tied
+        # The same losses, clip norms and full weights (on the main process), bit for bit.
+        torch.testing.assert_close(efficient_run, plain_run, rtol=0, atol=0)
+        if rank == 1:
+            assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
+
+
+class Buffered(torch.nn.Module):
+    """Two linear layers, a persistent buffer (in the state dict: loaded) and a non-persistent one (computed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+        self.register_buffer("shift", torch.zeros(8))
+        self.register_buffer("mask", torch.arange(8.0) % 2, persistent=False)
+
+    def forward(self, x):
+        return (self.body(x) + self.shift) * self.mask
+
+
+def _buffers_loaded_from_the_main_process():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for efficient in (False, True):
+        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "auto_wrap_policy": "size_based_wrap",
+                                         "min_num_params": 100})  # fmt: skip
+        torch.manual_seed(0)
+        if efficient and not accelerator.is_main_process:
+            with init_empty_weights():
+                model = Buffered()
+        else:
+            model = Buffered()
+            model.shift.fill_(0.5)  # as a checkpoint would hold it
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(accelerator.process_index))
+        losses = []
+        for _ in range(2):
+            loss = model(inputs).square().mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        results[efficient] = (buffers, losses)
+    return results
+
+
+def test_cpu_ram_efficient_loading_takes_the_main_process_buffers_and_keeps_computed_ones():
+    """A persistent buffer comes from the main process (process 1's own value differs); a non-persistent one, not in
+    the state dict, stays as each process computed it; training is the same as without the option."""
+    for outcome in run_on_ranks(_buffers_loaded_from_the_main_process, 2, timeout=120):
+        buffers, losses = outcome[True]
+        assert torch.equal(buffers["shift"], torch.full((8,), 0.5))
+        assert torch.equal(buffers["mask"], torch.arange(8.0) % 2)
+        torch.testing.assert_close(outcome[True], outcome[False], rtol=0, atol=0)
+
+
+def _loading_into_a_different_model():
+    accelerator = fresh_accelerator({"cpu_ram_efficient_loading": True})
+    model = tiny_gpt2(n_layer=2 + accelerator.process_index)  # process 1's has a third block
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    except ValueError as error:
+        return str(error)
+
+
+def test_cpu_ram_efficient_loading_into_models_that_differ_is_refused_on_every_process():
+    for message in run_on_ranks(_loading_into_a_different_model, 2, timeout=120):
+        assert message is not None and "the processes' models differ" in message, message
+    assert "('transformer.h.2.ln_1.weight', (32,), torch.float32) where the main process has" in message
+
+
+def _loaded_from_the_main_process_with_checkpointing_and_bf16():
+    from accel.big_modeling import init_empty_weights
+
+    results = {}
+    for efficient in (False, True):
+        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "activation_checkpointing": True},
+                                        mixed_precision="bf16")  # fmt: skip
+        with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
+            model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        tied = model.lm_head.weight is model.transformer.wte.weight
+        run = train(accelerator, model, optimizer, batches(accelerator.process_index, 3))
+        results[efficient] = (tied, {p.dtype for p in model.parameters()}, run, full_weights(accelerator, model))
+    return results
+
+
+def test_cpu_ram_efficient_loading_under_checkpointing_and_bf16_trains_as_without_it():
+    """The checkpoint wrapper's names, the fp32 upcast of a bf16 model and the tied weights, loaded from the main
+    process: the same training, bit for bit."""
+    for outcome in run_on_ranks(_loaded_from_the_main_process_with_checkpointing_and_bf16, 2, timeout=120):
+        assert outcome[True][:2] == outcome[False][:2] == (True, {torch.float32})
+        torch.testing.assert_close(outcome[True][2:], outcome[False][2:], rtol=0, atol=0)
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------------
@@ -368,16 +665,16 @@ def _refusals_and_translation():
                                          "auto_wrap_policy": "transformer_based_wrap"})  # fmt: skip
     outcome["translated"] = (accelerator.strategy.plugin.fsdp_version, accelerator.strategy.plugin.reshard_after_forward)
     try:
-        fresh_accelerator({"cpu_ram_efficient_loading": True})
+        fresh_accelerator({"fsdp_version": 1, "backward_prefetch": "BACKWARD_POST"})
     except UnsupportedFeatureError as error:
-        outcome["ram"] = str(error)
+        outcome["refused"] = str(error)
     return outcome
 
 
-def test_fsdp1_plugins_run_on_fsdp2_and_what_is_not_built_is_refused():
+def test_fsdp1_plugins_run_on_fsdp2_and_what_fsdp2_cannot_do_is_refused():
     outcome = run_on_ranks(_refusals_and_translation, 2, timeout=120)[0]
     assert outcome["translated"] == (2, False)
-    assert "cpu_ram_efficient_loading" in outcome["ram"]
+    assert "BACKWARD_POST" in outcome["refused"] and "backward_prefetch" in outcome["refused"]
 
 
 def test_one_process_with_a_plugin_trains_without_sharding_and_says_so():

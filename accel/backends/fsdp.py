@@ -342,14 +342,15 @@ def get_parameters_from_modules(modules: Iterable[torch.nn.Module] | str | None,
     """The parameters of `modules` (FSDP2's `ignored_params`, from a plugin's `ignored_modules`), as a set.
 
     `modules` is modules, or a regex that names them: each module of `model` whose qualified name fully matches
-    it is taken, and moved to `device` (as HF Accelerate does, for FSDP2 leaves them where they are). None gives
-    an empty set.
+    it is taken, and moved to `device` (as HF Accelerate does, for FSDP2 leaves them where they are), unless its
+    parameters are on the meta device (RAM-efficient loading fills them in later). None gives an empty set.
     """
     if modules is None:
         return set()
     if isinstance(modules, str):
         pattern = re.compile(modules)
-        modules = [module.to(device) for name, module in model.named_modules() if pattern.fullmatch(name)]
+        modules = [module if any(p.is_meta for p in module.parameters()) else module.to(device)
+                   for name, module in model.named_modules() if pattern.fullmatch(name)]  # fmt: skip
     return {parameter for module in modules for parameter in module.parameters()}
 
 

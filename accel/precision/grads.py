@@ -174,8 +174,10 @@ def clip_grad_norm_(
     measured = measured or Measured()
     if sharding is None and float(norm_type) == 2.0 and len(measured.sources) == 1 and measured.covers_exactly(local):
         sum_sq = measured.sources[0][1].sum()  # fusable by construction
-    elif not _fused_clip_applies(local, norm_type):  # torch's own: DTensor gradients included (it reduces them)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    elif not _fused_clip_applies(local, norm_type):
+        if sharding is None or all(sharding.sharded(grads)):  # torch's own, over DTensors too (it reduces them)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return _clip_shards_and_whole_reference_(local, sharding.sharded(grads), max_norm, norm_type, sharding)
     elif sharding is None:
         sum_sq = total_sum_of_squares_(local, measured)
     else:
@@ -194,6 +196,32 @@ def _sum_of_squares_across_shards(local: list[torch.Tensor], sharded: list[bool]
     zero = torch.zeros((), dtype=torch.float64, device=local[0].device)
     total = sharding.sum_across_shards(total_sum_of_squares_(shards, measured) if shards else zero)
     return total + total_sum_of_squares_(whole, measured) if whole else total
+
+
+def _clip_shards_and_whole_reference_(local: list[torch.Tensor], sharded: list[bool], max_norm: float,
+                                      norm_type: float, sharding: Sharding) -> torch.Tensor:  # fmt: skip
+    """torch's clip (its norm, clip coefficient and 1e-6) over gradients some of which are shards and some whole on
+    every process (FSDP's ignored parameters), which torch's own cannot mix: the shards' part is combined across
+    processes, the whole gradients' part counted once."""
+    norm_type = float(norm_type)
+    shards = [g for g, is_shard in zip(local, sharded) if is_shard]
+    whole = [g for g, is_shard in zip(local, sharded) if not is_shard]
+    device = local[0].device
+
+    def part(grads: list[torch.Tensor]) -> torch.Tensor:
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        stacked = torch.stack(norms).to(device)
+        return stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
+
+    if norm_type == float("inf"):
+        total_norm = torch.maximum(sharding.max_across_shards(part(shards)), part(whole))
+    else:
+        total_norm = (sharding.sum_across_shards(part(shards)) + part(whole)).pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(local, coefficient)
+    return total_norm
 
 
 def _fused_clip_applies(grads: list[torch.Tensor], norm_type: float) -> bool:

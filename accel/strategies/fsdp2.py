@@ -14,7 +14,9 @@ mixed precision (FSDP2 keeps fp32 master weights; `MixedPrecisionPolicy` casts f
 the matching blocks bottom-up, then the input embedding and the tail (final norm, output head; tied embeddings stay
 in one unit), then the root; the optimizer's parameters are switched to the sharded ones (any prepare order), and
 the model is compiled last when dynamo is configured. An `fsdp_version=1` plugin runs on FSDP2 through the
-translation `accel to-fsdp2` applies (`fsdp2_plugin`).
+translation `accel to-fsdp2` applies (`fsdp2_plugin`). With `cpu_ram_efficient_loading` only the main process
+holds the weights: the model is sharded on the meta device and the shards are filled from the main process's state
+dict, broadcast one tensor at a time (`take_main_process_weights`, `load_main_process_weights`).
 
 Gradients are reduce-scattered at every backward, also while accumulating (as HF's FSDP2: accumulating unsharded
 gradients would hold a full gradient per process). The fused clip reads this process's shards, sums the squares
@@ -34,15 +36,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accel.backends import fsdp_options
 from accel.backends.fsdp import FullyShardedDataParallelPlugin, get_parameters_from_modules
 from accel.checkpoint.sharded import FullStates, ShardedStates
 from accel.optimizer import AcceleratedOptimizer
 from accel.strategies.base import Strategy, compile_model
-from accel.unsupported import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,6 @@ class FSDP2Strategy(Strategy):
     def __init__(self, state, precision, plugin: FullyShardedDataParallelPlugin, mixed_precision: str = "no"):
         super().__init__(state, precision)
         self.plugin, self._mesh_strategy = fsdp2_plugin(plugin)
-        if self.plugin.cpu_ram_efficient_loading:
-            raise refuse("FSDP cpu_ram_efficient_loading", "cpu_ram_efficient_loading=True (FSDP_CPU_RAM_EFFICIENT_LOADING)",
-                         "load the weights on every process (the default)")  # fmt: skip
         if mixed_precision != "no" and self.plugin.mixed_precision_policy is None:
             self.plugin.set_mixed_precision(mixed_precision)
         self.mixed_precision = mixed_precision
@@ -83,6 +81,12 @@ class FSDP2Strategy(Strategy):
 
     # --- models -----------------------------------------------------------------------------------------------
 
+    def setup_model(self, model: torch.nn.Module, device_placement: bool, dynamo_plugin: Any = None) -> torch.nn.Module:
+        """As every strategy, but a model loaded RAM-efficiently is not placed: its parameters off the main process
+        are on the meta device (`fully_shard` places the shards), as HF's FSDP2 prepare never moves the model."""
+        placement = device_placement and not self.plugin.cpu_ram_efficient_loading
+        return super().setup_model(model, placement, dynamo_plugin)
+
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         if isinstance(getattr(model, "_orig_mod", model), FSDPModule):
             return model  # prepared already
@@ -93,9 +97,21 @@ class FSDP2Strategy(Strategy):
             apply_activation_checkpointing(model, wraps, offload=bool(self.plugin.activation_checkpointing_offload))
         if self.mixed_precision != "no":
             upcast_trainable_parameters(model)
-        shard_model(model, wraps, self._fully_shard_kwargs(model))
+        if self.plugin.cpu_ram_efficient_loading:
+            self._shard_from_main_process(model, wraps)
+        else:
+            shard_model(model, wraps, self._fully_shard_kwargs(model))
         self._record_sharded(before, _named_parameters(model))
         return compile_model(model, dynamo_plugin)
+
+    def _shard_from_main_process(self, model: torch.nn.Module, wraps: Callable[[torch.nn.Module], bool] | None) -> None:
+        """cpu_ram_efficient_loading: the model is sharded on the meta device, then its shards are filled from the
+        main process's weights (HF's order: `fully_shard` would otherwise copy the whole model into its shards)."""
+        weights, tied = take_main_process_weights(model)
+        kwargs = self._fully_shard_kwargs(model)  # taken now, the ignored parameters are the meta ones
+        shard_model(model, wraps, kwargs)
+        offload = isinstance(kwargs.get("offload_policy"), CPUOffloadPolicy)
+        load_main_process_weights(model, weights, tied, self.device, cpu_offload=offload)
 
     def _fully_shard_kwargs(self, model: torch.nn.Module) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -319,6 +335,83 @@ def shard_model(model: torch.nn.Module, wraps: Callable[[torch.nn.Module], bool]
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
     if not isinstance(model, FSDPModule):
         fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
+
+
+def take_main_process_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    """For `cpu_ram_efficient_loading`: the main process's full state dict (other processes: empty; their weights,
+    often on the meta device already, are never read), and the names of each group of tied parameters. The model's
+    parameters are left on the meta device, so that `fully_shard` shards no data and no process but the main one
+    ever holds a full copy (as HF moves the model to meta before sharding)."""
+    weights = model.state_dict() if dist.get_rank() == 0 else {}
+    names_by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(param), []).append(name)
+    on_meta: dict[int, torch.nn.Parameter] = {}  # one meta parameter per parameter: tied ones stay tied
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in on_meta:
+                    on_meta[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
+                                                            requires_grad=param.requires_grad)  # fmt: skip
+                module._parameters[name] = on_meta[id(param)]
+    return weights, [names for names in names_by_id.values() if len(names) > 1]
+
+
+def load_main_process_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], tied: list[list[str]],
+                              device: torch.device, cpu_offload: bool) -> None:  # fmt: skip
+    """Fills the sharded model (its parameters on meta) from the main process's full state dict, broadcast one
+    tensor at a time, each process keeping its shard (buffers and ignored parameters whole): a process other than
+    the main one holds its shards and one full tensor at most. Loading assigns new parameters, one per name: tied
+    parameters are tied again (as HF's `tie_weights` after loading)."""
+    local = model.state_dict()
+    _check_same_layout(local, device)
+    loaded = {}
+    for name, like in local.items():
+        if dist.get_rank() == 0:
+            full = weights.pop(name).detach().to(device)
+        else:
+            full = torch.empty(like.shape, dtype=like.dtype, device=device)
+        dist.broadcast(full, src=0)
+        shard = _shard_like(full, like)
+        loaded[name] = shard.cpu() if cpu_offload else shard
+    model.load_state_dict(loaded, assign=True)
+    for names in tied:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, shared)
+
+
+def _check_same_layout(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Raises on every process, before any weight is sent, when a process's model differs from the main process's
+    (names, shapes, dtypes of its state dict): its weights could not take the main process's."""
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    main = [layout if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(main, src=0)
+    difference = _first_difference(layout, main[0])
+    differs = torch.tensor([difference is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    if differs.item():
+        raise ValueError("FSDP cpu_ram_efficient_loading: the processes' models differ, so the main process's "
+                         f"weights cannot load into them: {difference or 'on another process'}")  # fmt: skip
+
+
+def _first_difference(ours: list[tuple], main: list[tuple]) -> str | None:
+    for mine, theirs in zip(ours, main):
+        if mine != theirs:
+            return f"{mine} where the main process has {theirs}"
+    if len(ours) != len(main):
+        return f"{len(ours)} state dict entries, the main process's {len(main)}"
+    return None
+
+
+def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This process's shard of `full`, placed as `like` is (`full` itself when `like` is not sharded)."""
+    if not isinstance(like, DTensor):
+        return full
+    view = distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    # Its own storage: a view would keep the whole tensor alive.
+    return DTensor.from_local(view.clone(), like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
