@@ -16,14 +16,16 @@ plain gloo (`--group gloo`) or over gloo with accel's shared-memory backend unde
 its own, seeded by its rank).
 
 Training runners: after `--warmup` steps, each rank times `--steps` steps, stamping each step's phases (`PHASES`),
-and writes `--out`/rank<N>.json: {"steps_per_s", "cpu_ms_per_step", "phase_ms" (medians), "losses" (every step,
+and writes `--out`/rank<N>.json: {"steps_per_s", "cpu_ms_per_step", "phase_ms" and "cpu_phase_ms" (each phase's
+median wall and CPU time), "losses" (every step,
 warm-up included), "resident_bytes" ({"parameters", "gradients", "optimizer"}: the bytes this rank holds, local
 shards only, after the last optimizer step), "largest_unit_bytes" (the parameters of the largest FSDP unit, whole;
 0 without FSDP), "peak_rss_bytes", "strategy", "backend"}.
 
 Checkpoint runner (FSDP2 under accel): after 3 steps, `--repeats` times each, in an order that alternates, each
 timed from a barrier to the slowest rank's return: with `--pair sync`, `save_state(dir)` (synchronous) and torch's
-`dcp.save` of the same model and optimizer state; with `--pair async`, `save_state(dir, async_save=True)` (its
+`dcp.save` of the same model and optimizer state, and the same in HF's layout (two `dcp.save`, the model's and
+the optimizer's folders); with `--pair async`, `save_state(dir, async_save=True)` (its
 background work joined after the timing) and a memcpy of this rank's shards (parameters and optimizer state) into
 buffers allocated beforehand: what any snapshot must copy. Rank 0 writes `--out`/checkpoint.json with the times
 and `async_writes_on_caller`: whether an asynchronous save wrote its shards on the calling thread before returning
@@ -101,29 +103,31 @@ def largest_unit_bytes(model: torch.nn.Module) -> int:
 
 
 class StepClock:
-    """Stamps of each step's phases and this process's CPU time at each step's end."""
+    """Stamps of each step's phases: the wall time and this process's CPU time (all its threads) at each."""
 
     def __init__(self):
         self.stamps: list[list[float]] = []
-        self.cpu_ends: list[float] = []
-        self._open: list[float] = []
+        self.cpu_stamps: list[list[float]] = []
 
     def start(self) -> None:
         self.stamps.append([time.perf_counter()])
+        self.cpu_stamps.append([time.process_time()])
 
     def stamp(self) -> None:
         self.stamps[-1].append(time.perf_counter())
-        if len(self.stamps[-1]) == len(PHASES) + 1:
-            self.cpu_ends.append(time.process_time())
+        self.cpu_stamps[-1].append(time.process_time())
 
     def report(self, warmup: int, steps: int) -> dict:
-        timed = self.stamps[warmup:]
+        timed, cpu = self.stamps[warmup:], self.cpu_stamps[warmup:]
         assert len(timed) == steps, f"{len(timed)} timed steps"
-        phases = {name: statistics.median(step[i + 1] - step[i] for step in timed) * 1e3
-                  for i, name in enumerate(PHASES)}  # fmt: skip
+
+        def phases(stamps):
+            return {name: statistics.median(step[i + 1] - step[i] for step in stamps) * 1e3
+                    for i, name in enumerate(PHASES)}  # fmt: skip
+
         return {"steps_per_s": steps / (timed[-1][-1] - self.stamps[warmup - 1][-1]),
-                "cpu_ms_per_step": (self.cpu_ends[-1] - self.cpu_ends[warmup - 1]) / steps * 1e3,
-                "phase_ms": phases}  # fmt: skip
+                "cpu_ms_per_step": (cpu[-1][-1] - self.cpu_stamps[warmup - 1][-1]) / steps * 1e3,
+                "phase_ms": phases(timed), "cpu_phase_ms": phases(cpu)}  # fmt: skip
 
 
 def accel_training(steps: int, clock: StepClock) -> tuple[list[float], dict]:
@@ -252,7 +256,7 @@ def checkpoint_run(pair: str, repeats: int, out: Path) -> dict:
 
 
 # Each pair the checkpoint runner times: accel's save first, then its reference.
-SAVES = {"sync": ("save_state", "dcp_save"), "async": ("save_state_async", "memcpy")}
+SAVES = {"sync": ("save_state", "dcp_save", "dcp_save_hf_layout"), "async": ("save_state_async", "memcpy")}
 
 
 class Saves:
@@ -278,6 +282,17 @@ class Saves:
         state = {"model": get_model_state_dict(self.model),
                  "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}  # fmt: skip
         dcp.save(state, checkpoint_id=str(self.folder / f"dcp{repeat}"))
+
+    def dcp_save_hf_layout(self, repeat: int) -> None:
+        """The same state in HF's layout, as save_state writes it: the model's and the optimizer's in DCP
+        checkpoints of their own (`pytorch_model_fsdp_0/`, `optimizer_0/`)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        folder = self.folder / f"layout{repeat}"
+        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
+                 checkpoint_id=str(folder / "optimizer_0"))  # fmt: skip
 
     def save_state_async(self, repeat: int) -> None:
         before = self.writes.count

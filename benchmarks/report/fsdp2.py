@@ -56,13 +56,16 @@ def ratio_table(info: dict) -> list[str]:
 
 
 def phase_table(info: dict) -> list[str]:
+    """Each phase's median wall time (rank 0) and CPU time (both ranks), ms."""
     rows = []
+    cpu_phases = info.get("cpu_phase_ms", {})
     for name in CONTENDERS:
-        phases = info["phase_ms"][name]
-        rows.append(row(LABELS[name], *(f"{phases[phase]:.1f}" for phase in PHASES),
-                        f"{1e3 / statistics.median(info['steps_per_s'][name]):.0f}",
+        wall, cpu = info["phase_ms"][name], cpu_phases.get(name, {})
+        cells = [f"{wall[phase]:.1f} / {cpu[phase]:.1f}" if phase in cpu else f"{wall[phase]:.1f} / {MISSING}"
+                 for phase in PHASES]  # fmt: skip
+        rows.append(row(LABELS[name], *cells, f"{1e3 / statistics.median(info['steps_per_s'][name]):.0f}",
                         f"{statistics.median(info['cpu_ms_per_step'][name]):.0f}"))  # fmt: skip
-    return scaffold.table(["contender", *(f"{label} ms" for label in PHASES.values()), "ms per step",
+    return scaffold.table(["contender", *(f"{label}, wall / CPU ms" for label in PHASES.values()), "ms per step",
                            "CPU ms per step"], rows)  # fmt: skip
 
 
@@ -93,6 +96,7 @@ def memory_table(info: dict) -> list[str]:
 
 
 def save_table(saves: list[dict]) -> list[str]:
+    """One row per save measure, then one per further reference of it (`also`: reference_name, reference, ratio)."""
     rows = []
     for info in saves:
         goal = info.get("goal")
@@ -101,6 +105,9 @@ def save_table(saves: list[dict]) -> list[str]:
         rows.append(row(info["measure"] + note, scaffold.time_in(info["accel"], 1e3), info["reference_name"],
                         scaffold.time_in(info["reference"], 1e3), f"**{quartile_ratio(info['ratio'], 2)}**", met,
                         info["repeats"]))  # fmt: skip
+        for other in info.get("also", []):
+            rows.append(row("same", "", other["reference_name"], scaffold.time_in(other["reference"], 1e3),
+                            quartile_ratio(other["ratio"], 2), MISSING, info["repeats"]))  # fmt: skip
     return scaffold.table(["measure", "accel ms", "reference", "reference ms", "accel / reference", "goal",
                            "repeats"], rows)  # fmt: skip
 
@@ -193,8 +200,9 @@ def main(out_dir: str, *paths: str) -> None:
         "",
         "## Where a step goes",
         "",
-        "Rank 0's medians over the timed steps. `forward + backward` includes FSDP's all-gathers and",
-        "reduce-scatters (DDP's all-reduce); a rank waiting for its peer waits in it.",
+        "Each phase's median over the timed steps: wall time on rank 0, then CPU time (the process's, all its",
+        "threads; median over both ranks' steps, then over rounds). `forward + backward` includes FSDP's all-gathers",
+        "and reduce-scatters (DDP's all-reduce); a rank waiting for its peer waits in it, in wall time.",
         "",
         *phase_table(info),
         "",
