@@ -151,8 +151,8 @@ def test_fsdp2_training(benchmark, tmp_path):
         return max(relative_difference(first[a][rank]["losses"][:PARITY_STEPS], first[b][rank]["losses"][:PARITY_STEPS])
                    for rank in (0, 1))  # fmt: skip
 
-    losses = {"accel_fsdp/accel_ddp": parity("accel_fsdp", "accel_ddp"), "raw_shm/raw_gloo": parity("raw_shm", "raw_gloo"),
-              "accel_fsdp/raw_gloo": parity("accel_fsdp", "raw_gloo")}  # fmt: skip
+    pairs = ("accel_fsdp/accel_ddp", "raw_shm/raw_gloo", "accel_fsdp/raw_gloo")
+    losses = {pair: parity(*pair.split("/")) for pair in pairs}
     assert max(losses.values()) < 1e-3, f"the losses differ (relative): {losses}"
     benchmark.extra_info.update({
         "workload": "fsdp2 training", "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "steps_per_s": rates,

@@ -102,6 +102,10 @@ def largest_unit_bytes(model: torch.nn.Module) -> int:
     return max(sizes, default=0)
 
 
+def memory_facts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"resident_bytes": resident_bytes(model, optimizer), "largest_unit_bytes": largest_unit_bytes(model)}
+
+
 class StepClock:
     """Stamps of each step's phases: the wall time and this process's CPU time (all its threads) at each."""
 
@@ -149,7 +153,7 @@ def accel_training(steps: int, clock: StepClock) -> tuple[list[float], dict]:
         optimizer.step()
         clock.stamp()
         if step == steps - 1:
-            facts = {"resident_bytes": resident_bytes(model, optimizer), "largest_unit_bytes": largest_unit_bytes(model)}
+            facts = memory_facts(model, optimizer)
         optimizer.zero_grad()
         clock.stamp()
         losses.append(loss.item())
@@ -190,7 +194,7 @@ def raw_training(group: str, steps: int, clock: StepClock) -> tuple[list[float],
         optimizer.step()
         clock.stamp()
         if step == steps - 1:
-            facts = {"resident_bytes": resident_bytes(model, optimizer), "largest_unit_bytes": largest_unit_bytes(model)}
+            facts = memory_facts(model, optimizer)
         optimizer.zero_grad()
         clock.stamp()
         losses.append(loss.item())

@@ -79,10 +79,11 @@ def where_it_goes(info: dict) -> list[str]:
     extra = fsdp["forward_backward"] - ddp["forward_backward"]
     return [
         f"Of accel FSDP2's {total:.0f} CPU ms per step, forward + backward take {fsdp['forward_backward']:.0f}, DDP's",
-        f"{ddp['forward_backward']:.0f}: the model's compute is the same, the {extra:.0f} ms more are torch's FSDP2 code",
-        f"(all-gather copy-in and copy-out, reduce-scatter, per-unit hooks), as in the hand-written loop over the same",
-        f"group ({shm['forward_backward']:.0f} ms; over gloo {gloo['forward_backward']:.0f} ms). accel's own phases cost",
-        f"less than torch's: `clip_grad_norm_` {fsdp['clip']:.1f} ms (torch's over DTensors {shm['clip']:.1f} ms),",
+        f"{ddp['forward_backward']:.0f}: the model's compute is the same, the {extra:.0f} ms more are torch's FSDP2",
+        "code (all-gather copy-in and copy-out, reduce-scatter, per-unit hooks), as in the hand-written loop over the",
+        f"same group ({shm['forward_backward']:.0f} ms; over gloo {gloo['forward_backward']:.0f} ms). accel's own",
+        f"phases cost less than torch's: `clip_grad_norm_` {fsdp['clip']:.1f} ms (torch's over DTensors",
+        f"{shm['clip']:.1f} ms),",
         f"`optimizer.step` {fsdp['optimizer']:.1f} ms on the local shards (torch's AdamW over DTensors",
         f"{shm['optimizer']:.1f} ms). What is left of the speed goal is FSDP2's forward and backward on CPU processes.",
     ]
@@ -212,9 +213,9 @@ def main(out_dir: str, *paths: str) -> None:
         "- `torch fully_shard, shm`: the same loop over gloo with accel's shared-memory backend underneath (what",
         "  accel's `PartialState` sets up): what the process group alone changes.",
         "",
-        f"Each job times {info['steps']} optimizer steps after {info['warmup']} warm-up steps, in {info['rounds']} round"
-        f"{'s' * (info['rounds'] != 1)} (the order of the jobs alternates). Steps per second are rank 0's, medians",
-        "over rounds; ratios the",
+        f"Each job times {info['steps']} optimizer steps after {info['warmup']} warm-up steps, in {info['rounds']}",
+        f"round{'s' * (info['rounds'] != 1)} (the order of the jobs alternates). Steps per second are rank 0's,",
+        "medians over rounds; ratios the",
         "median of the per-round ratios, their quartiles in brackets. `CPU ms per step` is each process's CPU time",
         "per timed step (the mean of the two ranks, median over rounds): the work a step costs, which other load on",
         "this shared machine changes less than it changes the wall time.",
