@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack cuda-check shm-check gpu-check gpu-docs ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -58,7 +58,8 @@ bench: setup
 
 # Every public-path benchmark against HF Accelerate, one after another (run it on a quiet machine): regenerates every
 # table and plot under docs/benchmarks/.
-bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack
+bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack \
+	bench-fsdp2
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
 # regenerates docs/benchmarks/gather.md and gather.png.
@@ -121,6 +122,16 @@ bench-hf-stack: setup
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_hf_stack.py $(BENCH_ARGS) --benchmark-json=build/bench-hf-stack.json
 	$(VENV)/bin/python benchmarks/report/hf_stack.py $(BENCH_OUT) build/bench-hf-stack.json
+
+# FSDP2 on 2 CPU processes: a 3.4 M-parameter GPT-2 through accel's Accelerator (accel launch --use_fsdp) against
+# torch's fully_shard by hand over gloo and over accel's shared-memory group and against accel's DDP (steps/s, memory
+# per rank, loss parity), and sharded save_state against dcp.save; regenerates docs/benchmarks/fsdp2.md and fsdp2.png
+# (about 20 minutes on 2 cores).
+bench-fsdp2: setup
+	$(VENV)/bin/pip install -q transformers==5.25.0 matplotlib
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_fsdp2.py $(BENCH_ARGS) --benchmark-json=build/bench-fsdp2.json
+	$(VENV)/bin/python benchmarks/report/fsdp2.py $(BENCH_OUT) build/bench-fsdp2.json
 
 cuda-check:
 	tools/cuda_compile_check.sh

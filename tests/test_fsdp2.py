@@ -560,6 +560,58 @@ def test_cpu_ram_efficient_loading_under_checkpointing_and_bf16_trains_as_withou
         torch.testing.assert_close(outcome[True][2:], outcome[False][2:], rtol=0, atol=0)
 
 
+# The elementwise optimizers' settings the test steps with, and the state each keeps per parameter.
+SHARD_STEP_OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-3}, ("exp_avg", "exp_avg_sq")),
+    "Adam amsgrad": (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+    "SGD momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}, ("momentum_buffer",)),  # state made by the step
+}
+
+
+def _optimizer_steps_on_local_shards(name):
+    from torch.distributed.tensor import DTensor
+
+    factory, settings, state_names = SHARD_STEP_OPTIMIZERS[name]
+    accelerator = fresh_accelerator()
+    model = tiny_gpt2()
+    model, optimizer = accelerator.prepare(model, factory(model.parameters(), **settings))
+    stepped_types = []
+    optimizer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: stepped_types.append(
+        sorted({type(p).__name__ for group in opt.param_groups for p in group["params"]})))  # fmt: skip
+    reference, reference_optimizer = None, None
+    same = []
+    for tokens in batches(accelerator.process_index, 2):
+        accelerator.backward(model(tokens, labels=tokens).loss)
+        if reference is None:  # torch's optimizer on whole tensors, from the same weights and gradients
+            reference = [torch.nn.Parameter(p.full_tensor().clone()) for p in model.parameters()]
+            reference_optimizer = factory(reference, foreach=True, **settings)
+        for whole, param in zip(reference, model.parameters()):
+            whole.grad = param.grad.full_tensor()
+        reference_optimizer.step()
+        optimizer.step()
+        same.append(all(torch.equal(whole, param.full_tensor()) for whole, param in zip(reference, model.parameters())))
+        optimizer.zero_grad()
+    state = list(optimizer.optimizer.state.items())
+    layouts = all(isinstance(values[key], DTensor) and values[key].placements == param.placements
+                  and values[key].shape == param.shape for param, values in state for key in state_names)  # fmt: skip
+    keys = all(any(key is param for param in model.parameters()) for key, _ in state)
+    shard_grads = [p.to_local().grad for p in model.parameters() if p.to_local().grad is not None]
+    return stepped_types, same, layouts and keys and len(state) == len(reference), len(shard_grads)
+
+
+@pytest.mark.parametrize("name", list(SHARD_STEP_OPTIMIZERS))
+def test_elementwise_optimizers_step_on_the_local_shards_as_on_whole_tensors(name):
+    """torch's elementwise optimizers step each process's shards as plain tensors (DTensor's dispatch costs more
+    than the update on CPU processes), with the same result as torch's on the whole tensors, bit for bit; between
+    steps the optimizer holds the DTensors and DTensor state (also state the step made), and no shard keeps a
+    gradient."""
+    results = run_on_ranks(_optimizer_steps_on_local_shards, 2, name, timeout=180)
+    for stepped_types, same, layouts, shard_grads in results:
+        assert stepped_types == [["Tensor"], ["Tensor"]]
+        assert same == [True, True]
+        assert layouts and shard_grads == 0
+
+
 # --- checkpoints -------------------------------------------------------------------------------------------------
 
 

@@ -144,6 +144,8 @@ class FSDP2Strategy(Strategy):
         then). Its state, if any, is moved along."""
         self._switch_parameters(optimizer)
         self._optimizers.append(optimizer)
+        if type(optimizer) in _ELEMENTWISE_OPTIMIZERS:
+            ShardStep(optimizer)
         return AcceleratedOptimizer(optimizer, device_placement=False, scaler=self.precision.scaler)
 
     def _switch_parameters(self, optimizer: torch.optim.Optimizer) -> None:
@@ -193,6 +195,85 @@ class FSDP2Strategy(Strategy):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(getattr(model, "_orig_mod", model), options=options)
+
+
+# --- stepping on the shards -------------------------------------------------------------------------------------
+
+# torch's optimizers whose update of an element reads only that element (of the parameter, its gradient and its
+# state) and scalars: stepping each process's shard alone is the same update as stepping the whole DTensor. Exact
+# types only (a subclass may step otherwise).
+_ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class ShardStep:
+    """Steps an elementwise optimizer on each process's local shards instead of on the DTensors.
+
+    torch's optimizers over DTensors dispatch every op through DTensor (and leave the foreach kernels off: DTensor is
+    not among their supported types); on CPU processes that costs more than the update itself (AdamW over a GPT-2's
+    52 sharded parameters: ~60 ms against ~10 ms). A step pre-hook puts each sharded parameter's local tensor (its
+    gradient: the gradient's local tensor) in its place in the parameter groups and the state's local tensors in
+    the state; the post-hook puts the DTensors back, wrapping state the step created (as DTensors of the
+    parameter's layout). Between steps the optimizer holds the DTensors, so state_dict and DCP see what they would
+    without it. A step that raised is undone by the next step's pre-hook.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self._swapped: list[tuple[dict, int, DTensor]] = []  # (parameter group, index, the DTensor put aside)
+        self._dtensor_state: dict[DTensor, dict] = {}  # the state put aside, by parameter
+        optimizer.register_step_pre_hook(self._to_shards)
+        optimizer.register_step_post_hook(self._to_dtensors)
+
+    def _to_shards(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._to_dtensors(optimizer, args, kwargs)  # a step that raised left its shards in place
+        if any(group.get("differentiable") for group in optimizer.param_groups):
+            return
+        shard_of = {}
+        for group in optimizer.param_groups:
+            for index, param in enumerate(group["params"]):
+                if isinstance(param, DTensor):
+                    shard = param._local_tensor
+                    shard.grad = None if param.grad is None else param.grad._local_tensor
+                    shard_of[param] = group["params"][index] = shard
+                    self._swapped.append((group, index, param))
+        entries = list(optimizer.state.items())
+        optimizer.state.clear()  # refilled in its order (the same dict: others may hold it)
+        for key, values in entries:
+            if key in shard_of:
+                self._dtensor_state[key] = values
+                key, values = shard_of[key], {name: _local(value) for name, value in values.items()}
+            optimizer.state[key] = values
+
+    def _to_dtensors(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._swapped:
+            return
+        param_of = {}
+        for group, index, param in self._swapped:
+            shard = group["params"][index]
+            shard.grad = None
+            param_of[shard] = group["params"][index] = param
+        entries = list(optimizer.state.items())
+        optimizer.state.clear()
+        for key, values in entries:
+            if key in param_of:
+                key, before = param_of[key], self._dtensor_state.get(param_of[key], {})
+                values = {name: _as_dtensor(value, before.get(name), key) for name, value in values.items()}
+            optimizer.state[key] = values
+        self._swapped, self._dtensor_state = [], {}
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _as_dtensor(value: Any, before: Any, param: DTensor) -> Any:
+    """A state value after a step on the shards, as the optimizer keeps it: the DTensor it was (stepped in place),
+    a tensor the step created of the shard's shape as a DTensor laid out as `param`, anything else as it is."""
+    if isinstance(before, DTensor) and before._local_tensor is value:
+        return before
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != param._local_tensor.shape:
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())  # fmt: skip
 
 
 # --- preparing a model ------------------------------------------------------------------------------------------
