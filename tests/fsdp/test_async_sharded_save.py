@@ -1,0 +1,202 @@
+"""save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5): the DCP folders are copied at
+the call and written in the background through a gloo group of their own; the checkpoint is published only once
+every process's part is written, and resumes as a synchronous save's does."""
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+from spawn_pool import RankFailed, run_on_ranks
+
+from accel.accelerator import Accelerator
+from accel.backends.fsdp import FullyShardedDataParallelPlugin
+from accel.checkpoint import background, sharded
+from accel.state import AcceleratorState, GradientState
+
+
+def fresh_accelerator():
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+
+
+def prepared(accelerator, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return accelerator.prepare(model, optimizer)
+
+
+def train(accelerator, model, optimizer, steps, seed):
+    generator = torch.Generator().manual_seed(100 * seed + accelerator.process_index)
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(4, 8, generator=generator)
+        loss = model(inputs).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_weights(accelerator, model):
+    return {name: t.clone() for name, t in accelerator.get_state_dict(model).items()}
+
+
+@contextlib.contextmanager
+def writes_held_back(ranks):
+    """The background writes of the shards of `ranks` wait until the block ends (or 30 s)."""
+    real = sharded.StagedShards.write
+    released = threading.Event()
+
+    def held_back(self, staging):
+        if dist.get_rank() in ranks:
+            released.wait(30)
+        real(self, staging)
+
+    sharded.StagedShards.write = held_back
+    try:
+        yield
+        released.set()
+    finally:
+        released.set()
+        sharded.StagedShards.write = real
+
+
+def _resume(folder, async_save):
+    """(the losses after the save, straight on and after resuming; the weights right at the save, and loaded)."""
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, 3, seed=1)
+    at_save = full_weights(accelerator, model)
+    with writes_held_back({0, 1}):
+        accelerator.save_state(folder, async_save=async_save)
+        straight = train(accelerator, model, optimizer, 3, seed=2)  # changes the live state before it is written
+    accelerator.wait_for_checkpoint()
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator, seed=7)
+    accelerator.load_state(folder)
+    loaded = full_weights(accelerator, model)
+    resumed = train(accelerator, model, optimizer, 3, seed=2)
+    return straight, resumed, at_save, loaded, sorted(os.listdir(folder))
+
+
+def test_an_asynchronous_sharded_save_resumes_as_a_synchronous_one_and_holds_the_state_of_its_call(tmp_path):
+    synchronous = run_on_ranks(_resume, 2, str(tmp_path / "sync"), False, timeout=120)
+    asynchronous = run_on_ranks(_resume, 2, str(tmp_path / "async"), True, timeout=120)
+    for (straight, resumed, at_save, loaded, listing), reference in zip(asynchronous, synchronous):
+        assert straight == resumed == reference[1]  # bit-identical to the synchronous save's resume
+        assert {"pytorch_model_fsdp_0", "optimizer_0", "random_states_1.pkl"} <= set(listing)
+        assert sorted(os.listdir(tmp_path / "async" / "pytorch_model_fsdp_0")) == sorted(
+            os.listdir(tmp_path / "sync" / "pytorch_model_fsdp_0"))  # fmt: skip
+    at_save, loaded = asynchronous[0][2], asynchronous[0][3]  # the main process holds the full weights
+    for name, tensor in at_save.items():  # the steps taken while it was written did not leak into it
+        assert torch.equal(loaded[name], tensor), name
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # no staging folder left
+
+
+def _slow_background_write(folder):
+    """The write of rank 1's shards is held back; the checkpoint must not appear until it is done."""
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, 1, seed=1)
+    with writes_held_back({1}):
+        accelerator.save_state(folder, async_save=True)
+        train(accelerator, model, optimizer, 2, seed=2)  # training goes on meanwhile (its own collectives)
+        published_early = os.path.exists(folder)
+    accelerator.wait_for_checkpoint()
+    group = sharded._write_groups[id(dist.distributed_c10d._get_default_group())][1]
+    own_group = group is not dist.distributed_c10d._get_default_group() and dist.get_backend(group) == "gloo"
+    return published_early, os.path.exists(os.path.join(folder, "pytorch_model_fsdp_0", ".metadata")), own_group
+
+
+def test_the_checkpoint_is_published_only_after_every_process_wrote_its_shards(tmp_path):
+    results = run_on_ranks(_slow_background_write, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert results == [(False, True, True), (False, True, True)]
+
+
+def _failing_write(folder):
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    accelerator.save_state(folder)  # the previous checkpoint
+    before = full_weights(accelerator, model)
+    train(accelerator, model, optimizer, 1, seed=1)
+    real = dist.checkpoint.FileSystemWriter.write_data
+
+    def no_space(self, plan, planner):
+        if accelerator.process_index == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+
+    dist.checkpoint.FileSystemWriter.write_data = no_space
+    try:
+        accelerator.save_state(folder, async_save=True)
+        try:
+            accelerator.wait_for_checkpoint()
+            raised = None
+        except RuntimeError as error:
+            raised = str(error)
+    finally:
+        dist.checkpoint.FileSystemWriter.write_data = real
+    accelerator.load_state(folder)
+    loaded = full_weights(accelerator, model)
+    unchanged = all(torch.equal(loaded[name], t) for name, t in before.items())
+    return raised, unchanged, sorted(os.listdir(os.path.dirname(folder)))
+
+
+def test_a_failed_background_write_of_one_process_raises_on_every_process_and_publishes_nothing(tmp_path):
+    results = run_on_ranks(_failing_write, 2, str(tmp_path / "ckpt"), timeout=120)
+    for raised, unchanged, listing in results:
+        assert raised is not None and ("No space left on device" in raised or "another process" in raised), raised
+        assert listing == ["ckpt"]  # the staging folder is gone
+    assert "No space left on device" in results[1][0]
+    assert results[0][1]  # the previous checkpoint is the one loaded
+
+
+def _killed_mid_write(folder):
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    accelerator.save_state(folder)  # the previous checkpoint
+    train(accelerator, model, optimizer, 2, seed=1)
+    real = dist.checkpoint.FileSystemWriter.write_data
+
+    def dies_after_writing(self, plan, planner):
+        written = real(self, plan, planner)
+        if accelerator.process_index == 1:
+            written.wait()
+            os._exit(9)  # killed with its shard written, before DCP's last collective
+        return written
+
+    dist.checkpoint.FileSystemWriter.write_data = dies_after_writing
+    accelerator.save_state(folder, async_save=True)
+    background.saves.join()  # rank 1 dies in its worker; rank 0 waits in the write's collective meanwhile
+
+
+def _weights_of(folder):
+    accelerator = fresh_accelerator()
+    model, _ = prepared(accelerator, seed=7)
+    accelerator.load_state(folder)
+    return full_weights(accelerator, model)
+
+
+def _weights_at_start():
+    accelerator = fresh_accelerator()
+    model, _ = prepared(accelerator)
+    return full_weights(accelerator, model)
+
+
+def test_a_process_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    try:
+        run_on_ranks(_killed_mid_write, 2, folder, timeout=60)
+        raise AssertionError("rank 1 was expected to die")
+    except RankFailed as failure:  # the pool kills rank 0 too, in the middle of its save
+        assert failure.rank == 1
+    loaded = run_on_ranks(_weights_of, 2, folder, timeout=120)[0]
+    expected = run_on_ranks(_weights_at_start, 2, timeout=60)[0]
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
