@@ -92,7 +92,8 @@ def test_backward_prefetch_by_name_and_enum_and_none_under_fsdp2(fsdp_env, versi
 def test_state_dict_types_and_their_configs(fsdp_env, version):
     for i, name in enumerate(FSDP_STATE_DICT_TYPE):
         refused = version == 2 and name not in FSDP2_STATE_DICT_TYPE
-        for variables, kwargs in (({"FSDP_STATE_DICT_TYPE": name}, {}), ({}, {"state_dict_type": StateDictType(i + 1)})):
+        by_enum = {"state_dict_type": StateDictType(i + 1)}
+        for variables, kwargs in (({"FSDP_STATE_DICT_TYPE": name}, {}), ({}, by_enum)):
             fsdp_env(version, **variables)
             if refused:
                 with pytest.raises(ValueError, match="FSDP2 does not support LOCAL_STATE_DICT"):
@@ -127,9 +128,10 @@ def test_auto_wrap_policies_bind_to_the_model(fsdp_env, version):
             fsdp_env(version, FSDP_AUTO_WRAP_POLICY=policy, **extra)
             from_env = FullyShardedDataParallelPlugin()
             fsdp_env(version)
+            minimum = int(extra["FSDP_MIN_NUM_PARAMS"]) if "FSDP_MIN_NUM_PARAMS" in extra else None
             from_args = FullyShardedDataParallelPlugin(
                 auto_wrap_policy=policy, transformer_cls_names_to_wrap=extra.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
-                min_num_params=int(extra["FSDP_MIN_NUM_PARAMS"]) if "FSDP_MIN_NUM_PARAMS" in extra else None)  # fmt: skip
+                min_num_params=minimum)
             for plugin in (from_env, from_args):
                 plugin.set_auto_wrap_policy(model)
                 if policy == "NO_WRAP":
