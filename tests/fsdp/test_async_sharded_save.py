@@ -4,6 +4,10 @@ every process's part is written, and resumes as a synchronous save's does."""
 
 import contextlib
 import os
+import socket
+import subprocess
+import sys
+import textwrap
 import threading
 
 import torch
@@ -200,3 +204,56 @@ def test_a_process_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_l
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+SURVIVOR_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    import torch.distributed.checkpoint as dcp
+    from accel.accelerator import Accelerator
+    from accel.backends.fsdp import FullyShardedDataParallelPlugin
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.save_state(sys.argv[1])
+    real = dcp.FileSystemWriter.write_data
+    def dies(self, plan, planner):
+        if accelerator.process_index == 1:
+            os._exit(9)  # killed in the middle of the asynchronous save
+        return real(self, plan, planner)
+    dcp.FileSystemWriter.write_data = dies
+    accelerator.save_state(sys.argv[1], async_save=True)
+    started = time.monotonic()
+    try:
+        accelerator.wait_for_checkpoint()
+        print("wait_for_checkpoint returned", flush=True)
+    except Exception as error:
+        print(f"raised after {time.monotonic() - started:.1f} s: {error}", flush=True)
+    os._exit(0)  # the peer is gone: no orderly shutdown of the group
+    """
+)
+
+
+def test_the_survivor_of_a_process_killed_mid_asynchronous_save_raises_within_the_deadline(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SURVIVOR_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "ACCEL_PROCESS_GROUP_TIMEOUT": "10"}  # fmt: skip
+    jobs = [subprocess.Popen([sys.executable, str(script), str(out / "ckpt")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in (0, 1)]  # fmt: skip
+    try:
+        outputs = [job.communicate(timeout=120) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert jobs[1].returncode == 9
+    assert "raised after" in outputs[0][0], outputs[0]
+    assert float(outputs[0][0].split("raised after ")[1].split(" s")[0]) < 60
+    assert os.listdir(out) == ["ckpt"]  # the staging folder is gone; the previous checkpoint stays
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(os.listdir(out / "ckpt"))
