@@ -142,14 +142,19 @@ class FullStates:
 
     @staticmethod
     def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        for name, state in FullStates.gather(models, optimizers).items():
+            write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+
+    @staticmethod
+    def gather(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
+        """{file name: full state} on the main process ({} on the others), gathered from every process's shards
+        into CPU memory: what `save` writes, and what an asynchronous save hands to its worker to write."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered onto the main process
         states = {_model_file(i): get_model_state_dict(model, options=options) for i, model in enumerate(models)}
         states.update({_optimizer_file(i): get_optimizer_state_dict(_owner(models, i, optimizer), optimizer,
                                                                     options=options)
                        for i, optimizer in enumerate(optimizers)})  # fmt: skip
-        if _is_main():
-            for name, state in states.items():
-                write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+        return states if _is_main() else {}
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:

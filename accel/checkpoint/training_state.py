@@ -142,8 +142,9 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     second job saving into the same folder waits for it. With `mode.asynchronous`, the saving process snapshots
     its files' contents and writes and publishes them in the background (holding the lock until then); the others
     return once their own files are written. Sharded state (FSDP2's DCP folders) is copied by every process and
-    written by every process's worker in an asynchronous save; the checkpoint is published once every process's
-    part is written (accel.checkpoint.sharded).
+    written by every process's worker in an asynchronous save, and the checkpoint is published once every process's
+    part is written; FULL_STATE_DICT's files are gathered before the call returns and written by the worker
+    (accel.checkpoint.sharded).
     """
     config = parts.project_configuration
     root, output_dir = _target(parts, output_dir)
@@ -206,12 +207,15 @@ def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: b
         weights = [] if parts.sharded is not None else [parts.state_dict(model) for model in parts.models]
         for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
             hook(list(parts.models), weights, staging)
+        gathered = {}  # FULL_STATE_DICT's files of an asynchronous save, on the main process (which writes them)
         if isinstance(parts.sharded, ShardedStates) and mode.asynchronous:
             shards = parts.sharded.stage(list(parts.models), _inner(parts.optimizers), wait_limit())
+        elif isinstance(parts.sharded, FullStates) and mode.asynchronous:
+            gathered = parts.sharded.gather(list(parts.models), _inner(parts.optimizers))
         elif parts.sharded is not None:
             parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging)
         if writes_shared_files:
-            files = shared_files(parts, weights, safe_serialization)
+            files = {**gathered, **shared_files(parts, weights, safe_serialization)}
             if not mode.asynchronous:
                 write_files(staging, files, durable=mode.durable)
         save_rng_state(staging, parts.process_index, parts.step, parts.num_processes, durable=mode.durable)

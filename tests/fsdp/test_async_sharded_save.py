@@ -1,6 +1,7 @@
 """save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5): the DCP folders are copied at
 the call and written in the background through a gloo group of their own; the checkpoint is published only once
-every process's part is written, and resumes as a synchronous save's does."""
+every process's part is written, and resumes as a synchronous save's does. With FULL_STATE_DICT the full state is
+gathered at the call and the main process's worker writes its files."""
 
 import contextlib
 import os
@@ -16,14 +17,14 @@ from spawn_pool import RankFailed, run_on_ranks
 
 from accel.accelerator import Accelerator
 from accel.backends.fsdp import FullyShardedDataParallelPlugin
-from accel.checkpoint import background, sharded
+from accel.checkpoint import background, sharded, training_state
 from accel.state import AcceleratorState, GradientState
 
 
-def fresh_accelerator():
+def fresh_accelerator(state_dict_type="SHARDED_STATE_DICT"):
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type))
 
 
 def prepared(accelerator, seed=0):
@@ -204,6 +205,38 @@ def test_a_process_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_l
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+
+def _full_state_written_in_the_background(folder):
+    """(the model's file was in the staging folder when save_state returned, it holds the weights of the call)."""
+    accelerator = fresh_accelerator("FULL_STATE_DICT")
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, 2, seed=1)
+    at_save = full_weights(accelerator, model)
+    real = training_state.write_files
+    released = threading.Event()
+    training_state.write_files = lambda *args, **kwargs: (released.wait(30), real(*args, **kwargs))
+    try:
+        accelerator.save_state(folder, async_save=True)
+        parent = os.path.dirname(folder)
+        staging = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(".ckpt.partial")]
+        written_in_call = any(os.path.exists(os.path.join(s, "pytorch_model_fsdp.bin")) for s in staging)
+        train(accelerator, model, optimizer, 2, seed=2)  # changes the live state before it is written
+        released.set()
+        accelerator.wait_for_checkpoint()
+    finally:
+        released.set()
+        training_state.write_files = real
+    if accelerator.process_index != 0:
+        return written_in_call, None
+    saved = torch.load(os.path.join(folder, "pytorch_model_fsdp.bin"), weights_only=True)
+    return written_in_call, all(torch.equal(saved[name], t) for name, t in at_save.items())
+
+
+def test_an_asynchronous_full_state_save_gathers_at_the_call_and_writes_in_the_background(tmp_path):
+    results = run_on_ranks(_full_state_written_in_the_background, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert results == [(False, True), (False, None)]
 
 
 SURVIVOR_SCRIPT = textwrap.dedent(

@@ -97,6 +97,7 @@ def _save_then_resume(folder, state_dict_type, async_save):
     ("SHARDED_STATE_DICT", False, {"pytorch_model_fsdp_0", "optimizer_0"}),
     ("FULL_STATE_DICT", False, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
     ("SHARDED_STATE_DICT", True, {"pytorch_model_fsdp_0", "optimizer_0"}),
+    ("FULL_STATE_DICT", True, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
 ])  # fmt: skip
 def test_an_fsdp2_checkpoint_resumes_with_the_same_accuracy_learning_rates_and_losses(tmp_path, state_dict_type,
                                                                                       async_save, layout):  # fmt: skip
