@@ -106,3 +106,20 @@ def test_an_fsdp2_checkpoint_resumes_with_the_same_accuracy_learning_rates_and_l
         assert resumed_state == saved  # HF's checks: accuracy, the scheduler's and the optimizer's learning rates
         assert resumed == straight  # the next epoch as if never interrupted (data order, optimizer state, RNG)
         assert layout <= set(listing) and {"scheduler.bin", "sampler.bin", "random_states_1.pkl"} <= set(listing)
+
+
+def _prepare_after_end_training():
+    accelerator, *_ = fresh_run("SHARDED_STATE_DICT", seed=0)
+    accelerator.end_training()
+    try:
+        fresh_run("SHARDED_STATE_DICT", seed=1)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_preparing_an_fsdp_model_after_end_training_is_refused_instead_of_hanging():
+    """HF's script resumes in a new process; resuming in the same one after end_training used to hang (fully_shard
+    started a new default group of its own, whose rendezvous never completed)."""
+    for message in run_on_ranks(_prepare_after_end_training, 2, timeout=60):
+        assert message is not None and "was destroyed (end_training" in message
