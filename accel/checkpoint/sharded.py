@@ -76,7 +76,9 @@ class ShardedStates:
         states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
         states += [(optimizer_folder(i), {"optimizer": get_optimizer_state_dict(_owner(models, i, opt), opt)})
                    for i, opt in enumerate(optimizers)]  # fmt: skip
-        stager = DefaultStager(StagingOptions(False, False, False, False))  # what dcp.async_save stages with
+        # What dcp.async_save stages with by default: a plain CPU copy, made now, in the caller's thread.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))  # fmt: skip
         try:
             staged = [(name, stager.stage(state)) for name, state in states]
         finally:
@@ -111,20 +113,19 @@ class StagedShards:
             dcp.save(state, checkpoint_id=os.path.join(folder, name), process_group=self.group)
 
 
-_write_groups: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(default group) -> (it, gloo group)
+_write_group_of: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the default group, its gloo group)
 
 
 def _write_group(timeout: timedelta) -> dist.ProcessGroup | None:
     """The gloo group that asynchronous sharded saves write through, made once per default process group (a
     collective on it: every process asks at the same save)."""
+    global _write_group_of
     if not dist.is_initialized():
         return None
     default = dist.distributed_c10d._get_default_group()
-    known = _write_groups.get(id(default))
-    if known is None or known[0] is not default:  # a new default group (an old one's id may be reused)
-        _write_groups.clear()
-        known = _write_groups[id(default)] = (default, dist.new_group(backend="gloo", timeout=timeout))
-    return known[1]
+    if _write_group_of is None or _write_group_of[0] is not default:  # first save, or a new default group
+        _write_group_of = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return _write_group_of[1]
 
 
 class FullStates:

@@ -113,8 +113,9 @@ def _slow_background_write(folder):
         train(accelerator, model, optimizer, 2, seed=2)  # training goes on meanwhile (its own collectives)
         published_early = os.path.exists(folder)
     accelerator.wait_for_checkpoint()
-    group = sharded._write_groups[id(dist.distributed_c10d._get_default_group())][1]
-    own_group = group is not dist.distributed_c10d._get_default_group() and dist.get_backend(group) == "gloo"
+    default, group = sharded._write_group_of
+    own_group = default is dist.distributed_c10d._get_default_group() and group is not default
+    own_group = own_group and dist.get_backend(group) == "gloo"
     return published_early, os.path.exists(os.path.join(folder, "pytorch_model_fsdp_0", ".metadata")), own_group
 
 
