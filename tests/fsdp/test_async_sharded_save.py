@@ -273,21 +273,60 @@ def test_the_survivor_of_a_process_killed_mid_asynchronous_save_raises_within_th
     script.write_text(SURVIVOR_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "ACCEL_PROCESS_GROUP_TIMEOUT": "10"}  # fmt: skip
-    jobs = [subprocess.Popen([sys.executable, str(script), str(out / "ckpt")], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            for rank in (0, 1)]  # fmt: skip
-    try:
-        outputs = [job.communicate(timeout=120) for job in jobs]
-    finally:
-        for job in jobs:
-            job.kill()
+    outputs, jobs = two_processes(script, out / "ckpt", extra_env={"ACCEL_PROCESS_GROUP_TIMEOUT": "10"})
     assert jobs[1].returncode == 9
     assert "raised after" in outputs[0][0], outputs[0]
     assert float(outputs[0][0].split("raised after ")[1].split(" s")[0]) < 60
     assert os.listdir(out) == ["ckpt"]  # the staging folder is gone; the previous checkpoint stays
     assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(os.listdir(out / "ckpt"))
+
+
+FAILING_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    import torch.distributed.checkpoint as dcp
+    from accel.accelerator import Accelerator
+    from accel.backends.fsdp import FullyShardedDataParallelPlugin
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    real = dcp.FileSystemWriter.write_data
+    def no_space(self, plan, planner):
+        if accelerator.process_index == 1:
+            raise OSError(28, "No space left on device")
+        return real(self, plan, planner)
+    dcp.FileSystemWriter.write_data = no_space
+    accelerator.save_state(sys.argv[1], async_save=True)
+    print("script finished", flush=True)
+    """
+)
+
+
+def test_a_failed_asynchronous_sharded_save_makes_every_process_exit_non_zero(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(FAILING_EXIT_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    outputs, jobs = two_processes(script, out / "ckpt")
+    assert [job.returncode for job in jobs] == [1, 1], outputs
+    for stdout, stderr in outputs:
+        assert "script finished" in stdout and "exiting with status 1" in stderr
+    assert "No space left on device" in outputs[1][1]
+    assert os.listdir(out) == []  # nothing published, the staging folder removed
+
+
+def two_processes(script, *args, extra_env=None):
+    """Runs `script` on 2 processes (as torchrun would start them); ([(stdout, stderr)], [Popen]) once both end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", **(extra_env or {})}  # fmt: skip
+    jobs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            for rank in (0, 1)]  # fmt: skip
+    try:
+        return [job.communicate(timeout=120) for job in jobs], jobs
+    finally:
+        for job in jobs:
+            job.kill()
