@@ -15,11 +15,14 @@ broadcast and sharded into every process's part.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -65,6 +68,24 @@ class ShardedStates:
             dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
 
     @staticmethod
+    def stage(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], timeout: timedelta
+              ) -> StagedShards:  # fmt: skip
+        """A CPU copy of this process's shards of every model and optimizer, to be written by `StagedShards.write`
+        while training goes on (see the module docstring); `timeout` bounds each of the write's collectives. Every
+        process calls it at the same save (the first one makes the write's process group)."""
+        states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
+        states += [(optimizer_folder(i), {"optimizer": get_optimizer_state_dict(_owner(models, i, opt), opt)})
+                   for i, opt in enumerate(optimizers)]  # fmt: skip
+        # What dcp.async_save stages with by default: a plain CPU copy, made now, in the caller's thread.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))  # fmt: skip
+        try:
+            staged = [(name, stager.stage(state)) for name, state in states]
+        finally:
+            stager.close()
+        return StagedShards(staged, _write_group(timeout))
+
+    @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
         """Loads into the models and optimizers as they are (sharded or not): DCP reads each process's part."""
         for i, model in enumerate(models):
@@ -76,6 +97,35 @@ class ShardedStates:
             state = get_optimizer_state_dict(owner, optimizer)
             dcp.load({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
             set_optimizer_state_dict(owner, optimizer, state)
+
+
+@dataclasses.dataclass
+class StagedShards:
+    """Sharded state copied by `ShardedStates.stage`: {DCP folder name: state}, and the group that writes it."""
+
+    states: list[tuple[str, dict]]
+    group: dist.ProcessGroup | None  # None: one process, without a process group
+
+    def write(self, folder: str) -> None:
+        """Writes every DCP folder into `folder`. Every process calls it, in its checkpoint worker; it returns once
+        every process's part of every folder is written (or raises on every process if one failed)."""
+        for name, state in self.states:
+            dcp.save(state, checkpoint_id=os.path.join(folder, name), process_group=self.group)
+
+
+_write_group_of: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the default group, its gloo group)
+
+
+def _write_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """The gloo group that asynchronous sharded saves write through, made once per default process group (a
+    collective on it: every process asks at the same save)."""
+    global _write_group_of
+    if not dist.is_initialized():
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    if _write_group_of is None or _write_group_of[0] is not default:  # first save, or a new default group
+        _write_group_of = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return _write_group_of[1]
 
 
 class FullStates:
@@ -93,14 +143,19 @@ class FullStates:
 
     @staticmethod
     def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+        for name, state in FullStates.gather(models, optimizers).items():
+            write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+
+    @staticmethod
+    def gather(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
+        """{file name: full state} on the main process ({} on the others), gathered from every process's shards
+        into CPU memory: what `save` writes, and what an asynchronous save hands to its worker to write."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered onto the main process
         states = {_model_file(i): get_model_state_dict(model, options=options) for i, model in enumerate(models)}
         states.update({_optimizer_file(i): get_optimizer_state_dict(_owner(models, i, optimizer), optimizer,
                                                                     options=options)
                        for i, optimizer in enumerate(optimizers)})  # fmt: skip
-        if _is_main():
-            for name, state in states.items():
-                write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+        return states if _is_main() else {}
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:

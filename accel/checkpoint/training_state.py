@@ -91,7 +91,7 @@ from accel.checkpoint.publish import (
     readable_folder,
 )
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from accel.checkpoint.sharded import FullStates, ShardedStates
+from accel.checkpoint.sharded import FullStates, ShardedStates, StagedShards
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
@@ -125,7 +125,7 @@ class Checkpointable:
     device: torch.device
     step: int
     # How models' and optimizers' state is saved when it is sharded (FSDP2's DCP folders); None: whole files.
-    sharded: ShardedStates | None = None
+    sharded: ShardedStates | FullStates | None = None
 
 
 # --- saving ------------------------------------------------------------------------------------------------------
@@ -141,7 +141,10 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     process that publishes holds the folder's lock (accel.checkpoint.target_lock) from staging to publishing, so a
     second job saving into the same folder waits for it. With `mode.asynchronous`, the saving process snapshots
     its files' contents and writes and publishes them in the background (holding the lock until then); the others
-    return once their own files are written.
+    return once their own files are written. Sharded state (FSDP2's DCP folders) is copied by every process and
+    written by every process's worker in an asynchronous save, and the checkpoint is published once every process's
+    part is written; FULL_STATE_DICT's files are gathered before the call returns and written by the worker
+    (accel.checkpoint.sharded).
     """
     config = parts.project_configuration
     root, output_dir = _target(parts, output_dir)
@@ -164,20 +167,21 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
             failure = error
         staging = _agree_on_staging(parts, failure, output_dir, staging)  # it exists for every process
         cleanup = staging if staged and writes_shared_files else None
-        files = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks, mode, cleanup)
+        files, shards = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks, mode,
+                                         cleanup)  # fmt: skip
         failure = None
         try:
-            if writes_shared_files:
-                # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
-                finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
-                                           config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
-                if mode.asynchronous:
-                    job = functools.partial(_write_and_publish, staging, snapshot.buffers.take(files), finish, lock,
-                                            cleanup)  # fmt: skip
-                    background.saves.submit(job, f"save_state into '{output_dir}'", asynchronous=True)
-                    lock = None  # the worker releases it once published
-                else:
-                    finish()
+            # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
+            finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
+                                       config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
+            if mode.asynchronous and (writes_shared_files or shards is not None):
+                job = functools.partial(_write_and_publish, staging, shards,
+                                        snapshot.buffers.take(files) if writes_shared_files else None,
+                                        finish if writes_shared_files else None, lock, cleanup)  # fmt: skip
+                background.saves.submit(job, f"save_state into '{output_dir}'", asynchronous=True)
+                lock = None  # the worker releases it once published
+            elif writes_shared_files:
+                finish()
         except Exception as error:  # noqa: BLE001
             failure = error
     finally:
@@ -189,11 +193,13 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
 
 
 def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
-                     pre_hooks: list[Callable], mode: SaveMode, cleanup: str | None) -> dict[str, Any]:  # fmt: skip
-    """Writes this process's files into `staging` (all of them but an asynchronous save's shared files, which are
-    returned for the worker); every process agrees on the outcome, and on a failure anywhere `cleanup` is
-    removed and every process raises."""
+                     pre_hooks: list[Callable], mode: SaveMode, cleanup: str | None
+                     ) -> tuple[dict[str, Any], StagedShards | None]:  # fmt: skip
+    """Writes this process's files into `staging` (all of them but an asynchronous save's shared files and sharded
+    state, which are returned for the worker: the files as they are, the shards copied); every process agrees on
+    the outcome, and on a failure anywhere `cleanup` is removed and every process raises."""
     files: dict[str, Any] = {}
+    shards = None
     failure = None
     try:
         os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
@@ -201,32 +207,43 @@ def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: b
         weights = [] if parts.sharded is not None else [parts.state_dict(model) for model in parts.models]
         for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
             hook(list(parts.models), weights, staging)
-        if parts.sharded is not None:
+        gathered = {}  # FULL_STATE_DICT's files of an asynchronous save, on the main process (which writes them)
+        if isinstance(parts.sharded, ShardedStates) and mode.asynchronous:
+            shards = parts.sharded.stage(list(parts.models), _inner(parts.optimizers), wait_limit())
+        elif isinstance(parts.sharded, FullStates) and mode.asynchronous:
+            gathered = parts.sharded.gather(list(parts.models), _inner(parts.optimizers))
+        elif parts.sharded is not None:
             parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging)
         if writes_shared_files:
-            files = shared_files(parts, weights, safe_serialization)
+            files = {**gathered, **shared_files(parts, weights, safe_serialization)}
             if not mode.asynchronous:
                 write_files(staging, files, durable=mode.durable)
         save_rng_state(staging, parts.process_index, parts.step, parts.num_processes, durable=mode.durable)
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(parts, failure, "writing", cleanup=cleanup)
-    return files
+    return files, shards
 
 
-def _write_and_publish(staging: str, files: dict[str, Any], finish: Callable[[], None], lock: TargetLock,
-                       cleanup: str | None) -> None:  # fmt: skip
-    """An asynchronous save's work on the worker: the shared files, then the publish; the staging folder goes if
-    either fails, and the folder's lock is released either way."""
+def _write_and_publish(staging: str, shards: StagedShards | None, files: dict[str, Any] | None,
+                       finish: Callable[[], None] | None, lock: TargetLock | None, cleanup: str | None
+                       ) -> None:  # fmt: skip
+    """An asynchronous save's work on a process's worker: its part of the sharded state (which returns once every
+    process's part is written), then, on a process that writes the shared files, those and the publish; the
+    staging folder goes if any of it fails, and the folder's lock is released either way."""
     try:
-        write_files(staging, files, durable=False)
-        finish()
+        if shards is not None:
+            shards.write(staging)
+        if finish is not None:
+            write_files(staging, files, durable=False)
+            finish()
     except BaseException:
         if cleanup is not None:
             discard(cleanup)
         raise
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str,

@@ -90,6 +90,9 @@ class FSDP2Strategy(Strategy):
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         if isinstance(getattr(model, "_orig_mod", model), FSDPModule):
             return model  # prepared already
+        if not dist.is_initialized():  # fully_shard would start a new default group itself, which never meets
+            raise RuntimeError("FSDP2 shards over the default process group, which was destroyed (end_training, or "
+                               "torch.distributed.destroy_process_group): prepare models in a new process")  # fmt: skip
         before = _named_parameters(model)
         self.plugin.set_auto_wrap_policy(model)
         wraps = wrap_policy(self.plugin)
