@@ -648,6 +648,40 @@ def test_a_full_state_checkpoint_has_hf_files_and_resumes_bit_identically(tmp_pa
         assert {"pytorch_model_fsdp.bin", "optimizer.bin"} <= set(listing) and "pytorch_model_fsdp_0" not in listing
 
 
+def _default_save_fsyncs(folder):
+    import threading
+
+    from accel.checkpoint import background
+
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, batches(accelerator.process_index, 1))
+    synced, real = [], os.fsync
+    os.fsync = lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1]
+    try:
+        gate = threading.Event()
+        background.saves.submit(gate.wait, "a test holding the worker")
+        published = accelerator.save_state(folder)
+        on_return = list(synced)
+        gate.set()
+        accelerator.wait_for_checkpoint()
+    finally:
+        os.fsync = real
+    dcp_files = [os.path.join(root, name) for root, _, names in os.walk(published) for name in names
+                 if os.path.basename(root).startswith(("pytorch_model_fsdp_", "optimizer_"))]  # fmt: skip
+    return on_return, [path for path in dcp_files if path not in synced], len(dcp_files)
+
+
+def test_a_default_sharded_save_waits_for_no_fsync_and_is_made_durable_in_the_background(tmp_path):
+    """The default mode (complete on return, made durable by the background worker) holds for DCP's folders:
+    no process fsyncs in the call (DCP's writer would); the main process's worker then fsyncs every DCP file,
+    every process's shards and the .metadata."""
+    results = run_on_ranks(_default_save_fsyncs, 2, str(tmp_path / "state"), timeout=180)
+    assert [on_return for on_return, _, _ in results] == [[], []]
+    _, unsynced, files = results[0]
+    assert unsynced == [] and files == 6  # 2 folders x (2 processes' shards + .metadata)
+
+
 def _load_on_one_process(folder):
     accelerator = Accelerator()
     model, optimizer = prepared(accelerator, seed=9)

@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 import traceback
@@ -305,11 +306,15 @@ class Durability:
 
 
 def _fsync_entry(folder_fd: int, name: str) -> None:
+    """fsyncs a file of the folder, or a folder in it with everything below it (FSDP's DCP folders)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder_fd)
     except (FileNotFoundError, OSError):  # removed meanwhile, or a link: not ours to sync
         return
     try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            for child in os.listdir(fd):
+                _fsync_entry(fd, child)
         os.fsync(fd)
     finally:
         os.close(fd)

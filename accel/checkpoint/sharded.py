@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -60,12 +61,16 @@ class ShardedStates:
         return [name for name in needed if not os.path.isfile(os.path.join(folder, name, ".metadata"))]
 
     @staticmethod
-    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str,
+             durable: bool = False) -> None:  # fmt: skip
+        """Writes every model's and optimizer's DCP folder into `folder`; every process calls it. The files are
+        fsynced only when `durable` (save_state's durability mode: DCP's writer fsyncs by default, which the default
+        mode, complete but not flushed to disk on return, does not promise)."""
         for i, model in enumerate(models):
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(folder, model_folder(i)))
+            _dcp_save({"model": get_model_state_dict(model)}, os.path.join(folder, model_folder(i)), durable)
         for i, optimizer in enumerate(optimizers):
             state = get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)
-            dcp.save({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
+            _dcp_save({"optimizer": state}, os.path.join(folder, optimizer_folder(i)), durable)
 
     @staticmethod
     def stage(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], timeout: timedelta
@@ -109,8 +114,8 @@ class StagedShards:
     def write(self, folder: str) -> None:
         """Writes every DCP folder into `folder`. Every process calls it, in its checkpoint worker; it returns once
         every process's part of every folder is written (or raises on every process if one failed)."""
-        for name, state in self.states:
-            dcp.save(state, checkpoint_id=os.path.join(folder, name), process_group=self.group)
+        for name, state in self.states:  # durable: an asynchronous save is published durable
+            _dcp_save(state, os.path.join(folder, name), durable=True, group=self.group)
 
 
 _write_group_of: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the default group, its gloo group)
@@ -142,9 +147,10 @@ class FullStates:
         return [name for name in needed if not os.path.isfile(os.path.join(folder, name))]
 
     @staticmethod
-    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
+    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str,
+             durable: bool = False) -> None:  # fmt: skip
         for name, state in FullStates.gather(models, optimizers).items():
-            write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f))
+            write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f), durable=durable)
 
     @staticmethod
     def gather(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, dict]:
@@ -169,6 +175,10 @@ class FullStates:
             sharded = _is_sharded(owner)
             state = _read(os.path.join(folder, _optimizer_file(i))) if _is_main() or not sharded else {}
             set_optimizer_state_dict(owner, optimizer, state, options=_full_options(sharded))
+
+
+def _dcp_save(state: dict, path: str, durable: bool, group: dist.ProcessGroup | None = None) -> None:
+    dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=durable), process_group=group)
 
 
 def _model_file(index: int) -> str:

@@ -213,7 +213,7 @@ def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: b
         elif isinstance(parts.sharded, FullStates) and mode.asynchronous:
             gathered = parts.sharded.gather(list(parts.models), _inner(parts.optimizers))
         elif parts.sharded is not None:
-            parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging)
+            parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging, durable=mode.durable)
         if writes_shared_files:
             files = {**gathered, **shared_files(parts, weights, safe_serialization)}
             if not mode.asynchronous:
