@@ -15,15 +15,16 @@ broadcast and sharded into every process's part.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -81,14 +82,8 @@ class ShardedStates:
         states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
         states += [(optimizer_folder(i), {"optimizer": get_optimizer_state_dict(_owner(models, i, opt), opt)})
                    for i, opt in enumerate(optimizers)]  # fmt: skip
-        # What dcp.async_save stages with by default: a plain CPU copy, made now, in the caller's thread.
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))  # fmt: skip
-        try:
-            staged = [(name, stager.stage(state)) for name, state in states]
-        finally:
-            stager.close()
-        return StagedShards(staged, _write_group(timeout))
+        # A plain CPU copy, made now, in the caller's thread: what dcp.async_save's default stager makes.
+        return StagedShards([(name, cpu_copy(state)) for name, state in states], _write_group(timeout))
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
@@ -175,6 +170,24 @@ class FullStates:
             sharded = _is_sharded(owner)
             state = _read(os.path.join(folder, _optimizer_file(i))) if _is_main() or not sharded else {}
             set_optimizer_state_dict(owner, optimizer, state, options=_full_options(sharded))
+
+
+def cpu_copy(value: Any) -> Any:
+    """A copy of a state dict's tree whose tensors are copied into CPU memory now: a DTensor as its local shard's
+    copy under the same layout (the DTensor rebuilt around it where it is, as DCP's stager rebuilds it: `from_local`
+    would move it back to the mesh's device), containers copied, other leaves deep-copied. DCP's `DefaultStager`
+    makes the same copy through a generic deep copy that costs ~15 µs a node: 60 of 67 ms for a 3.4 M-parameter
+    GPT-2's model and AdamW state on 2 processes, whose bytes copy in 3 ms.
+    """
+    if isinstance(value, DTensor):
+        return DTensor(value._local_tensor.detach().to("cpu", copy=True), value._spec, requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _dcp_save(state: dict, path: str, durable: bool, group: dist.ProcessGroup | None = None) -> None:
