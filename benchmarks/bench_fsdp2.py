@@ -19,7 +19,7 @@ steps per second; each FSDP2 rank's resident state ≤ DDP's / 2 + the largest w
 
 Checkpoints: accel's FSDP2 `save_state` (synchronous) against torch's `dcp.save` of the same model and optimizer
 state on the same ranks (goal ≤ 1×; also against the same state in HF's layout, two `dcp.save`, as `save_state`
-writes it); `save_state(async_save=True)` against a memcpy of the rank's shards. The second
+writes it); `save_state(async_save=True)` against a memcpy of the rank's shards (goal ≤ 1.5×). The second
 is measured whether or not the asynchronous save is asynchronous yet under FSDP; its record says which
 (`synchronous`). Each records `measure`, `accel`, `reference`, `reference_name`, `ratio` and `goal` in its
 extra_info, the rows benchmarks/report/fsdp2.py prints.
@@ -44,7 +44,7 @@ ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP, PARITY_STEPS = 30, 5, 20
 CHECKPOINT_LAUNCHES, CHECKPOINT_REPEATS = 3, 5
 CONTENDERS = ("accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo")
-SPEED_GOAL, SAVE_GOAL = 1.5, 1.0
+SPEED_GOAL, SAVE_GOAL, ASYNC_SAVE_GOAL = 1.5, 1.0, 1.5
 JOB_TIMEOUT_S = 600
 # accel launch's FSDP flags for the jobs: GPT-2's blocks are the units; HF's launch default
 # fsdp_cpu_ram_efficient_loading=true is not built in accel (refused), so it is turned off.
@@ -212,5 +212,5 @@ def test_fsdp2_async_save_state_blocking(benchmark, tmp_path):
     pytest.importorskip("transformers")
     record = _save_record(benchmark, "async", tmp_path)
     benchmark.extra_info.update(measure="asynchronous save_state blocking time", reference_name="memcpy of the "
-                                "rank's shards (parameters and optimizer state)", goal=None,
+                                "rank's shards (parameters and optimizer state)", goal=ASYNC_SAVE_GOAL,
                                 synchronous=record["async_writes_on_caller"], **record)  # fmt: skip
