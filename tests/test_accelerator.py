@@ -170,11 +170,9 @@ def test_preparing_twice_returns_the_prepared_objects():
     assert len(accelerator._dataloaders) == 1 and len(accelerator._models) == 1
 
 
-def test_unsupported_precision_and_plugins_are_clear_errors():
+def test_unsupported_precision_and_bad_arguments_are_clear_errors():
     with pytest.raises(UnsupportedFeatureError, match="FP8 training.*mixed_precision='fp8'"):
         Accelerator(mixed_precision="fp8")
-    with pytest.raises(UnsupportedFeatureError, match=r"FSDP .*Accelerator\(fsdp_plugin=object"):
-        Accelerator(fsdp_plugin=object())
     with pytest.raises(ValueError, match="only pass one DistributedDataParallelKwargs"):
         Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(), DistributedDataParallelKwargs()])
     with pytest.raises(ValueError, match="not both"):
