@@ -450,6 +450,7 @@ def _ram_efficient_and_plain():
         losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, 2))
         results[efficient] = (growth, tied, losses, norms, full_weights(accelerator, model))
         results["MiB"] = sum(p.numel() * 4 for p in model.parameters()) / 2**20  # DTensors: the full numel
+        results["largest MiB"] = max(p.numel() * 4 for p in model.parameters()) / 2**20
         del accelerator, model, optimizer
     return results
 
@@ -465,7 +466,9 @@ def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_on
         # The same losses, clip norms and full weights (on the main process), bit for bit.
         torch.testing.assert_close(efficient_run, plain_run, rtol=0, atol=0)
         if rank == 1:
-            assert efficient_growth < weights_mib < plain_growth, (efficient_growth, weights_mib, plain_growth)
+            # Without the native backend gloo stages each broadcast tensor once more: one more tensor at a time.
+            bound = weights_mib + (0 if grad_kernels_loaded() else result["largest MiB"])
+            assert efficient_growth < bound and weights_mib < plain_growth, (efficient_growth, bound, plain_growth)
 
 
 class Buffered(torch.nn.Module):
