@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from two_process_jobs import free_port, launch, relative_difference
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -57,15 +55,10 @@ _DROPPED = ("ACCEL_", "ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE"
             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def command(contender: str, job_args: list[str]) -> list[str]:
     """The launch of one 2-process job (loopback only)."""
-    port = str(_free_port())
+    port = str(free_port())
     job = [str(HERE / "fsdp2_job.py"), *job_args]
     if contender.startswith("accel"):
         fsdp = FSDP_FLAGS if contender != "accel_ddp" else ()
@@ -83,20 +76,6 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def launch(command: list[str], cwd: Path, what: str) -> None:
-    """Runs one 2-process launch in a session of its own; fails with its output when it fails or outlives
-    JOB_TIMEOUT_S (then it is ended with all its ranks)."""
-    with subprocess.Popen(command, env=child_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as process:  # fmt: skip
-        try:
-            stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            raise AssertionError(f"{what} ran past {JOB_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-5000:]}") from None
-    assert process.returncode == 0, f"{what} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
-
-
 def run_training(contender: str, workspace: Path) -> list[dict]:
     """One training job; both ranks' reports."""
     out = workspace / contender
@@ -104,7 +83,7 @@ def run_training(contender: str, workspace: Path) -> list[dict]:
            "--warmup", str(WARMUP), "--out", str(out)]  # fmt: skip
     if contender.startswith("raw"):
         job += ["--group", contender.removeprefix("raw_")]
-    launch(command(contender, job), workspace, f"the {contender} job")
+    launch(command(contender, job), child_env(), workspace, f"the {contender} job", JOB_TIMEOUT_S)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -112,13 +91,8 @@ def run_checkpoint(pair: str, workspace: Path) -> dict:
     """One checkpoint job (FSDP2 under accel) timing `pair`'s saves; its report."""
     out = workspace / f"checkpoint-{pair}"
     job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--out", str(out)]
-    launch(command("accel_fsdp", job), workspace, f"the {pair} checkpoint job")
+    launch(command("accel_fsdp", job), child_env(), workspace, f"the {pair} checkpoint job", JOB_TIMEOUT_S)
     return json.loads((out / "checkpoint.json").read_text())
-
-
-def relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0, (len(a), len(b))
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def per_round_ratio(numerators: list[float], denominators: list[float]) -> dict:

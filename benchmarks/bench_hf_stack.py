@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from two_process_jobs import free_port, launch, relative_difference
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -44,18 +42,13 @@ _DROPPED = ("ACCEL_", "ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_
             "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def command(contender: str, task: str, out: Path) -> list[str]:
     """The launch of one 2-process job (loopback only)."""
     job = [str(HERE / "hf_stack_job.py"), "--task", task, "--steps", str(STEPS), "--warmup", str(WARMUP),
            "--out", str(out)]  # fmt: skip
     job += ["--runner", "trainer"] if contender in ("accel", "hf") else ["--runner", "raw", "--group", contender[4:]]
-    port = str(_free_port())
+    port = str(free_port())
     if contender == "accel":
         return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", "--main_process_ip",
                 "127.0.0.1", "--main_process_port", port, "--as_accelerate", *job]  # fmt: skip
@@ -74,27 +67,14 @@ def child_env(contender: str, home: Path) -> dict[str, str]:
     return env
 
 
-def launch(command: list[str], env: dict[str, str], cwd: Path, what: str) -> None:
-    """Runs one 2-process launch; fails with its output when it fails or outlives JOB_TIMEOUT_S. It runs in a
-    session of its own, so that a launch past its deadline is ended with all its ranks."""
-    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:  # fmt: skip
-        try:
-            stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            raise AssertionError(f"{what} ran past {JOB_TIMEOUT_S} s:\n{stdout[-3000:]}\n{stderr[-5000:]}") from None
-    assert process.returncode == 0, f"{what} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
-
-
 def run_wrappers(library: str, workspace: Path) -> dict:
     """hf_stack_wrappers.py on 2 processes (torchrun) with `library` ("accel" or "hf"); rank 0's report."""
     out = workspace / f"wrappers-{library}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(HERE / "hf_stack_wrappers.py"),
+               "--master_port", str(free_port()), str(HERE / "hf_stack_wrappers.py"),
                "--library", "accelerate" if library == "hf" else "accel", "--out", str(out)]  # fmt: skip
-    launch(command, child_env(library, workspace / "hf_home"), workspace, f"the {library} wrapper job")
+    launch(command, child_env(library, workspace / "hf_home"), workspace, f"the {library} wrapper job",
+           JOB_TIMEOUT_S)
     return json.loads(out.read_text())
 
 
@@ -103,15 +83,10 @@ def run_job(contender: str, task: str, workspace: Path) -> dict:
     time per step."""
     out = workspace / f"{contender}-{task}"
     launch(command(contender, task, out), child_env(contender, workspace / "hf_home"), workspace,
-           f"the {contender} {task} job")  # fmt: skip
+           f"the {contender} {task} job", JOB_TIMEOUT_S)  # fmt: skip
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     return {**ranks[0], "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
             "cpu_ms_per_step": statistics.mean(rank["cpu_ms_per_step"] for rank in ranks)}  # fmt: skip
-
-
-def _relative_difference(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0, (len(a), len(b))
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 @pytest.mark.timeout(ROUNDS * len(CONTENDERS) * JOB_TIMEOUT_S + 60)  # past every job's own deadline
@@ -136,8 +111,8 @@ def test_hf_stack_steps_per_second(benchmark, task, tmp_path):
     first = {name: runs[0] for name, runs in reports.items()}
     assert first["accel"]["library"] == "accel.accelerator", first["accel"]["library"]
     assert first["hf"]["library"] == "accelerate.accelerator", first["hf"]["library"]
-    loss_difference = {"accel/hf": _relative_difference(first["accel"]["losses"], first["hf"]["losses"]),
-                       "raw_shm/raw_gloo": _relative_difference(first["raw_shm"]["losses"],
+    loss_difference = {"accel/hf": relative_difference(first["accel"]["losses"], first["hf"]["losses"]),
+                       "raw_shm/raw_gloo": relative_difference(first["raw_shm"]["losses"],
                                                                 first["raw_gloo"]["losses"])}  # fmt: skip
     assert max(loss_difference.values()) < 1e-3, f"the losses differ (relative): {loss_difference}"
     benchmark.extra_info.update({

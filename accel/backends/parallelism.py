@@ -286,8 +286,10 @@ def mesh_backend(device_type: str) -> str | None:
 
     if device_type != "cpu" or not dist.is_initialized():
         return None
+    from accel.collectives.shm_process_group import BACKEND
+
     cpu = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    return "accel" if cpu.name() == "accel" else None
+    return BACKEND if cpu.name() == BACKEND else None
 
 
 def refuse_unsupported_parallelism(config: ParallelismConfig, asked_by: str, sharded: bool = False) -> None:
