@@ -27,6 +27,7 @@ import torch
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.names import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from accel.checkpoint.safetensors_io import save_file
+from accel.checkpoint.sharded import checked_reader
 from accel.state import PartialState
 
 logger = logging.getLogger(__name__)
@@ -45,11 +46,9 @@ def _missing_folder_message(checkpoint_dir: Path) -> str:
 
 
 def _read_metadata(checkpoint_dir: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not (checkpoint_dir / ".metadata").is_file():
         raise MergeError(_missing_folder_message(checkpoint_dir))
-    return FileSystemReader(str(checkpoint_dir)).read_metadata()
+    return checked_reader(str(checkpoint_dir)).read_metadata()
 
 
 def _empty_state_dict(metadata: Any, with_objects: bool, checkpoint_dir: Path) -> dict[str, Any]:
@@ -116,7 +115,7 @@ def load_dcp_state_dict(checkpoint_dir: str | os.PathLike, with_objects: bool = 
     state = _empty_state_dict(metadata, with_objects, checkpoint_dir)
     with warnings.catch_warnings():  # reading in one process is the point, not a fallback worth a warning
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint_dir)), no_dist=True)
+        dcp.load(state, storage_reader=checked_reader(str(checkpoint_dir)), no_dist=True)
     return _nest(state, metadata)
 
 

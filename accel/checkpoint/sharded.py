@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.names import FSDP_MODEL_NAME, OPTIMIZER_NAME, numbered
+from accel.checkpoint.safetensors_io import CheckpointError
 
 
 def model_folder(index: int) -> str:
@@ -96,12 +98,12 @@ class ShardedStates:
 
         for i, model in enumerate(models):
             state = get_model_state_dict(model)
-            dcp.load({"model": state}, checkpoint_id=os.path.join(folder, model_folder(i)))
+            dcp.load({"model": state}, storage_reader=checked_reader(os.path.join(folder, model_folder(i))))
             set_model_state_dict(model, state)
         for i, optimizer in enumerate(optimizers):
             owner = _owner(models, i, optimizer)
             state = get_optimizer_state_dict(owner, optimizer)
-            dcp.load({"optimizer": state}, checkpoint_id=os.path.join(folder, optimizer_folder(i)))
+            dcp.load({"optimizer": state}, storage_reader=checked_reader(os.path.join(folder, optimizer_folder(i))))
             set_optimizer_state_dict(owner, optimizer, state)
 
 
@@ -204,6 +206,69 @@ def cpu_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(cpu_copy(item) for item in value)
     return copy.deepcopy(value)
+
+
+def checked_reader(path: str) -> Any:
+    """torch DCP's `FileSystemReader` for the folder `path`, reading its `.metadata` without running anything a
+    crafted file names: torch's reader unpickles it with `pickle.load` (any callable in it runs), this one builds
+    only DCP's metadata types, torch.Size, dtypes and paths, and it refuses shard files named outside the folder
+    (`../x`, `/abs`). The metadata is read and checked here, so a bad folder is a CheckpointError naming the file
+    (inside DCP's load it would come wrapped in DCP's own exception). Loads of sharded checkpoints and `accel
+    merge-weights` read through it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    metadata = _checked_metadata(os.path.join(path, ".metadata"))
+
+    class CheckedReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(path)
+
+
+def _checked_metadata(metadata_path: str) -> Any:
+    with open(metadata_path, "rb") as file:
+        metadata = _MetadataUnpickler(file, metadata_path).load()
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        name = str(getattr(info, "relative_path", ""))
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{metadata_path}: the shard file of {getattr(index, 'fqn', index)!r} is "
+                                  f"{name!r}, not a file of its folder")  # fmt: skip
+    return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's `.metadata` holds (see `checked_reader`); anything else is a CheckpointError."""
+
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}  # fmt: skip
+
+    def __init__(self, file: Any, path: str):
+        super().__init__(file)
+        self._path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._allowed(module, name) else None
+        if found is None:
+            raise CheckpointError(f"{self._path}: DCP metadata names {module}.{name}, which is not one of DCP's "
+                                  "metadata types: refused (a crafted file would run it)")  # fmt: skip
+        return found
+
+    def _allowed(self, module: str, name: str) -> bool:
+        if (module, name) in self._ALLOWED:
+            return True
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), torch.dtype)
+        if module == "torch.distributed.checkpoint.metadata":
+            import torch.distributed.checkpoint.metadata as dcp_metadata
+
+            return isinstance(getattr(dcp_metadata, name, None), type)
+        return False
 
 
 def _dcp_save(state: dict, path: str, durable: bool, group: dist.ProcessGroup | None = None) -> None:

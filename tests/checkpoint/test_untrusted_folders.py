@@ -11,6 +11,8 @@ in such a journal (so the tests do not depend on its format).
 """
 
 import json
+import pickle
+import warnings
 import os
 import re
 
@@ -309,3 +311,62 @@ def test_an_index_in_the_hub_cache_layout_loads(tmp_path):
     os.symlink("../../blobs/index", snapshot / SAFE_WEIGHTS_INDEX_NAME)
     for loader in LOADERS.values():
         assert loaded_value(loader, str(snapshot)) == 2.0
+
+
+# --- DCP folders (FSDP's sharded checkpoints) ----------------------------------------------------------------------
+
+
+class _RunsOnLoad:
+    """Unpickles into a call of open(marker, "w"): what a crafted `.metadata` would do under plain pickle.load."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _dcp_folder(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "pytorch_model_fsdp_0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: no process group, a single process
+        dcp.save({"w": torch.arange(6.0)}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    return folder
+
+
+def _load_dcp(folder):
+    import torch.distributed.checkpoint as dcp
+
+    from accel.checkpoint.sharded import checked_reader
+
+    state = {"w": torch.zeros(6)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=checked_reader(str(folder)), no_dist=True)
+    return state["w"]
+
+
+def test_a_dcp_folder_loads_through_the_checked_reader(tmp_path):
+    assert torch.equal(_load_dcp(_dcp_folder(tmp_path)), torch.arange(6.0))
+
+
+def test_a_dcp_metadata_that_names_a_callable_is_refused_and_runs_nothing(tmp_path):
+    folder = _dcp_folder(tmp_path)
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_RunsOnLoad(str(marker))))
+    with pytest.raises(CheckpointError, match=r"\.metadata: DCP metadata names (builtins|io)\.open"):
+        _load_dcp(folder)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["../elsewhere.distcp", "/tmp/abs.distcp", ".."])
+def test_a_dcp_metadata_naming_a_shard_outside_its_folder_is_refused(tmp_path, name):
+    folder = _dcp_folder(tmp_path)
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = name
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="not a file of its folder"):
+        _load_dcp(folder)
