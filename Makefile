@@ -12,7 +12,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 # tests/conformance freezes the accelerate names these releases use (README: "Using Trainer, TRL, PEFT").
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "hypothesis>=6" \
 	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0" \
-	"transformers==5.25.0" "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0"
+	"transformers==5.25.0" "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0" "deepspeed==0.19.8"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
@@ -45,7 +45,7 @@ test-fallback: setup
 $(PURE_VENV)/.installed: pyproject.toml setup.py $(shell find accel -name '*.py')
 	test -x $(PURE_VENV)/bin/python || $(PYTHON) -m venv $(PURE_VENV)
 	$(PURE_VENV)/bin/pip install -q $(TORCH) $(BUILD_TOOLS)
-	$(PURE_VENV)/bin/pip install -q $(RUNTIME_DEPS) $(TEST_DEPS)
+	$(PURE_VENV)/bin/pip install -q --no-build-isolation $(RUNTIME_DEPS) $(TEST_DEPS)  # deepspeed: an sdist
 	rm -rf build  # pip builds in-tree: leave no earlier build's files for this wheel to pick up
 	ACCEL_BUILD_NATIVE=0 $(PURE_VENV)/bin/pip install -q --no-build-isolation --force-reinstall --no-deps .
 	touch $@

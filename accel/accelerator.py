@@ -57,6 +57,7 @@ from accel.settings import (
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.strategies import ddp_sync
 from accel.strategies import SingleDeviceStrategy, StrategySettings, strategy_for
+from accel.strategies.base import JointPreparation, Prepared, loss_per_step
 from accel.tracking.session import TrackerSession
 from accel.unsupported import refuse
 
@@ -146,10 +147,12 @@ class Accelerator:
             ProfileKwargs (each stored as `ddp_handler`, `init_handler`, ... as in HF).
         dynamo_backend / dynamo_plugin: torch.compile prepared models (default: ACCEL_DYNAMO_*).
         parallelism_config: a ParallelismConfig asking for data parallelism only (anything more is refused).
-        deepspeed_plugin(s), fsdp_plugin, megatron_lm_plugin, torch_tp_plugin (tp_size > 1), mixed_precision
-            "fp8" and the FP8 recipe handlers ask for backends accel does not run: each raises
-            `accel.unsupported.UnsupportedFeatureError` before anything is set up, as do ACCEL_USE_DEEPSPEED /
-            ACCEL_USE_FSDP / ACCEL_USE_MEGATRON_LM (or ACCELERATE_*) and ACCEL_MIXED_PRECISION=fp8.
+        fsdp_plugin: a FullyShardedDataParallelPlugin: FSDP2 (accel.strategies.fsdp2); or ACCEL_USE_FSDP.
+        deepspeed_plugin / deepspeed_plugins: a DeepSpeedPlugin, or a dict of named ones (the first is active):
+            DeepSpeed's engine (accel.strategies.deepspeed); or ACCEL_USE_DEEPSPEED. Not with fsdp_plugin.
+        megatron_lm_plugin, torch_tp_plugin (tp_size > 1), mixed_precision "fp8" and the FP8 recipe handlers ask for
+            backends accel does not run: each raises `accel.unsupported.UnsupportedFeatureError` before anything is
+            set up, as do ACCEL_USE_MEGATRON_LM (or ACCELERATE_*) and ACCEL_MIXED_PRECISION=fp8.
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class Accelerator:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
+                                      deepspeed_plugin=_deepspeed_plugins(deepspeed_plugin, deepspeed_plugins),
                                       fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
                                       parallelism_config=parallelism_config, _from_accelerator=True,
                                       **init_kwargs)  # fmt: skip
@@ -210,7 +214,8 @@ class Accelerator:
         settings = StrategySettings(ddp_kwargs=self.ddp_handler, fsdp_plugin=self.state.fsdp_plugin,
                                     mixed_precision=self.state.mixed_precision)  # fmt: skip
         self.strategy = strategy_for(self.state, self.precision, settings)
-        self.native_amp = self.state.mixed_precision in ("fp16", "bf16")  # autocast runs (CPU included)
+        self.precision = self.strategy.precision  # an engine that owns mixed precision (DeepSpeed) gives its own
+        self.native_amp = self.precision.name in ("fp16", "bf16")  # autocast runs (CPU included)
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types if rng_types is not None else ["generator"]
@@ -297,7 +302,19 @@ class Accelerator:
 
     # --- backends and parallelism accel does not run: HF's members, with accel's (constant) answers -------------
 
-    deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin, doc="Always None: DeepSpeed is refused.")
+    deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin,
+                                doc="The active DeepSpeed plugin (None without DeepSpeed).")  # fmt: skip
+    deepspeed_engine_wrapped = property(lambda self: getattr(self.strategy, "engine_wrapper", None),
+                                        doc="The DeepSpeed engine behind `backward` (None before prepare, or without "
+                                            "DeepSpeed).")  # fmt: skip
+
+    @property
+    def deepspeed_config(self) -> dict | None:
+        """The active DeepSpeed plugin's config ("auto" values filled once a model is prepared); None without
+        DeepSpeed."""
+        plugin = self.state.deepspeed_plugin
+        return None if plugin is None else plugin.deepspeed_config
+
     is_fsdp2 = property(lambda self: self.state.is_fsdp2, doc="Whether FSDP (always FSDP2 in accel) shards the models.")
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2, doc="Whether FSDP2 runs.")
     parallelism_config = property(lambda self: self.state.parallelism_config,
@@ -409,12 +426,37 @@ class Accelerator:
 
         Schedulers are prepared last, so they follow the prepared optimizers.
         """
+        self.strategy.check_device_placement(device_placement)
         placements = device_placement or [None] * len(args)
         if len(placements) != len(args):
             raise ValueError(f"device_placement has {len(placements)} entries for {len(args)} objects")
+        together = self.strategy.prepare_together(list(args), self._joint_preparation(args))
+        if together is not None:
+            return self._register(together)
         first = [self._prepare_one(obj, placement, schedulers=False) for obj, placement in zip(args, placements)]
         result = tuple(self._prepare_one(obj, placement, schedulers=True) for obj, placement in zip(first, placements))
         return result if len(result) > 1 else result[0]
+
+    def _joint_preparation(self, args: tuple) -> JointPreparation:
+        loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+        return JointPreparation(
+            prepare_data_loader=lambda loader: self._prepare_one(loader, None, schedulers=False),
+            batch_sizes=[loader.batch_size for loader in loaders], gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_processes=self.num_processes, split_batches=self.split_batches,
+            step_scheduler_with_optimizer=self.step_scheduler_with_optimizer, dynamo_plugin=self.state.dynamo_plugin,
+        )  # fmt: skip
+
+    def _register(self, prepared: Prepared) -> Any:
+        """Keeps what a strategy prepared together (its models, optimizers and schedulers), marked as prepared."""
+        for obj in prepared.models + prepared.optimizers + prepared.schedulers:
+            with contextlib.suppress(AttributeError):
+                setattr(obj, PREPARED_MARK, True)
+        self._models += prepared.models
+        self._optimizers += prepared.optimizers
+        self._schedulers += prepared.schedulers
+        if prepared.gradient_accumulation_steps is not None:
+            self.gradient_accumulation_steps = prepared.gradient_accumulation_steps
+        return tuple(prepared.objects) if len(prepared.objects) > 1 else prepared.objects[0]
 
     def _prepare_one(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
         if getattr(obj, PREPARED_MARK, False):
@@ -505,12 +547,10 @@ class Accelerator:
         """
         learning_rate = kwargs.get("learning_rate")
         steps = self.gradient_accumulation_steps
-        if steps != 1:  # dividing by 1 changes no value but costs an op and a node in the graph at every step
-            loss = loss / steps
         if self.scaler is None and learning_rate is not None and self.has_lomo_optimizer:
-            self.lomo_backward(loss, learning_rate)
-        else:
-            self.strategy.backward(loss, **kwargs)
+            self.lomo_backward(loss_per_step(loss, steps), learning_rate)
+        else:  # the strategy divides by the steps (an engine that accumulates itself, DeepSpeed, does not)
+            self.strategy.backward(loss, steps, self.sync_gradients, **kwargs)
 
     def lomo_backward(self, loss: torch.Tensor, learning_rate: float) -> None:
         """The fused backward-and-update of the prepared LOMO optimizers (`lomo_optim`'s Lomo / AdaLomo).
@@ -721,7 +761,8 @@ class Accelerator:
             ```
         """
         return training_state.Checkpointable(
-            models=self._models, optimizers=self._optimizers, schedulers=self._schedulers,
+            models=self._models, optimizers=self._optimizers,
+            schedulers=self.strategy.checkpointed_schedulers(self._schedulers),
             dataloaders=self._dataloaders, custom_objects=self._custom_objects, scaler=self.scaler,
             state_dict=functools.partial(self.get_state_dict, unwrap=False),
             project_configuration=self.project_configuration, project_dir=self.project_dir,
@@ -785,7 +826,9 @@ class Accelerator:
                               doc="The number the next automatically named checkpoint gets.")  # fmt: skip
 
     def free_memory(self, *objects: Any) -> tuple:
-        """Drops the references this Accelerator holds (and returns `objects` as None), then frees caches."""
+        """Drops the references this Accelerator holds (and returns `objects` as None; a DeepSpeed engine is
+        destroyed), then frees caches."""
+        self.strategy.release()
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self.step = 0
         gc.collect()
@@ -895,12 +938,27 @@ def _run_only_where(owner: Any, function: Callable | None, name: str,
 
 
 def _refuse_backend_placeholder(obj: Any) -> None:
-    """DeepSpeed's and Megatron-LM's stand-ins for optimizers and schedulers only mean something to those engines."""
-    for feature, module, names in (("DeepSpeed", deepspeed, ("DummyOptim", "DummyScheduler")),
-                                   ("Megatron-LM", megatron, ("MegatronLMDummyScheduler",))):  # fmt: skip
-        if any(isinstance(obj, getattr(module, name)) for name in names):
-            raise refuse(feature, f"accelerator.prepare({type(obj).__name__}(...))",
-                         DDP_INSTEAD + " Build a torch optimizer / scheduler instead.")  # fmt: skip
+    """DeepSpeed's and Megatron-LM's stand-ins for optimizers and schedulers only mean something to those engines
+    (under DeepSpeed the strategy prepares them; they never get here)."""
+    if isinstance(obj, (deepspeed.DummyOptim, deepspeed.DummyScheduler)):
+        raise ValueError(f"accelerator.prepare({type(obj).__name__}(...)): it stands for the optimizer or scheduler "
+                         "of a DeepSpeed config and needs DeepSpeed (`deepspeed_plugin=`, `accel launch "
+                         "--use_deepspeed`); without it, build a torch optimizer / scheduler")  # fmt: skip
+    if isinstance(obj, megatron.MegatronLMDummyScheduler):
+        raise refuse("Megatron-LM", f"accelerator.prepare({type(obj).__name__}(...))",
+                     DDP_INSTEAD + " Build a torch scheduler instead.")  # fmt: skip
+
+
+def _deepspeed_plugins(plugin: Any, plugins: Any) -> Any:
+    """The DeepSpeed plugin(s) of `Accelerator(deepspeed_plugin=..., deepspeed_plugins=...)` (aliases): those of a
+    running DeepSpeed state for a second Accelerator, which may not bring its own (HF's rule)."""
+    given = plugins if plugins is not None else plugin
+    running = AcceleratorState._shared_state.get("distributed_type") == DistributedType.DEEPSPEED
+    if given is not None and running and AcceleratorState().deepspeed_plugins is not None:
+        raise NotImplementedError("You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`. "
+                                  "Please make sure the first `Accelerator` is initialized with all the plugins you "
+                                  "want to use.")  # fmt: skip
+    return AcceleratorState().deepspeed_plugins if given is None and running else given
 
 
 def _all_tensors(data: Any) -> bool:

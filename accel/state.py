@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from accel import process_group
 from accel._env import MIXED_PRECISIONS, get_flag, get_setting
-from accel.backends import DDP_INSTEAD
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
 from accel.collectives import uneven
 from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
@@ -486,8 +485,24 @@ def _refuse_unsupported(plugins: dict, mixed_precision_given: bool) -> None:
     refuse_unsupported_environment(mixed_precision_given)
 
 
-def _refuse_deepspeed(asked_by: str):
-    return refuse("DeepSpeed", asked_by, DDP_INSTEAD)
+def _refuse_unrunnable_deepspeed(plugin: Any, device: torch.device) -> None:
+    """What DeepSpeed cannot run here, refused before anything starts: fp16 on CPU processes (DeepSpeed's CPU
+    accelerator has no fp16 support), NVMe offload without DeepSpeed's async I/O op (libaio)."""
+    config = plugin.deepspeed_config
+    if device.type == "cpu" and config.get("fp16", {}).get("enabled", False) is True:
+        raise ValueError("DeepSpeed does not support fp16 on CPU processes (its CPU accelerator has no fp16 "
+                         "optimizer or loss scaler): use mixed_precision='bf16' (or 'no')")  # fmt: skip
+    zero = config.get("zero_optimization", {})
+    for part in ("offload_optimizer", "offload_param"):
+        if (zero.get(part) or {}).get("device") == "nvme" and not _nvme_offload_available():
+            raise refuse("DeepSpeed NVMe offload", f"zero_optimization.{part}.device='nvme'",
+                         "offload to 'cpu' (or 'none'); NVMe offload needs libaio and DeepSpeed's async_io op")
+
+
+def _nvme_offload_available() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
 
 
 def _forwarded_method(method: Callable) -> Callable:
@@ -512,16 +527,19 @@ class AcceleratorState:
     process attributes (`device`, `num_processes`, `process_index`, `distributed_type`, ...) are copies of
     `PartialState`'s, and its methods forward to `PartialState`.
 
-    DeepSpeed, FSDP, Megatron-LM, tensor/context parallelism and fp8 are refused with `UnsupportedFeatureError`
-    (as plugins or as ACCEL_USE_DEEPSPEED / ACCEL_USE_FSDP / ACCEL_USE_MEGATRON_LM / ACCEL_MIXED_PRECISION=fp8),
-    so `deepspeed_plugin` is always None and `is_fsdp2` False.
+    FSDP (a plugin, or ACCEL_USE_FSDP) makes the distributed type FSDP; DeepSpeed (one plugin, a dict of named
+    ones, or ACCEL_USE_DEEPSPEED) makes it DEEPSPEED, with the first plugin selected. Megatron-LM,
+    tensor/context parallelism and fp8 are refused with `UnsupportedFeatureError` (as plugins or as
+    ACCEL_USE_MEGATRON_LM / ACCEL_MIXED_PRECISION=fp8).
 
     Args:
         mixed_precision: "no", "fp16" or "bf16"; None reads ACCEL_MIXED_PRECISION (default "no").
         cpu: Run on the CPU even when CUDA is available (ACCEL_USE_CPU=1 does the same).
         dynamo_plugin: The `TorchDynamoPlugin`, stored as given.
-        deepspeed_plugin, fsdp_plugin, torch_tp_plugin, megatron_lm_plugin: HF Accelerate's plugins, refused
-            (a `TorchTensorParallelPlugin` with tp_size 1 asks for nothing and is kept).
+        deepspeed_plugin: A `DeepSpeedPlugin`, or a dict of named ones (the first is selected).
+        fsdp_plugin: A `FullyShardedDataParallelPlugin`.
+        torch_tp_plugin, megatron_lm_plugin: HF Accelerate's plugins, refused (a `TorchTensorParallelPlugin` with
+            tp_size 1 asks for nothing and is kept).
         parallelism_config: A `ParallelismConfig`; accepted when it asks for data parallelism only.
         _from_accelerator: Set by `Accelerator`.
         **kwargs: Passed to `PartialState` (process group options).
@@ -561,13 +579,34 @@ class AcceleratorState:
         self._check_initialized(mixed_precision, cpu)
         if not self.initialized:
             self.dynamo_plugin = dynamo_plugin
-            self.deepspeed_plugins = None  # HF's attributes, for code that reads them: nothing accel refuses is kept
+            self.deepspeed_plugins = self._use_deepspeed(deepspeed_plugin, mixed_precision)
             self.fsdp_plugin = self._use_fsdp(fsdp_plugin, mixed_precision)
             self.megatron_lm_plugin = None
             self.torch_tp_plugin = torch_tp_plugin
             self.parallelism_config = parallelism_config
             self.device_mesh = None  # DDP needs no device mesh
             self._mixed_precision = mixed_precision
+
+    def _use_deepspeed(self, plugins: Any, mixed_precision: str) -> Any:
+        """The DeepSpeed plugin(s) when DeepSpeed runs (`plugins`, or one built from the ACCEL(ERATE)_DEEPSPEED_*
+        variables when ACCEL_USE_DEEPSPEED / ACCELERATE_USE_DEEPSPEED says so), with the distributed type DEEPSPEED
+        (one process too, as HF), each plugin's mixed precision set and the first selected; None otherwise."""
+        from accel.backends.deepspeed import DeepSpeedPlugin, require_deepspeed
+
+        if plugins is None and get_flag("USE_DEEPSPEED"):
+            plugins = DeepSpeedPlugin()
+        if plugins is None:
+            return None
+        require_deepspeed()
+        named = plugins if isinstance(plugins, dict) else {"default": plugins}
+        if not named or any(not isinstance(plugin, DeepSpeedPlugin) for plugin in named.values()):
+            raise TypeError("`deepspeed_plugin` must be a DeepSpeedPlugin object.")
+        for plugin in named.values():
+            plugin.set_mixed_precision(mixed_precision)
+            _refuse_unrunnable_deepspeed(plugin, self.device)
+        next(iter(named.values())).select(_from_accelerator_state=True)
+        self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
+        return plugins
 
     def _use_fsdp(self, plugin: Any, mixed_precision: str) -> Any:
         """The FSDP plugin when FSDP runs (`plugin`, or one built from HF's FSDP_* variables when ACCEL_USE_FSDP /
@@ -579,6 +618,9 @@ class AcceleratorState:
             plugin = FullyShardedDataParallelPlugin()
         if plugin is None:
             return None
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError("FSDP and DeepSpeed cannot both run: pass one of `fsdp_plugin` and `deepspeed_plugin` "
+                             "(or set only one of ACCEL_USE_FSDP and ACCEL_USE_DEEPSPEED)")  # fmt: skip
         if self.distributed_type == DistributedType.NO:
             warnings.warn("FSDP shards a model across processes and this job has one: training without it (launch "
                           "with --num_processes 2 or more to shard)")  # fmt: skip
@@ -601,34 +643,56 @@ class AcceleratorState:
         )
         if cpu and self.device.type != "cpu":
             raise ValueError(err.format(flag="cpu=True"))
-        if mixed_precision is not None and str(mixed_precision).lower() != self._mixed_precision:
+        changed = mixed_precision is not None and str(mixed_precision).lower() != self._mixed_precision
+        if changed and self.distributed_type != DistributedType.DEEPSPEED:  # DeepSpeed's is in its config (HF)
             raise ValueError(err.format(flag=f"mixed_precision='{mixed_precision}'"))
 
     @property
     def mixed_precision(self) -> str:
-        """"no", "fp16", "bf16" or "fp8"."""
-        return self._mixed_precision
+        """"no", "fp16", "bf16" or "fp8"; under DeepSpeed, what the active plugin's config enables (as HF)."""
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return self._mixed_precision
+        config = self.deepspeed_plugin.deepspeed_config
+        enabled = [dtype for dtype in ("fp16", "bf16") if config.get(dtype, {}).get("enabled", False) is True]
+        return enabled[0] if enabled else "no"
 
     @property
-    def deepspeed_plugin(self) -> None:
-        """The active DeepSpeed plugin: always None (accel refuses DeepSpeed)."""
-        return None
+    def deepspeed_plugin(self) -> Any:
+        """The active (selected) DeepSpeed plugin; None without DeepSpeed."""
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return None
+        from accel.backends.deepspeed import get_active_deepspeed_plugin
+
+        return get_active_deepspeed_plugin(self)
 
     @property
     def is_fsdp2(self) -> bool:
         """Whether FSDP runs: always FSDP2 in accel (an fsdp_version=1 plugin is translated to it)."""
         return self.distributed_type == DistributedType.FSDP
 
-    def get_deepspeed_plugin(self, name: str):
-        """HF Accelerate's named DeepSpeed plugin: refused (accel runs no DeepSpeed)."""
-        raise _refuse_deepspeed(f"AcceleratorState().get_deepspeed_plugin({name!r})")
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The DeepSpeed plugin passed under `name` (`deepspeed_plugins={name: plugin}`)."""
+        self._require_deepspeed()
+        return self.deepspeed_plugins[name]
 
     def select_deepspeed_plugin(self, name: str | None = None) -> None:
-        """HF Accelerate's switch between DeepSpeed plugins: refused (accel runs no DeepSpeed)."""
-        raise _refuse_deepspeed(f"AcceleratorState().select_deepspeed_plugin({name!r})")
+        """Makes the plugin named `name` the active one (the next `prepare` builds its engine with it)."""
+        self._require_deepspeed()
+        for key, plugin in self.deepspeed_plugins.items():
+            if key != name:
+                plugin._unselect()
+        self.deepspeed_plugins[name].select(_from_accelerator_state=True)
+
+    def _require_deepspeed(self) -> None:
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            raise ValueError("DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for "
+                             "`deepspeed` before calling this function.")  # fmt: skip
 
     def __repr__(self) -> str:
-        return repr(PartialState()) + f"\nMixed precision type: {self.mixed_precision}\n"
+        text = repr(PartialState()) + f"\nMixed precision type: {self.mixed_precision}\n"
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            text += f"ds_config: {self.deepspeed_plugin.deepspeed_config}\n"
+        return text
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:

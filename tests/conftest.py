@@ -22,9 +22,11 @@ from accel.state import AcceleratorState, GradientState, PartialState
 
 SHM_DIR = "/dev/shm"
 _IGNORED_ENV = {"PYTEST_CURRENT_TEST"}  # pytest rewrites it between setup, call and teardown
-# Process-wide settings torch (inductor, opcheck) exports once and keeps for the process: not a test's leak.
+# Process-wide settings torch (inductor, opcheck) and DeepSpeed's import export once and keep for the process: not
+# a test's leak.
 _TORCH_SET_ONCE = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TORCH_WARM_POOL", "KMP_DUPLICATE_LIB_OK",
-                   "CUBLAS_WORKSPACE_CONFIG", "KMP_INIT_AT_FORK")  # the last: Intel OpenMP, on a GPU image
+                   "CUBLAS_WORKSPACE_CONFIG", "KMP_INIT_AT_FORK",  # the last: Intel OpenMP, on a GPU image
+                   "PYTORCH_NVML_BASED_CUDA_CHECK")  # set by `import deepspeed`
 
 
 def _missing(marker: str) -> str | None:

@@ -299,7 +299,7 @@ def test_accelerator_state_reset():
     assert AcceleratorState._shared_state == {} and PartialState._shared_state == {}
 
 
-@pytest.mark.parametrize("variable", ["ACCEL_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"])  # FSDP runs: test_fsdp2.py
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_MEGATRON_LM"])  # FSDP, DeepSpeed run: tests/fsdp, tests/deepspeed
 def test_unsupported_plugins_are_refused(monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
     expected = f"not supported by accel \\(asked for by the environment variable {variable}\\)"

@@ -39,8 +39,6 @@ def _refused(call, feature: str, asked_by: str) -> UnsupportedFeatureError:
 @pytest.mark.parametrize(
     ("kwargs", "feature", "asked_by"),
     [
-        (lambda: {"deepspeed_plugin": deepspeed.DeepSpeedPlugin()}, "DeepSpeed", "deepspeed_plugin=DeepSpeedPlugin"),
-        (lambda: {"deepspeed_plugins": {"a": deepspeed.DeepSpeedPlugin()}}, "DeepSpeed", "deepspeed_plugins=dict"),
         (lambda: {"megatron_lm_plugin": megatron.MegatronLMPlugin()}, "Megatron-LM", "megatron_lm_plugin="),
         (lambda: {"torch_tp_plugin": parallelism.TorchTensorParallelPlugin(tp_size=2)}, "tensor parallelism",
          "torch_tp_plugin="),
@@ -64,8 +62,6 @@ def test_accelerator_refuses_backends_before_any_state(kwargs, feature, asked_by
 @pytest.mark.parametrize(
     ("variable", "value", "feature"),
     [
-        ("ACCEL_USE_DEEPSPEED", "true", "DeepSpeed"),
-        ("ACCELERATE_USE_DEEPSPEED", "1", "DeepSpeed"),
         ("ACCEL_USE_MEGATRON_LM", "yes", "Megatron-LM"),
         ("ACCEL_MIXED_PRECISION", "fp8", "FP8 training"),
         ("ACCELERATE_TORCH_DEVICE", "xla:0", "TPU/XLA"),
@@ -98,17 +94,20 @@ def test_a_data_parallel_config_is_plain_ddp_and_accepted():
 def test_placeholders_of_other_engines_are_refused_by_prepare():
     accelerator = Accelerator()
     model = torch.nn.Linear(2, 2)
-    _refused(lambda: accelerator.prepare(deepspeed.DummyOptim(model.parameters())), "DeepSpeed", "DummyOptim")
+    with pytest.raises(ValueError, match=r"DummyOptim\(\.\.\.\)\): it stands for the optimizer .* needs DeepSpeed"):
+        accelerator.prepare(deepspeed.DummyOptim(model.parameters()))  # without DeepSpeed (with it: tests/deepspeed)
     _refused(lambda: accelerator.prepare(megatron.MegatronLMDummyScheduler(None)), "Megatron-LM",
              "MegatronLMDummyScheduler")  # fmt: skip
 
 
-def test_state_level_deepspeed_members_refuse():
+def test_state_level_deepspeed_members_without_deepspeed_say_it_is_not_enabled():
     state = AcceleratorState(_from_accelerator=True)
     assert state.deepspeed_plugin is None and state.deepspeed_plugins is None and not state.is_fsdp2
-    _refused(lambda: state.get_deepspeed_plugin("a"), "DeepSpeed", "get_deepspeed_plugin('a')")
-    _refused(lambda: state.select_deepspeed_plugin("a"), "DeepSpeed", "select_deepspeed_plugin('a')")
-    _refused(lambda: deepspeed.get_active_deepspeed_plugin(state), "DeepSpeed", "get_active_deepspeed_plugin")
+    for call in (lambda: state.get_deepspeed_plugin("a"), lambda: state.select_deepspeed_plugin("a")):
+        with pytest.raises(ValueError, match="DeepSpeed is not enabled"):
+            call()
+    with pytest.raises(ValueError, match="DeepSpeed is not enabled, cannot get active DeepSpeed plugin"):
+        deepspeed.get_active_deepspeed_plugin(state)
 
 
 # --- configurations build as in HF Accelerate ---------------------------------------------------------------
@@ -147,7 +146,8 @@ def test_deepspeed_config_sources_and_auto_values(tmp_path):
     assert plugin.deepspeed_config["bf16"] == {"enabled": True} and plugin.deepspeed_config["fp16"] == {"enabled": False}
     with pytest.raises(ValueError, match="Please specify the ZeRO optimization config"):
         deepspeed.DeepSpeedPlugin(hf_ds_config={"train_batch_size": 8})
-    _refused(lambda: plugin.select(_from_accelerator_state=True), "DeepSpeed", "DeepSpeedPlugin.select")
+    with pytest.raises(ValueError, match="must be enabled manually"):
+        plugin.select()  # only AcceleratorState selects (HF)
 
 
 def test_fsdp_plugin_resolves_as_hf(monkeypatch):
@@ -317,8 +317,6 @@ def test_layer_inspection(monkeypatch):
         (lambda m: megatron.GPTTrainStep(None, None), "Megatron-LM", "GPTTrainStep"),
         (lambda m: megatron.MegatronLMDummyDataLoader(data_path="x"), "Megatron-LM", "MegatronLMDummyDataLoader"),
         (lambda m: megatron.avg_losses_across_data_parallel_group([]), "Megatron-LM", "avg_losses"),
-        (lambda m: deepspeed.DeepSpeedEngineWrapper(m), "DeepSpeed", "DeepSpeedEngineWrapper"),
-        (lambda m: deepspeed.map_pytorch_optim_to_deepspeed(None), "DeepSpeed", "map_pytorch_optim_to_deepspeed"),
         (lambda m: accel.utils.install_xla(), "TPU/XLA", "install_xla"),
         (lambda m: accel.utils.get_grad_scaler(accel.DistributedType.FSDP), "FSDP gradient scaler", "get_grad_scaler"),
     ],

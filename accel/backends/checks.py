@@ -17,7 +17,7 @@ from accel.backends.parallelism import ParallelismConfig, refuse_unsupported_par
 from accel.unsupported import refuse
 
 # ACCEL_USE_<name> / ACCELERATE_USE_<name> -> the feature it asks for.
-_ENV_BACKENDS = {"DEEPSPEED": "DeepSpeed", "MEGATRON_LM": "Megatron-LM"}
+_ENV_BACKENDS = {"MEGATRON_LM": "Megatron-LM"}
 
 
 def _set_variable(name: str) -> str:
@@ -32,11 +32,9 @@ def refuse_unsupported_arguments(deepspeed_plugin: Any = None, deepspeed_plugins
     """Raises `UnsupportedFeatureError` for the first argument that asks for a backend accel does not run."""
     if deepspeed_plugin is not None and deepspeed_plugins is not None:
         raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
-    plugins = [("deepspeed_plugin", deepspeed_plugin, "DeepSpeed"),
-               ("torch_tp_plugin", torch_tp_plugin if getattr(torch_tp_plugin, "tp_size", 1) > 1 else None,
+    plugins = [("torch_tp_plugin", torch_tp_plugin if getattr(torch_tp_plugin, "tp_size", 1) > 1 else None,
                 "tensor parallelism"),
-               ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM"),
-               ("deepspeed_plugins", deepspeed_plugins, "DeepSpeed")]  # fmt: skip
+               ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM")]  # fmt: skip
     for argument, value, feature in plugins:
         if value is not None:
             raise refuse(feature, f"Accelerator({argument}={type(value).__name__}(...))", DDP_INSTEAD)

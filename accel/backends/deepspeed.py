@@ -1,9 +1,9 @@
-"""DeepSpeed's names (accel does not run DeepSpeed): the plugin and its config parse; engines are refused.
+"""DeepSpeed's configuration: HF Accelerate's `DeepSpeedPlugin`, `HfDeepSpeedConfig`, `DummyOptim` / `DummyScheduler`.
 
 `DeepSpeedPlugin(...)` and `HfDeepSpeedConfig(...)` build and query a DeepSpeed configuration exactly as HF
 Accelerate does (a JSON file, a dict, a JSON or base64 string; "auto" values; ACCEL_/ACCELERATE_DEEPSPEED_*
-variables), so a script or config that describes one loads. Passing the plugin to `Accelerator`, selecting it,
-or wrapping an engine raises `UnsupportedFeatureError`.
+variables). The engine runs in accel.strategies.deepspeed (DeepSpeed itself, an optional dependency); this module
+imports neither torch nor DeepSpeed until a function needs them.
 """
 
 from __future__ import annotations
@@ -19,19 +19,22 @@ import warnings
 from typing import Any, Callable
 
 from accel._env import get_setting, parse_bool
-from accel.backends import DDP_INSTEAD
-from accel.unsupported import refuse
-
-FEATURE = "DeepSpeed"
 
 
-def _refuse(asked_by: str):
-    return refuse(FEATURE, asked_by, DDP_INSTEAD)
+INSTALL = "pip install 'accel[deepspeed]' (or: pip install deepspeed)"
+
+
+def require_deepspeed() -> None:
+    """Raises ImportError, naming the install command, unless DeepSpeed is installed."""
+    from accel.availability import is_deepspeed_available
+
+    if not is_deepspeed_available():
+        raise ImportError(f"DeepSpeed is not installed => run `{INSTALL}`.")
 
 
 def deepspeed_required(func: Callable) -> Callable:
-    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF; accel
-    never runs DeepSpeed, so with an Accelerator created this always raises). Before that, `func` is called."""
+    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF). Before
+    an Accelerator exists, `func` is called."""
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -144,7 +147,7 @@ _IGNORED_WITH_CONFIG_FILE = ["gradient_accumulation_steps", "gradient_clipping",
 
 @dataclasses.dataclass
 class DeepSpeedPlugin:
-    """HF Accelerate's DeepSpeed plugin: builds the DeepSpeed configuration; accel refuses to run it.
+    """HF Accelerate's DeepSpeed plugin: builds the DeepSpeed configuration the engine runs with.
 
     Unset fields come from ACCEL_/ACCELERATE_ variables (GRADIENT_ACCUMULATION_STEPS, GRADIENT_CLIPPING,
     DEEPSPEED_ZERO_STAGE, DEEPSPEED_OFFLOAD_*, DEEPSPEED_ZERO3_SAVE_16BIT_MODEL, DEEPSPEED_CONFIG_FILE,
@@ -325,19 +328,70 @@ class DeepSpeedPlugin:
 
     @contextlib.contextmanager
     def zero3_init_context_manager(self, enable: bool = False):
-        """Turns ZeRO-3 init on or off for the block; a no-op when it already is as asked, else refused."""
-        if self.zero3_init_flag != enable:
-            raise _refuse("DeepSpeedPlugin.zero3_init_context_manager")
-        yield
+        """Turns ZeRO-3 init (models built partitioned, via transformers' DeepSpeed config) on or off for the block."""
+        old = self.zero3_init_flag
+        if old == enable:
+            yield
+            return
+        self.zero3_init_flag = enable
+        self.dschf = None
+        self.set_deepspeed_weakref()
+        try:
+            yield
+        finally:
+            self.zero3_init_flag = old
+            self.dschf = None
+            self.set_deepspeed_weakref()
 
     def set_deepspeed_weakref(self) -> None:
-        raise _refuse("DeepSpeedPlugin.set_deepspeed_weakref")
+        """Hands this config to transformers (its `HfDeepSpeedConfig`, kept alive here), so that `from_pretrained`
+        builds models partitioned under ZeRO-3 init and transformers' `is_deepspeed_zero3_enabled()` answers."""
+        from accel.availability import is_transformers_available
+
+        if self.zero3_init_flag and not is_transformers_available():
+            raise Exception("When `zero3_init_flag` is set, it requires Transformers to be installed. "
+                            "Please run `pip install transformers`.")  # fmt: skip
+        if not is_transformers_available():
+            return
+        from transformers.integrations import HfDeepSpeedConfig as TransformersConfig
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        config = copy.deepcopy(self.deepspeed_config)
+        if config.get("gradient_accumulation_steps", "auto") == "auto":
+            config["gradient_accumulation_steps"] = 1
+        if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            config["train_micro_batch_size_per_gpu"] = 1
+        if config.get("train_batch_size") == "auto":
+            del config["train_batch_size"]
+        unset_hf_deepspeed_config()
+        self.dschf = TransformersConfig(config)  # transformers keeps only a weak reference
 
     def set_moe_leaf_modules(self, model: Any) -> None:
-        raise _refuse("DeepSpeedPlugin.set_moe_leaf_modules")
+        """Marks the model's MoE layer classes (`transformer_moe_cls_names`, or ACCEL(ERATE)_DEEPSPEED_MOE_LAYER_CLS_NAMES)
+        as ZeRO-3 leaf modules, as HF does."""
+        if self.transformer_moe_cls_names is None:
+            self.transformer_moe_cls_names = get_setting("DEEPSPEED_MOE_LAYER_CLS_NAMES")
+        if self.transformer_moe_cls_names is None:
+            return
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from accel.backends.fsdp import get_module_class_from_name
+
+        classes = []
+        for name in self.transformer_moe_cls_names.split(","):
+            found = get_module_class_from_name(model, name)
+            if found is None:
+                raise Exception(f"Could not find a transformer layer class called '{name}' to wrap in the model.")
+            classes.append(found)
+        set_z3_leaf_modules(model, classes)
 
     def select(self, _from_accelerator_state: bool = False) -> None:
-        raise _refuse("DeepSpeedPlugin.select")
+        """Makes this plugin the active one; only `AcceleratorState` may (`select_deepspeed_plugin`)."""
+        if not _from_accelerator_state:
+            raise ValueError("A `DeepSpeedPlugin` object must be enabled manually by calling "
+                             "`AcceleratorState().enable_deepspeed_plugin(plugin_key)`.")  # fmt: skip
+        self.set_deepspeed_weakref()
+        self._set_selected(True)
 
     def _unselect(self) -> None:
         self._set_selected(False)
@@ -347,7 +401,7 @@ class DeepSpeedPlugin:
 
     @property
     def selected(self) -> bool:
-        """Whether this plugin is the active one (never, in accel)."""
+        """Whether this plugin is the active one."""
         return self._selected
 
     @selected.setter
@@ -355,29 +409,8 @@ class DeepSpeedPlugin:
         raise NotImplementedError("'enabled' can only be set through calling 'AcceleratorState().enable_deepspeed_plugin(key)'.")
 
 
-class DeepSpeedEngineWrapper:
-    """HF Accelerate's wrapper of a DeepSpeed engine; accel runs no engine, so building one is refused."""
-
-    def __init__(self, engine: Any):
-        raise _refuse("DeepSpeedEngineWrapper(engine)")
-
-
-class DeepSpeedOptimizerWrapper:
-    """HF Accelerate's wrapper of a DeepSpeed optimizer; refused (accel runs no DeepSpeed engine)."""
-
-    def __init__(self, optimizer: Any):
-        raise _refuse("DeepSpeedOptimizerWrapper(optimizer)")
-
-
-class DeepSpeedSchedulerWrapper:
-    """HF Accelerate's wrapper of a DeepSpeed scheduler; refused (accel runs no DeepSpeed engine)."""
-
-    def __init__(self, scheduler: Any, optimizers: Any):
-        raise _refuse("DeepSpeedSchedulerWrapper(scheduler, optimizers)")
-
-
 class DummyOptim:
-    """Stands for the optimizer a DeepSpeed config file defines; `Accelerator.prepare` refuses it in accel.
+    """Stands for the optimizer a DeepSpeed config file defines (`prepare` hands its parameters to the engine).
 
     Args:
         params: The parameters (or parameter groups) to optimize.
@@ -394,7 +427,7 @@ class DummyOptim:
 
 
 class DummyScheduler:
-    """Stands for the scheduler a DeepSpeed config file defines; `Accelerator.prepare` refuses it in accel.
+    """Stands for the scheduler a DeepSpeed config file defines, or one `lr_scheduler_callable` builds.
 
     Args:
         optimizer: The optimizer.
@@ -414,13 +447,57 @@ class DummyScheduler:
 
 
 def get_active_deepspeed_plugin(state: Any) -> DeepSpeedPlugin:
-    """The active DeepSpeed plugin of `state`: refused, DeepSpeed is never enabled in accel."""
-    raise _refuse("get_active_deepspeed_plugin(state)")
+    """The selected plugin of `state` (an AcceleratorState running DeepSpeed).
+
+    Raises:
+        ValueError: DeepSpeed is not enabled, or no plugin is selected.
+    """
+    plugins = getattr(state, "deepspeed_plugins", None)
+    if plugins is None:
+        raise ValueError("DeepSpeed is not enabled, cannot get active DeepSpeed plugin.")
+    if not isinstance(plugins, dict):
+        return plugins
+    active = next((plugin for plugin in plugins.values() if plugin.selected), None)
+    if active is None:
+        raise ValueError("No DeepSpeed plugin is selected: call AcceleratorState().select_deepspeed_plugin(name)")
+    return active
 
 
 def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
-    """DeepSpeed's CPU version of a torch optimizer: refused (needs DeepSpeed's ops)."""
-    raise _refuse("map_pytorch_optim_to_deepspeed(optimizer)")
+    """DeepSpeed's CPU version of a torch optimizer (what ZeRO-Offload runs the optimizer state with), with its
+    learning rate and weight decay: DeepSpeedCPUAdam for Adam / AdamW (AdamW mode for AdamW), DeepSpeedCPUAdagrad
+    for Adagrad, DeepSpeedCPULion for bitsandbytes' Lion, as HF maps them. DeepSpeed JIT-builds the op on first use.
+    """
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in ("lr", "weight_decay")}
+    optimizer_class: Any = DeepSpeedCPUAdam
+    defaults["adamw_mode"] = isinstance(optimizer, torch.optim.AdamW)
+    if isinstance(optimizer, torch.optim.Adagrad):
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        optimizer_class = DeepSpeedCPUAdagrad
+        defaults.pop("adamw_mode")
+    elif type(optimizer).__name__ in ("Lion", "Lion32bit") and type(optimizer).__module__.startswith("bitsandbytes"):
+        from deepspeed.ops.lion import DeepSpeedCPULion
+
+        optimizer_class = DeepSpeedCPULion
+        defaults.pop("adamw_mode")
+    return optimizer_class(optimizer.param_groups, **defaults)
+
+
+# The wrappers `prepare` returns around an engine's parts live with the strategy (they need torch); their HF import
+# path is this module's.
+_WRAPPERS = ("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WRAPPERS:
+        from accel.strategies import deepspeed_wrappers
+
+        return getattr(deepspeed_wrappers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

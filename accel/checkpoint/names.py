@@ -18,6 +18,9 @@ SCALER_NAME = "scaler.pt"
 RNG_STATE_NAME = "random_states"
 CUSTOM_CHECKPOINT_NAME = "custom_checkpoint"
 FSDP_MODEL_NAME = "pytorch_model_fsdp"  # FSDP's sharded model folders: pytorch_model_fsdp_0/, ... (DCP)
+# DeepSpeed's engine checkpoints: a folder per model named by its tag (`pytorch_model/`, `pytorch_model_1/`), and
+# the file naming the newest tag; DeepSpeed also copies its conversion scripts (zero_to_fp32.py) beside them.
+DEEPSPEED_LATEST = "latest"
 
 SAFE_WEIGHTS_NAME = f"{SAFE_MODEL_NAME}.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = f"{SAFE_WEIGHTS_NAME}.index.json"
@@ -43,6 +46,7 @@ CHECKPOINT_FILE = re.compile(
     rf"({OPTIMIZER_NAME}|{SCHEDULER_NAME}|{SAMPLER_NAME}|{DATALOADER_STATE_NAME})(_\d+)?\.bin|"
     rf"{re.escape(SCALER_NAME)}|{RNG_STATE_NAME}_\d+\.pkl|{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl|"
     rf"({FSDP_MODEL_NAME}|{OPTIMIZER_NAME})_\d+|"  # FSDP's sharded state: DCP folders
+    rf"{MODEL_NAME}(_\d+)?|{DEEPSPEED_LATEST}|zero_to_fp32\.py|zero_to_torch\.py|"  # DeepSpeed's checkpoint
     rf"{re.escape(DURABILITY_RECORD)}"
 )
 

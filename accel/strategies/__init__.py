@@ -10,6 +10,7 @@ from accel.precision import Precision
 from accel.state import DistributedType, PartialState
 from accel.strategies.base import Strategy, StrategySettings
 from accel.strategies.ddp import DDPStrategy
+from accel.strategies.deepspeed import DeepSpeedStrategy
 from accel.strategies.fsdp2 import FSDP2Strategy
 from accel.strategies.single import SingleDeviceStrategy
 
@@ -18,6 +19,7 @@ STRATEGIES = {
     DistributedType.MULTI_CPU: DDPStrategy,
     DistributedType.MULTI_GPU: DDPStrategy,
     DistributedType.FSDP: FSDP2Strategy,
+    DistributedType.DEEPSPEED: DeepSpeedStrategy,
 }
 
 
@@ -29,8 +31,8 @@ def strategy_for(state: PartialState, precision: Precision, settings: StrategySe
     except KeyError:
         raise NotImplementedError(f"{state.distributed_type} is not supported by accel yet") from None
     strategy = strategy_class.create(state, precision, settings or StrategySettings())
-    precision.sharding = strategy
+    strategy.precision.sharding = strategy
     return strategy
 
 
-__all__ = ["DDPStrategy", "FSDP2Strategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDP2Strategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]

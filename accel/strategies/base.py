@@ -8,7 +8,9 @@ strategy, never asking which setup it runs. A strategy owns what differs between
 - gradients: skipping synchronization while accumulating (`no_sync`), the backward (`backward`), clipping
   (`clip_grad_norm_`, `clip_grad_value_`), and where gradients live (`local_gradients`, `sum_across_shards`,
   `max_across_shards`: the whole gradient on every process, or one shard of it);
-- state: the model's full state dict (`model_state_dict`).
+- state: the model's full state dict (`model_state_dict`);
+- preparing: an engine that needs the model, optimizer and scheduler at once (DeepSpeed) prepares them together
+  (`prepare_together`); the others leave each object to the Accelerator's one-by-one preparation.
 
 What a mixed-precision policy owns (autocast, the loss scaler, the optimizer step through it) is its
 `accel.precision.Precision`'s, which the strategy holds and hands the gradients it sees.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -41,6 +43,36 @@ class StrategySettings:
     mixed_precision: str = "no"
 
 
+@dataclasses.dataclass(frozen=True)
+class JointPreparation:
+    """What a strategy that prepares objects together needs of the Accelerator."""
+
+    prepare_data_loader: Callable[[Any], Any]  # the Accelerator's (shards, places and registers a dataloader)
+    batch_sizes: list[int | None]  # of the dataloaders given, as given
+    gradient_accumulation_steps: int
+    num_processes: int
+    split_batches: bool
+    step_scheduler_with_optimizer: bool
+    dynamo_plugin: Any = None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What `prepare_together` made: `objects` in the caller's order (prepared ones replaced), what the Accelerator
+    registers, and the accumulation steps the engine settled on (None: the Accelerator's stand)."""
+
+    objects: list[Any]
+    models: list[Any] = dataclasses.field(default_factory=list)
+    optimizers: list[Any] = dataclasses.field(default_factory=list)
+    schedulers: list[Any] = dataclasses.field(default_factory=list)
+    gradient_accumulation_steps: int | None = None
+
+    def replace(self, pairs: list[tuple[Any, Any]]) -> None:
+        """Replaces each given object by its prepared one (pairs whose object is None are skipped)."""
+        replacements = {id(given): prepared for given, prepared in pairs if given is not None}
+        self.objects = [replacements.get(id(obj), obj) for obj in self.objects]
+
+
 def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
     """`torch.compile(model)` with the plugin's settings; a model without a plugin, or compiled already, as is.
 
@@ -54,6 +86,13 @@ def compile_model(model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module
     if dynamo_plugin.use_regional_compilation:
         return compile_regions_in_place(model, **dynamo_plugin.compile_kwargs())
     return torch.compile(model, **dynamo_plugin.compile_kwargs())
+
+
+def loss_per_step(loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+    """`loss` divided by the accumulation steps: the accumulated gradient is then the mean over the steps, as HF
+    Accelerate makes it."""
+    # Dividing by 1 changes no value but costs an op and a node in the graph at every step.
+    return loss if accumulation_steps == 1 else loss / accumulation_steps
 
 
 class Strategy(abc.ABC):
@@ -79,6 +118,23 @@ class Strategy(abc.ABC):
     def device(self) -> torch.device:
         """The device this process's models go to."""
         return self.state.device
+
+    # --- preparing --------------------------------------------------------------------------------------------
+
+    def check_device_placement(self, device_placement: list[bool] | None) -> None:
+        """Raises if this setup cannot honour `prepare(..., device_placement=...)` (DeepSpeed places itself)."""
+
+    def prepare_together(self, objects: list[Any], joint: JointPreparation) -> Prepared | None:
+        """Prepares `objects` (a `prepare` call's arguments) together, or None: the Accelerator prepares each."""
+        return None
+
+    def checkpointed_schedulers(self, schedulers: list) -> list:
+        """The prepared schedulers whose state save_state writes itself (all, unless an engine's checkpoint holds
+        some)."""
+        return schedulers
+
+    def release(self) -> None:
+        """Drops what this strategy holds of prepared objects (`Accelerator.free_memory`)."""
 
     # --- models ---------------------------------------------------------------------------------------------
 
@@ -110,9 +166,12 @@ class Strategy(abc.ABC):
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward passes of `model` accumulate gradients without synchronizing them."""
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagates `loss` through the precision (which scales it for fp16)."""
-        self.precision.backward(loss, **kwargs)
+    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, sync_gradients: bool = True,
+                 **kwargs: Any) -> None:  # fmt: skip
+        """Backpropagates `loss` divided by the accumulation steps (HF's rule) through the precision (which scales it
+        for fp16); `sync_gradients` says whether this backward ends an accumulation (an engine that steps inside
+        its backward reads it)."""
+        self.precision.backward(loss_per_step(loss, accumulation_steps), **kwargs)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
                         optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:  # fmt: skip

@@ -79,7 +79,7 @@ def test_installed_packages_and_versions():
     assert availability.is_numpy_available() is True
     assert availability.is_numpy_available(min_version="999.0") is False
     assert availability.is_pytest_available() is True
-    assert availability.is_deepspeed_available() is False
+    assert availability.is_deepspeed_available() is (importlib.util.find_spec("deepspeed") is not None)
     assert availability.compare_versions("numpy", ">=", "1.0") is True
     assert availability.compare_versions(availability.torch_version, "==", torch.__version__) is True
     assert availability.is_torch_version("<", "999") and not availability.is_torch_version(">", "999")
