@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,6 +68,10 @@ def import_deepspeed(device: torch.device) -> Any:
         raise ImportError(f"DeepSpeed is not installed: {INSTALL}. ({error})") from None
     _skip_unneeded_builds(deepspeed)
     _announce_builds()
+    # torch 2.13 deprecates the two collectives ZeRO calls at every step, warning from each call site: the user can
+    # do nothing about DeepSpeed's calls, and the warnings would bury the training's output.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)  # fmt: skip
     return deepspeed
 
 
@@ -94,6 +99,31 @@ def _announce_builds() -> None:
 
     announced._accel_announces = True
     OpBuilder.jit_load = announced
+
+
+_handed_over: list[Any] = []  # the default group DeepSpeed's group cache was last set up for
+
+
+def hand_over_process_group(deepspeed: Any) -> None:
+    """Makes DeepSpeed run on the job's default group, sharing memory where it does.
+
+    DeepSpeed reuses an initialized default group, but runs ZeRO's collectives on a clone of it that it makes with
+    `new_group` (its "world group"), which would be plain gloo: on CPU processes whose default group shares memory,
+    accel makes that clone on its shared-memory backend. DeepSpeed keeps its groups for the process; after the
+    default group was replaced (a new job in the same process), the stale ones are dropped first, as DeepSpeed's own
+    teardown drops them.
+    """
+    from deepspeed.utils import groups
+
+    from accel.backends.parallelism import mesh_backend
+
+    default = dist.distributed_c10d._get_default_group()
+    if _handed_over and _handed_over[0] is not default:
+        groups._release_process_group_references(None)
+    _handed_over[:] = [default]
+    backend = mesh_backend("cpu") if default._get_backend_name() != "nccl" else None
+    if groups._WORLD_GROUP is None and backend is not None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), backend=backend)
 
 
 def start_group_of_one(device: torch.device) -> None:
@@ -183,7 +213,11 @@ class DeepSpeedStrategy(Strategy):
             kwargs["optimizer"] = _offload_optimizer(optimizer, config, self.state.device)
             if scheduler is not None and _is_deepspeed_scheduler(scheduler, self.deepspeed):
                 kwargs["lr_scheduler"] = scheduler
-        engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
+        hand_over_process_group(self.deepspeed)
+        # DeepSpeed insists on LOCAL_RANK, which a script started without a launcher (one process) lacks.
+        local_rank = {} if "LOCAL_RANK" in os.environ else {"LOCAL_RANK": self.state.local_process_index}
+        with patch_environment(**local_rank):
+            engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
         return engine, ds_optimizer, ds_scheduler
 
     @staticmethod
