@@ -125,16 +125,23 @@ def test_a_zero_checkpoint_has_hf_layout_and_resumes_bit_identically(tmp_path, s
         assert sum(name.endswith("optim_states.pt") for name in engine_files) == 2  # one partition per process
     with open(os.path.join(folder, "latest")) as f:
         assert f.read().strip() == "pytorch_model"
-    _converts_with_zero_to_fp32(folder)
+    _converts_with_zero_to_fp32_and_merge_weights(folder, tmp_path)
 
 
-def _converts_with_zero_to_fp32(folder):
+def _converts_with_zero_to_fp32_and_merge_weights(folder, tmp_path):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
 
     weights = get_fp32_state_dict_from_zero_checkpoint(folder)
     expected = tiny_gpt2().state_dict()
     assert {name for name in expected if not name.endswith(".attn.bias")} <= set(weights)
     assert all(weights[name].dtype == torch.float32 and weights[name].shape == expected[name].shape for name in weights)
+    for source, out in ((folder, "merged"), (os.path.join(folder, "pytorch_model"), "merged_tag")):
+        subprocess.run([sys.executable, "-m", "accel", "merge-weights", source, str(tmp_path / out)], check=True,
+                       timeout=120)  # fmt: skip
+        merged = load_file(str(tmp_path / out / "model.safetensors"))
+        assert merged.keys() == weights.keys()
+        assert all(torch.equal(merged[name], weights[name]) for name in weights)
 
 
 CRASH_SCRIPT = textwrap.dedent(
