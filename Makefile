@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 cuda-check shm-check gpu-check gpu-docs ci clean
+.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 bench-deepspeed cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -59,7 +59,7 @@ bench: setup
 # Every public-path benchmark against HF Accelerate, one after another (run it on a quiet machine): regenerates every
 # table and plot under docs/benchmarks/.
 bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack \
-	bench-fsdp2
+	bench-fsdp2 bench-deepspeed
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
 # regenerates docs/benchmarks/gather.md and gather.png.
@@ -132,6 +132,13 @@ bench-fsdp2: setup
 	mkdir -p build
 	$(VENV)/bin/pytest benchmarks/bench_fsdp2.py $(BENCH_ARGS) --benchmark-json=build/bench-fsdp2.json
 	$(VENV)/bin/python benchmarks/report/fsdp2.py $(BENCH_OUT) build/bench-fsdp2.json
+
+# DeepSpeed ZeRO 1/2/3 under accel against DeepSpeed used directly over gloo, and accel's DDP and FSDP2, on 2 CPU
+# processes; regenerates docs/benchmarks/deepspeed.md and deepspeed.png.
+bench-deepspeed: setup
+	mkdir -p build
+	$(VENV)/bin/pytest benchmarks/bench_deepspeed.py $(BENCH_ARGS) --benchmark-json=build/bench-deepspeed.json
+	$(VENV)/bin/python benchmarks/report/deepspeed.py $(BENCH_OUT) build/bench-deepspeed.json
 
 cuda-check:
 	tools/cuda_compile_check.sh
