@@ -1,7 +1,7 @@
 """DeepSpeed at `accel launch`: flags, config file and variables become the environment HF's launcher exports
-(checked against HF Accelerate's own launcher where it is installed), what accel cannot start is
-refused naming who asked. No training: the environment a launch exports is what is checked (one real launch shows it
-reaches the ranks)."""
+(checked against HF Accelerate's own launcher and questionnaire where it is installed), what accel cannot start is
+refused naming who asked, and `accel config` asks HF's DeepSpeed questions and writes HF's keys. No training: the
+environment a launch exports is what is checked (one real launch shows it reaches the ranks)."""
 
 import json
 import os
@@ -357,6 +357,95 @@ def test_hf_deepspeed_config_files_load_and_round_trip_unchanged(tmp_path, text)
     assert config.to_dict() == yaml.safe_load(text)
     assert main(["config", "update", "--config_file", str(path)]) == 0
     assert path.read_text() == text  # no mixed_precision added beside a deepspeed_config_file
+
+
+# --- `accel config`: HF's questions, HF's YAML, and the launch it makes -----------------------------------------
+
+
+def hf_questionnaire(monkeypatch, answers):
+    """What HF Accelerate's own questionnaire (get_cluster_input) writes for `answers`: option numbers for its
+    menus, text for its other questions."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config import cluster
+
+    queue = list(answers)
+
+    def ask_options(text, options=(), convert_value=None, default=0):
+        index = int(queue.pop(0) or default)
+        return convert_value(index) if convert_value is not None else index
+
+    monkeypatch.setattr(cluster, "_ask_options", ask_options)
+    monkeypatch.setattr("builtins.input", lambda prompt="": queue.pop(0))
+    config = cluster.get_cluster_input().to_dict()
+    assert queue == []
+    return config
+
+
+# The DeepSpeed questions of both questionnaires: no JSON file, ZeRO-3, optimizer states to the CPU, parameters to
+# NVMe at /mnt/nvme, 4 accumulation steps, clipping at 0.5, 16-bit saving, zero.Init, MoE.
+ZERO3_ANSWERS = ["yes", "no", "3", "1", "2", "/mnt/nvme", "4", "yes", "0.5", "yes", "yes", "yes",
+                 "MixtralSparseMoeBlock"]  # fmt: skip
+HF_WRITES_ALIKE = ("compute_environment", "distributed_type", "deepspeed_config", "mixed_precision", "use_cpu",
+                   "debug", "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                   "same_network", "rdzv_backend", "gpu_ids", "enable_cpu_affinity")  # fmt: skip
+
+
+def assert_written_as_hf_writes(saved, hf_config):
+    assert {key: saved.get(key) for key in HF_WRITES_ALIKE} == {key: hf_config.get(key) for key in HF_WRITES_ALIKE}
+
+
+def test_deepspeed_answers_on_two_machines_are_saved_as_hf_writes_them_and_launch(tmp_path, monkeypatch):
+    from test_config_questionnaire import run_accel, saved_yaml
+
+    # Two machines, this one rank 1, on the same network; no debug, no dynamo.
+    machines = ["2", "1", "10.0.0.1", "29600", "yes", "no", "no"]
+    rest = ["1", "4", "2"]  # the standard launcher, 4 GPUs in total, bf16
+    path = tmp_path / "ds.yaml"
+    saved = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)],
+                                 ["0", "multi-GPU", *machines, *ZERO3_ANSWERS, *rest]), path)  # fmt: skip
+    assert saved["deepspeed_config"] == {
+        "zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "nvme",
+        "offload_param_nvme_path": "/mnt/nvme", "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+        "zero3_save_16bit_model": True, "zero3_init_flag": True,
+        "deepspeed_moe_layer_cls_names": "MixtralSparseMoeBlock", "deepspeed_multinode_launcher": "standard",
+    }  # fmt: skip
+    assert_written_as_hf_writes(saved, hf_questionnaire(monkeypatch, ["4", *machines, *ZERO3_ANSWERS, *rest]))
+    config = resolved("--config_file", str(path))
+    assert_exports_what_hf_exports(config, hf_deepspeed_env("--config_file", str(path)))
+    argv = torchrun_argv(config)
+    assert [argv[argv.index(name) + 1] for name in ("--nnodes", "--node_rank", "--nproc_per_node")] == ["2", "1", "2"]
+
+
+def test_deepspeed_with_a_json_file_on_the_cpu_leaves_the_precision_to_the_file(tmp_path, monkeypatch):
+    from test_config_questionnaire import run_accel, saved_yaml
+
+    deepspeed = ["yes", "yes", "/cfg/ds.json", "no", "no", "2"]  # a JSON file, no zero.Init, no MoE, 2 processes
+    path = tmp_path / "ds.yaml"
+    # No distributed training, CPU only, no IPEX (accel's question), no dynamo; no precision question follows.
+    saved = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)],
+                                 ["0", "0", "yes", "no", "no", *deepspeed]), path)  # fmt: skip
+    assert saved["deepspeed_config"] == {"deepspeed_config_file": "/cfg/ds.json", "zero3_init_flag": False}
+    assert "mixed_precision" not in saved and saved["use_cpu"]
+    assert_written_as_hf_writes(saved, hf_questionnaire(monkeypatch, ["0", "yes", "no", *deepspeed]))
+    env = ds_env(resolved("--config_file", str(path)))
+    assert env["ACCELERATE_CONFIG_DS_FIELDS"] == "deepspeed_config_file,zero3_init_flag"  # no mixed_precision
+    assert child_env(resolved("--config_file", str(path)), environ={})["ACCEL_USE_CPU"] == "true"
+
+
+def test_only_the_standard_multinode_launcher_is_taken(tmp_path):
+    from test_config_questionnaire import run_accel, saved_yaml
+
+    answers = ["0", "multi-GPU", "2", "0", "10.0.0.1", "29600", "yes", "no", "no",
+               "yes", "no", "", "", "", "", "no", "no", "no",  # ZeRO-2 with the defaults, no zero.Init, no MoE
+               "pdsh", "", "2", "no"]  # pdsh refused, then the default (standard), 2 GPUs, no mixed precision
+    path = tmp_path / "ds.yaml"
+    result = run_accel(tmp_path, ["config", "--config_file", str(path)], answers)
+    saved = saved_yaml(result, path)
+    assert "pdsh is not supported by accel: accel starts every machine through torch.distributed.run" in result.stdout
+    assert saved["deepspeed_config"] == {
+        "zero_stage": 2, "offload_optimizer_device": "none", "offload_param_device": "none",
+        "gradient_accumulation_steps": 1, "zero3_init_flag": False, "deepspeed_multinode_launcher": "standard"}
+    assert "DeepSpeed hostfile" not in result.stdout  # pdsh's questions never come
 
 
 # --- HF's launch helper --------------------------------------------------------------------------------------
