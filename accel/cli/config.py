@@ -528,8 +528,7 @@ def get_user_input() -> ClusterConfig:
     deepspeed_config = ask_deepspeed(num_machines) if distributed_type in ("NO", "MULTI_GPU") else {}
     distributed_type = "DEEPSPEED" if deepspeed_config else distributed_type
     fsdp_config = ask_fsdp(chosen=cpu_fsdp) if cpu_fsdp or distributed_type == "MULTI_GPU" else {}
-    is_distributed = distributed_type != "NO"
-    num_processes = ask_num_processes(distributed_type, num_machines) if is_distributed else 1
+    num_processes = ask_num_processes(distributed_type, num_machines) if distributed_type != "NO" else 1
     gpu_ids = None if use_cpu or fsdp_config or deepspeed_config else ask_gpu_ids()  # as HF: none for FSDP, DeepSpeed
     # HF leaves the precision to the DeepSpeed config file when there is one (see accel/cli/launch.py).
     mixed_precision = None if "deepspeed_config_file" in deepspeed_config else ask_option(
