@@ -2,11 +2,11 @@
 (HF's: load a file, upgrade keys of older versions, write it back with every current key).
 
 The questions, their texts, defaults and order follow HF Accelerate's `accelerate config` for the paths accel
-runs: this machine, no distributed training / multi-CPU / multi-GPU, FSDP. Answers are read line by line from stdin
-(no arrow-key menu), so answers can be piped in. An option question takes the option's number or its name
-(case-insensitive); a yes/no question takes y/yes/n/no/true/false/1/0; an empty answer takes the default in
-brackets; an invalid answer is asked again with the allowed values. stdin closing before the last answer
-exits with status 1 and saves nothing.
+runs: this machine, no distributed training / multi-CPU / multi-GPU, DeepSpeed, FSDP. Answers are read line by
+line from stdin (no arrow-key menu), so answers can be piped in. An option question takes the option's number or
+its name (case-insensitive); a yes/no question takes y/yes/n/no/true/false/1/0; an empty answer takes the default
+in brackets; an invalid answer is asked again with the allowed values. stdin closing before the last answer exits
+with status 1 and saves nothing.
 
 Deliberate differences from HF Accelerate:
 
@@ -15,11 +15,16 @@ Deliberate differences from HF Accelerate:
   answer after it (HF's multi-CPU answers, the seed's). An FSDP1 answer FSDP2 cannot honour (backward prefetch
   BACKWARD_POST / NO_PREFETCH, forward prefetch, LOCAL_STATE_DICT: accel runs FSDP1 options on FSDP2) gets the
   reason and the question again. As in HF, FSDP on GPUs does not ask for GPU ids.
-- Not asked, because accel does not run them: DeepSpeed, Megatron-LM, the parallelism config, TPU
-  and the other device families, mpirun (accel launches through torch.distributed.run) and the FP8 backend
-  questions (`fp8` may be chosen; `fp8_config` stays empty). Not asked either: NUMA affinity
-  (`enable_cpu_affinity` is written as false; set the key or pass `accel launch --enable_cpu_affinity`). Amazon SageMaker is listed, as in HF, but answered with a message and the
-  question again.
+- DeepSpeed is asked about where HF asks (no distributed training, CPU-only included, and multi-GPU), with HF's
+  questions and YAML. Its multi-node launcher question (several machines) takes only `standard`, which is its
+  default here (HF's: pdsh): accel starts every machine through torch.distributed.run, so another answer gets the
+  reason and the question again, and pdsh's hostfile and filter questions never come. A DeepSpeed config file
+  path must be given once asked for (HF takes an empty answer as the path "none").
+- Not asked, because accel does not run them: Megatron-LM, the parallelism config, TPU and the other device
+  families, mpirun (accel launches through torch.distributed.run) and the FP8 backend questions (`fp8` may be
+  chosen; `fp8_config` stays empty). Not asked either: NUMA affinity (`enable_cpu_affinity` is written as false;
+  set the key or pass `accel launch --enable_cpu_affinity`). Amazon SageMaker is listed, as in HF, but answered
+  with a message and the question again.
 - Asked as HF Accelerate 0.2x did: "use IPEX?" on CPU runs, written as `ipex_config: {ipex: true}` only when
   the answer is yes (current HF Accelerate refuses the key, so a "no" is left out).
 - The machine rank and the rendezvous backend are checked against the allowed values (HF takes any text).
@@ -41,6 +46,7 @@ from typing import Any
 
 from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
+from accel.cli import deepspeed_options
 from accel.cli.config_file import (
     ClusterConfig,
     ConfigError,
@@ -86,6 +92,9 @@ AUTO_WRAP_POLICY_OPTIONS = _named_options(fsdp_options.AUTO_WRAP_POLICIES)
 BACKWARD_PREFETCH_OPTIONS = _named_options(fsdp_options.BACKWARD_PREFETCHES)
 STATE_DICT_TYPE_OPTIONS = {1: _named_options(fsdp_options.STATE_DICT_TYPES),
                            2: _named_options(fsdp_options.FSDP2_STATE_DICT_TYPES)}  # fmt: skip
+ZERO_STAGE_OPTIONS: list[Option] = [(str(stage), stage) for stage in deepspeed_options.ZERO_STAGES]
+OFFLOAD_DEVICE_OPTIONS = _named_options(deepspeed_options.OFFLOAD_DEVICES)
+MULTINODE_LAUNCHER_OPTIONS = _named_options(deepspeed_options.MULTINODE_LAUNCHERS)
 
 _YES = ("y", "yes", "true", "1")
 _NO = ("n", "no", "false", "0")
@@ -182,6 +191,21 @@ def integer_between(low: int, high: int | None = None, hint: str = "", multiple_
         value = int(answer) if re.fullmatch(r"[+-]?\d+", answer) else None
         if value is None or value < low or (high is not None and value > high) or value % multiple_of:
             raise ValueError(f"{answer!r} is not valid; allowed: {allowed}.{hint}")
+        return value
+
+    return parse
+
+
+def number_at_least(low: float) -> Callable[[str], float]:
+    """A parser accepting numbers >= `low`."""
+
+    def parse(answer: str) -> float:
+        try:
+            value = float(answer)
+        except ValueError:
+            value = None
+        if value is None or not value >= low:
+            raise ValueError(f"{answer!r} is not valid; allowed: a number >= {low}.")
         return value
 
     return parse
@@ -394,10 +418,79 @@ def ask_fsdp(chosen: bool = False) -> dict[str, Any]:
     return config
 
 
+def ask_deepspeed_offload() -> dict[str, str]:
+    """Where ZeRO 2 and 3 offload optimizer states and parameters, and the NVMe paths when offloaded there."""
+    config = {
+        "offload_optimizer_device": ask_option("Where to offload optimizer states?", OFFLOAD_DEVICE_OPTIONS),
+        "offload_param_device": ask_option("Where to offload parameters?", OFFLOAD_DEVICE_OPTIONS),
+    }
+    if config["offload_param_device"] == "nvme":
+        config["offload_param_nvme_path"] = ask("Nvme Path to offload parameters? [/nvme]: ", required_text, "/nvme")
+    if config["offload_optimizer_device"] == "nvme":
+        config["offload_optimizer_nvme_path"] = ask(
+            "Nvme Path to offload optimizer states? [/nvme]: ", required_text, "/nvme"
+        )
+    return config
+
+
+def ask_deepspeed_settings() -> dict[str, Any]:
+    """The settings of a DeepSpeed config built without a JSON file: ZeRO stage, offloading, gradient accumulation
+    and clipping, and 16-bit saving under ZeRO-3."""
+    stage = ask_option("What should be your DeepSpeed's ZeRO optimization stage?", ZERO_STAGE_OPTIONS, default=2)
+    config: dict[str, Any] = {"zero_stage": stage}
+    if config["zero_stage"] >= 2:
+        config.update(ask_deepspeed_offload())
+    config["gradient_accumulation_steps"] = ask(
+        "How many gradient accumulation steps you're passing in your script? [1]: ", integer_between(1), default=1
+    )
+    if ask_yes_no("Do you want to use gradient clipping? [yes/NO]: ", default=False):
+        config["gradient_clipping"] = ask("What is the gradient clipping value? [1.0]: ", number_at_least(0), 1.0)
+    if config["zero_stage"] == 3:
+        config["zero3_save_16bit_model"] = ask_yes_no(
+            "Do you want to save 16-bit model weights when using ZeRO Stage-3? [yes/NO]: ", default=False
+        )
+    return config
+
+
+def ask_multinode_launcher() -> str:
+    """HF's launcher question, asked until the answer is `standard`, the only start accel does."""
+    while True:
+        launcher = ask_option("Which Type of launcher do you want to use?", MULTINODE_LAUNCHER_OPTIONS, default=1)
+        if launcher == deepspeed_options.STANDARD_LAUNCHER:
+            return launcher
+        print(f"{launcher} is not supported by accel: accel starts every machine through torch.distributed.run; "
+              "choose standard and run `accel launch` on each machine.")  # fmt: skip
+
+
+def ask_deepspeed(num_machines: int) -> dict[str, Any]:
+    """HF's DeepSpeed questions, in its order; an empty dict (no DeepSpeed) when DeepSpeed is not wanted."""
+    if not ask_yes_no("Do you want to use DeepSpeed? [yes/NO]: ", default=False):
+        return {}
+    if ask_yes_no("Do you want to specify a json file to a DeepSpeed config? [yes/NO]: ", default=False):
+        config = {"deepspeed_config_file": ask("Please enter the path to the json DeepSpeed config file: ",
+                                               required_text)}  # fmt: skip
+    else:
+        config = ask_deepspeed_settings()
+    config["zero3_init_flag"] = ask_yes_no(
+        "Do you want to enable `deepspeed.zero.Init` when using ZeRO Stage-3 for constructing massive models? "
+        "[yes/NO]: ",
+        default=False,
+    )
+    if ask_yes_no("Do you want to enable Mixture-of-Experts training (MoE)? [yes/NO]: ", default=False):
+        config["deepspeed_moe_layer_cls_names"] = ask(
+            "Specify the comma-separated list of transformers MoE layer class names (case-sensitive), e.g :  "
+            "`MixtralSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`, `JetMoEAttention,JetMoEBlock` ... : ",
+            required_text,
+        )
+    if num_machines > 1:
+        config["deepspeed_multinode_launcher"] = ask_multinode_launcher()
+    return config
+
+
 def ask_num_processes(distributed_type: str, num_machines: int) -> int:
-    """How many processes (multi-CPU) or GPUs (multi-GPU) in total, the same number on every machine."""
+    """How many processes (multi-CPU) or GPUs (multi-GPU, DeepSpeed) in total, the same number on every machine."""
     device = "processes" if distributed_type == "MULTI_CPU" else "GPU(s)"
-    if num_machines > 1 or distributed_type == "MULTI_CPU":
+    if num_machines > 1 or distributed_type in ("MULTI_CPU", "DEEPSPEED"):
         # The launcher starts num_processes / num_machines processes on each machine.
         question = f"How many {device} should be used for distributed training? [{num_machines}]:"
         return ask(question, integer_between(num_machines, multiple_of=num_machines), num_machines)
@@ -431,10 +524,15 @@ def get_user_input() -> ClusterConfig:
     ipex_config = ask_ipex() if use_cpu else {}
     ipex_config = ipex_config if ipex_config.get("ipex") else {}
     dynamo_config = ask_dynamo()
+    num_machines = machines.get("num_machines", 1)
+    deepspeed_config = ask_deepspeed(num_machines) if distributed_type in ("NO", "MULTI_GPU") else {}
+    distributed_type = "DEEPSPEED" if deepspeed_config else distributed_type
     fsdp_config = ask_fsdp(chosen=cpu_fsdp) if cpu_fsdp or distributed_type == "MULTI_GPU" else {}
-    num_processes = ask_num_processes(distributed_type, machines["num_machines"]) if is_distributed else 1
-    gpu_ids = None if use_cpu or fsdp_config else ask_gpu_ids()  # HF asks no GPU ids for FSDP
-    mixed_precision = ask_option("Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)
+    num_processes = ask_num_processes(distributed_type, num_machines) if distributed_type != "NO" else 1
+    gpu_ids = None if use_cpu or fsdp_config or deepspeed_config else ask_gpu_ids()  # as HF: none for FSDP, DeepSpeed
+    # HF leaves the precision to the DeepSpeed config file when there is one (see accel/cli/launch.py).
+    mixed_precision = None if "deepspeed_config_file" in deepspeed_config else ask_option(
+        "Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)  # fmt: skip
     return ClusterConfig(
         compute_environment=compute_environment,
         distributed_type="FSDP" if fsdp_config else distributed_type,
@@ -446,6 +544,7 @@ def get_user_input() -> ClusterConfig:
         ipex_config=ipex_config,
         dynamo_config=dynamo_config,
         fsdp_config=fsdp_config,
+        deepspeed_config=deepspeed_config,
         **machines,
     )
 

@@ -2,7 +2,7 @@
 
 `ClusterConfig` holds every key HF Accelerate writes, so an existing Accelerate config loads unchanged.
 Loading checks each key's type and value and says which file, which key and what is allowed. Whether accel
-can *run* what a file describes (DeepSpeed, TPU, ...) is a separate check,
+can *run* what a file describes (TPU, Megatron-LM, ...) is a separate check,
 `ClusterConfig.check_supported()`, so such a file can still be loaded and shown.
 
 Where the default file lives (DESIGN.md §1):
@@ -21,7 +21,8 @@ Differences from HF Accelerate, all deliberate:
   `mixed_precision`.
 - `ipex_config` and `mpirun_config` (written by HF Accelerate before 1.0) are accepted.
 - `fsdp_config`'s keys and values are checked too (HF's keys, with or without their `fsdp_` prefix, and the
-  older `fsdp_backward_prefetch_policy`); the file keeps them as written.
+  older `fsdp_backward_prefetch_policy`); the file keeps them as written. So are `deepspeed_config`'s (HF's keys,
+  accel/cli/deepspeed_options.py), which HF copies onto its launch arguments unchecked.
 - `compute_environment: AMAZON_SAGEMAKER` is refused at load time: its keys are SageMaker's, not a cluster's.
 - Files are written atomically (temporary file + rename).
 """
@@ -43,6 +44,7 @@ import yaml
 
 from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
+from accel.cli import deepspeed_options
 from accel.settings import DynamoBackend  # torch-free, so the CLI still starts without torch
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
@@ -132,9 +134,12 @@ def _distributed_type(value: Any) -> str:
     return "NO" if value is False else _choice(DISTRIBUTED_TYPES)(value)
 
 
-def _mixed_precision(value: Any) -> str:
-    # An unquoted `no` is YAML 1.1 for false, and HF leaves the key unset (None) for DeepSpeed configs.
-    if value is None or value is False:
+def _mixed_precision(value: Any) -> str | None:
+    # An unquoted `no` is YAML 1.1 for false. HF leaves the key unset (None) for DeepSpeed configs that name a
+    # deepspeed_config_file: the file holds the precision, and a key here would contradict it (see launch.py).
+    if value is None:
+        return None
+    if value is False:
         return "no"
     return _choice(MIXED_PRECISIONS, fold=str.lower)(value)
 
@@ -249,6 +254,18 @@ def _fsdp_config(value: Any) -> dict:
     return result
 
 
+def _deepspeed_config(value: Any) -> dict:
+    """HF's `deepspeed_config`, each key and value checked (accel.cli.deepspeed_options) and kept as written, so
+    that the file round-trips unchanged; null values mean unset."""
+    result = _mapping(value)
+    for subkey, subvalue in result.items():
+        try:
+            deepspeed_options.parse_entry(str(subkey), subvalue)
+        except ValueError as error:
+            raise _Invalid(str(error), str(subkey), subvalue, True) from None
+    return result
+
+
 def _key(default: Any, parse: Callable[[Any], Any]) -> Any:
     return field(default=default, metadata={"parse": parse})
 
@@ -269,7 +286,9 @@ class ClusterConfig:
 
     compute_environment: str = _key("LOCAL_MACHINE", _compute_environment)
     distributed_type: str = _key("NO", _distributed_type)
-    mixed_precision: str = _key("no", _mixed_precision)
+    # None: the file has no key (launching then uses "no"); HF's questionnaire leaves it out for DeepSpeed configs
+    # that name a deepspeed_config_file.
+    mixed_precision: str | None = _key(None, _mixed_precision)
     use_cpu: bool = _key(False, _boolean)
     debug: bool = _key(False, _boolean)
     # -1 lets the launcher decide (HF's default); a file with distributed_type NO and no key gets 1.
@@ -291,7 +310,7 @@ class ClusterConfig:
     mpirun_config: dict = _mapping_key()
     dynamo_config: dict = _mapping_key(_dynamo_config)
     fp8_config: dict = _mapping_key()
-    deepspeed_config: dict = _mapping_key()
+    deepspeed_config: dict = _mapping_key(_deepspeed_config)
     fsdp_config: dict = _mapping_key(_fsdp_config)
     parallelism_config: dict = _mapping_key()
     megatron_lm_config: dict = _mapping_key()
@@ -351,7 +370,7 @@ class ClusterConfig:
     def check_supported(self) -> None:
         """Raise UnsupportedFeatureError when accel cannot run this setup; the error names the file and key.
 
-        Refused: a `distributed_type` accel does not run (DeepSpeed, XLA, Megatron-LM, other devices), an
+        Refused: a `distributed_type` accel does not run (XLA, Megatron-LM, other devices), an
         `mpirun_config` naming a hostfile (HF then launches through mpirun) and a non-empty
         `parallelism_config` (HF then turns on N-d parallelism). Loading accepts every value HF Accelerate
         writes; call this before acting on the config.

@@ -20,14 +20,25 @@ Differences from `accelerate launch`, on purpose:
     read only on TPUs by HF and is ignored here as well.
   * `--tee` without `--log_dir` tees into a temporary folder removed after the run; give `--log_dir` to keep
     the files.
-  * `--mixed_precision fp8`, a config file asking for DeepSpeed, Megatron-LM, TPUs, mpirun or the parallelism
-    config, and any of those backends' flags are refused with one error, exit status 2.
+  * `--mixed_precision fp8`, a config file asking for Megatron-LM, TPUs, mpirun or the parallelism config, and any
+    of those backends' flags are refused with one error, exit status 2.
   * FSDP (`--use_fsdp`, `distributed_type: FSDP`, ACCEL_USE_FSDP / ACCELERATE_USE_FSDP) runs on CPU processes too
     (`--cpu --use_fsdp`; HF refuses the pair). Its options' environment layer is HF's FSDP_* variables (those the
     ranks read); `--multi_gpu` over a lower layer's FSDP runs DDP, as in HF, while `--cpu` keeps FSDP. accel runs
     FSDP2: a resolved `fsdp_version` 1 is exported as FSDP2 through `accel to-fsdp2`'s rule
     (accel/backends/fsdp_options.py), saying so in one line; an FSDP1 option FSDP2 cannot honour is refused, exit
     status 2. An `--fsdp_*` flag without FSDP is refused (HF ignores it).
+  * DeepSpeed (`--use_deepspeed`, `distributed_type: DEEPSPEED` + `deepspeed_config`, ACCEL_USE_DEEPSPEED /
+    ACCELERATE_USE_DEEPSPEED) exports HF's DeepSpeed variables (accel/cli/deepspeed_options.py) in HF's ACCELERATE_
+    spelling and accel's ACCEL_ one, the NVMe offload paths included (HF's launcher drops them), and runs on CPU
+    processes too (`--cpu --use_deepspeed`; HF refuses the pair). The ranks always start through
+    torch.distributed.run, never DeepSpeed's runner: several machines each run `accel launch --num_machines N
+    --machine_rank R`, which is HF's `--deepspeed_multinode_launcher standard` (also what an unset launcher means
+    here; HF's default is pdsh). With several machines another launcher, `--deepspeed_hostfile` and the
+    inclusion/exclusion filters are refused, exit status 2; on one machine they are ignored, as in HF. A DeepSpeed
+    flag without DeepSpeed is refused (HF ignores it). As with FSDP, `--multi_gpu` or `--use_fsdp` over a lower
+    layer's DeepSpeed runs DDP or FSDP, `--use_deepspeed` over a lower layer's FSDP runs DeepSpeed, and
+    `--use_deepspeed` with `--use_fsdp` is an error.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ from typing import Any
 from accel import accelerate_alias, availability
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.backends import fsdp_options
+from accel.cli import deepspeed_options
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
@@ -88,6 +100,25 @@ class LaunchConfig:
     dynamo_use_dynamic: bool = False
     dynamo_use_regional_compilation: bool = False
     gradient_accumulation_steps: int | None = None
+    use_deepspeed: bool = False
+    # DeepSpeed's options (accel.cli.deepspeed_options.OPTIONS), normalised; None: set nowhere.
+    deepspeed_config_file: str | None = None
+    zero_stage: int | None = None
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    gradient_clipping: float | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+    deepspeed_moe_layer_cls_names: str | None = None
+    deepspeed_multinode_launcher: str | None = None
+    deepspeed_hostfile: str | None = None
+    deepspeed_exclusion_filter: str | None = None
+    deepspeed_inclusion_filter: str | None = None
+    # The config file's DeepSpeed settings (HF's name): its deepspeed_config keys, and mixed_precision when the
+    # precision came from the file. DeepSpeedPlugin refuses them beside a deepspeed_config_file.
+    deepspeed_fields_from_accelerate_config: tuple[str, ...] = ()
     use_fsdp: bool = False
     # FSDP's options (accel.backends.fsdp_options.OPTIONS), normalised; None: set nowhere, HF's default applies.
     fsdp_version: int | None = None
@@ -122,11 +153,15 @@ class LaunchConfig:
 
 # ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_;
 # FSDP's options are HF's FSDP_* variables, which the ranks' FullyShardedDataParallelPlugin reads).
+_DEEPSPEED_VARIABLES = {key: option.variable for key, option in deepspeed_options.OPTIONS.items() if option.variable}
 ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX", "enable_cpu_affinity": "ACCEL_CPU_AFFINITY",
-             **{key: option.variable for key, option in fsdp_options.OPTIONS.items()}}  # fmt: skip
-# Read when the ACCEL_ name is unset: the ranks read HF's switch too, so the launcher must agree with them.
-HF_ENV_NAMES = {"use_fsdp": "ACCELERATE_USE_FSDP"}
-NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python", "main_training_function"}
+             **{key: option.variable for key, option in fsdp_options.OPTIONS.items()},
+             **{key: f"ACCEL_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()}}  # fmt: skip
+# Read when the ACCEL_ name is unset: the ranks read HF's names too, so the launcher must agree with them.
+HF_ENV_NAMES = {"use_fsdp": "ACCELERATE_USE_FSDP", "use_deepspeed": "ACCELERATE_USE_DEEPSPEED",
+                **{key: f"ACCELERATE_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()}}  # fmt: skip
+NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python", "main_training_function",
+                "deepspeed_fields_from_accelerate_config"}  # fmt: skip
 
 
 def env_name(field: str) -> str:
@@ -135,9 +170,10 @@ def env_name(field: str) -> str:
 
 def parse_value(field: str, raw: Any, source: str) -> Any:
     """Converts a config/env/flag value to the field's type, or raises LaunchError naming `source`."""
-    if field in fsdp_options.OPTIONS and raw is not None:
+    table = fsdp_options.OPTIONS if field in fsdp_options.OPTIONS else deepspeed_options.OPTIONS
+    if field in table and raw is not None:
         try:
-            return fsdp_options.OPTIONS[field].parse(raw)
+            return table[field].parse(raw)
         except ValueError as error:
             raise LaunchError(f"{source}: {raw!r} is not valid; {error}") from None
     kind = typing.get_type_hints(LaunchConfig)[field]
@@ -168,6 +204,7 @@ def _config_file_values(cluster: Any) -> tuple[dict[str, Any], dict[str, str]]:
         "use_cpu": config.get("use_cpu", False) or distributed_type == "MULTI_CPU",
         "multi_gpu": distributed_type == "MULTI_GPU",
         "use_fsdp": distributed_type == "FSDP",
+        "use_deepspeed": distributed_type == "DEEPSPEED",
         "ipex": bool((config.get("ipex_config") or {}).get("ipex", False)),
         "downcast_bf16": config.get("downcast_bf16") in (True, "yes"),  # HF's questionnaire writes 'yes'/'no'
     }
@@ -180,11 +217,16 @@ def _config_file_values(cluster: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if key in DYNAMO_KEYS:
             values[key] = value
     # Read whatever distributed_type says, as HF does: `--use_fsdp` over a MULTI_GPU file uses its fsdp_config.
-    names = {"use_fsdp": "distributed_type"}
+    names = {"use_fsdp": "distributed_type", "use_deepspeed": "distributed_type"}
     for name, value in (config.get("fsdp_config") or {}).items():
         key = fsdp_options.option_key(name)  # the loader has checked the keys
         if value is not None:
             values[key], names[key] = value, f"fsdp_config.{name}"
+    deepspeed_config = config.get("deepspeed_config") or {}
+    for key, value in deepspeed_config.items():  # the loader has checked the keys
+        if value is not None:
+            values[key], names[key] = value, f"deepspeed_config.{key}"
+    values["deepspeed_fields_from_accelerate_config"] = tuple(deepspeed_config)
     return values, names
 
 
@@ -216,13 +258,16 @@ def values_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[st
 
 def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
     """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice,
-    and one choosing multi-GPU without FSDP turns a lower layer's FSDP off (HF: `--multi_gpu` runs DDP)."""
+    and one choosing multi-GPU, DeepSpeed or FSDP turns off a lower layer's DeepSpeed or FSDP that it does not
+    choose itself (HF: `--multi_gpu` runs DDP, `--use_fsdp` over a DeepSpeed config FSDP)."""
     if layer.get("use_cpu") and layer.get("multi_gpu"):
         raise LaunchError("use_cpu (--cpu) and multi_gpu (--multi_gpu) cannot be used together")
     if layer.get("use_cpu"):
         values["multi_gpu"] = False
     if layer.get("multi_gpu"):
         values["use_cpu"] = False
+    if layer.get("multi_gpu") or layer.get("use_deepspeed") or layer.get("use_fsdp"):
+        values["use_deepspeed"] = layer.get("use_deepspeed", False)
         values["use_fsdp"] = layer.get("use_fsdp", False)
     values.update(layer)
 
@@ -239,6 +284,9 @@ def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> L
     values, origins = values_from_config_file(flags.pop("config_file", None))
     env_values, env_origins = values_from_env(environ)
     flag_values = {k: v for k, v in flags.items() if v is not None}
+    if "mixed_precision" in values and "mixed_precision" not in {**env_values, **flag_values}:
+        # HF: a precision from the file counts as one of its DeepSpeed settings.
+        values["deepspeed_fields_from_accelerate_config"] += ("mixed_precision",)
     _merge(values, env_values)
     _merge(values, flag_values)
     origins.update(env_origins)
@@ -299,7 +347,54 @@ def validate(config: LaunchConfig, origins: Mapping[str, str] | None = None) -> 
         raise LaunchError("--module and --no_python cannot be used together")
     _check_processes(config)
     _check_torchrun_formats(config)
+    config = _check_deepspeed(config, origins or {})
     return _check_fsdp(config, origins or {})
+
+
+# --- DeepSpeed -------------------------------------------------------------------------------------------------
+
+
+def _deepspeed_settings(config: LaunchConfig) -> dict[str, Any]:
+    """The DeepSpeed options some layer set, by key."""
+    return {key: getattr(config, key) for key in deepspeed_options.OPTIONS if getattr(config, key) is not None}
+
+
+def _check_deepspeed(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
+    """Normalises the DeepSpeed options and refuses, before anything starts, what cannot run (see the module
+    docstring)."""
+    options = {key: parse_value(key, value, origins.get(key, key))
+               for key, value in _deepspeed_settings(config).items()}  # fmt: skip
+    config = dataclasses.replace(config, **options)
+    if config.use_deepspeed and config.use_fsdp:
+        raise LaunchError(f"{origins.get('use_deepspeed', 'use_deepspeed')} and {origins.get('use_fsdp', 'use_fsdp')} "
+                          "cannot be used together: choose DeepSpeed or FSDP")  # fmt: skip
+    if not config.use_deepspeed:
+        flags = [origins[key] for key in deepspeed_options.DEEPSPEED_ONLY
+                 if key in options and origins.get(key, "").startswith("-")]  # fmt: skip
+        if flags:
+            raise LaunchError(f"{flags[0]} has no effect without DeepSpeed: add --use_deepspeed (or use a config file "
+                              "with distributed_type: DEEPSPEED)")  # fmt: skip
+        return config
+    refused = deepspeed_options.multinode_refusal(options) if config.num_machines > 1 else None
+    if refused is not None:
+        asked_by = _asked_by(origins.get(refused, refused), deepspeed_options.shown(options[refused]))
+        raise refuse_backend("deepspeed_multinode", f"{asked_by} with num_machines={config.num_machines}")
+    return config
+
+
+def deepspeed_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """ACCEL_USE_DEEPSPEED, and with DeepSpeed what HF's launcher exports (deepspeed_options.environment) in its
+    ACCELERATE_ spelling and accel's ACCEL_ one (the ranks read ACCEL_ first: an inherited one must not win), and
+    PYTHONPATH with the working folder added, as HF adds it."""
+    if not config.use_deepspeed:
+        # An inherited ACCELERATE_USE_DEEPSPEED=true (turned off here by a higher layer) must not turn it on again.
+        return {"ACCEL_USE_DEEPSPEED": "false", **({"ACCELERATE_USE_DEEPSPEED": "false"}
+                                                   if "ACCELERATE_USE_DEEPSPEED" in environ else {})}  # fmt: skip
+    fields = config.deepspeed_fields_from_accelerate_config
+    hf_names = deepspeed_options.environment(_deepspeed_settings(config), fields)
+    accel_names = {f"ACCEL_{name.removeprefix('ACCELERATE_')}": value for name, value in hf_names.items()}
+    paths = [path for path in environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return {**accel_names, **hf_names, "PYTHONPATH": os.pathsep.join([*paths, os.path.abspath(".")])}
 
 
 # --- FSDP ------------------------------------------------------------------------------------------------------
@@ -384,7 +479,8 @@ def processes_per_machine(config: LaunchConfig) -> int:
     if total is None:
         import torch
 
-        on_gpus = config.multi_gpu or (config.use_fsdp and not config.use_cpu)  # HF: FSDP takes every GPU
+        # HF: FSDP and DeepSpeed take every GPU
+        on_gpus = config.multi_gpu or ((config.use_fsdp or config.use_deepspeed) and not config.use_cpu)
         total = torch.cuda.device_count() if on_gpus else 1
     return max(1, total // config.num_machines)
 
@@ -447,6 +543,7 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     if config.gradient_accumulation_steps is not None:
         env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
     env.update(fsdp_env(config, environ))
+    env.update(deepspeed_env(config, environ))
     if config.enable_cpu_affinity:
         env["ACCEL_CPU_AFFINITY"] = "1"
     if config.as_accelerate:

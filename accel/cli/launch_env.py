@@ -8,8 +8,12 @@ finds them; booleans are written "true"/"false" (HF writes "True"/"False"; both 
 
 Differences from HF Accelerate: no `KMP_AFFINITY`/`KMP_BLOCKTIME` (accel's launcher does not set them either);
 on one machine without a port, the rendezvous goes to a free port (`args.standalone = True`) rather than 29500;
-a Namespace asking for DeepSpeed, Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused with
-UnsupportedFeatureError, as `accel launch` refuses it. The DeepSpeed, TPU and SageMaker helpers always refuse.
+a Namespace asking for Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused with
+UnsupportedFeatureError, as `accel launch` refuses it. The TPU and SageMaker helpers always refuse.
+`prepare_deepspeed_cmd_env` returns what HF's returns for its torch.distributed.run path (HF's
+`deepspeed_multinode_launcher standard`, and one machine): no command (None), torchrun's names set on `args`, and
+the environment; an unset launcher means standard (HF: pdsh), and with several machines another launcher or a
+pdsh-only option is refused, as `accel launch` refuses it.
 With `use_fsdp`, the FSDP variables are `accel launch`'s (HF's, fsdp_version 1 options as their FSDP2
 translation); an FSDP option holding HF's launch default counts as unset (HF's parser fills them all in), so the
 sharding strategy wins over the default `fsdp_reshard_after_forward`, as in HF's FSDP1.
@@ -24,12 +28,13 @@ import sys
 from typing import Any
 
 from accel.backends import fsdp_options
+from accel.cli import deepspeed_options
 from accel.cli.launch import LaunchConfig, child_env, dropped_variables, parse_value, torchrun_argv, validate
 from accel.cli.refusals import refuse_backend
 
 # Namespace attributes that ask for a backend accel does not run, when true.
 _BACKEND_ATTRIBUTES = {
-    "use_deepspeed": "deepspeed", "use_megatron_lm": "megatron_lm", "tpu": "tpu",
+    "use_megatron_lm": "megatron_lm", "tpu": "tpu",
     "tpu_use_cluster": "tpu_pod", "use_parallelism_config": "parallelism_config", "mpirun_hostfile": "mpirun",
 }  # fmt: skip
 # torch.distributed.run's names that HF's prepare_multi_gpu_env sets on `args` for its hand-off to torchrun.
@@ -54,14 +59,18 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     values: dict[str, Any] = {}
     for field in dataclasses.fields(LaunchConfig):
         value = getattr(args, field.name, None)
-        if value is not None and field.name != "training_script_args":
+        if value is not None and field.name not in ("training_script_args", "deepspeed_fields_from_accelerate_config"):
             values[field.name] = parse_value(field.name, value, f"args.{field.name}")
     for key, option in fsdp_options.OPTIONS.items():
         if key in values and values[key] == option.default:
             del values[key]
     values["use_cpu"] = bool(getattr(args, "cpu", False) or getattr(args, "use_cpu", False))
     values["training_script_args"] = tuple(getattr(args, "training_script_args", None) or ())
-    origins = {key: f"args.{key}" for key in ("mixed_precision", *fsdp_options.OPTIONS)}
+    # HF's launch_command sets it as "key1,key2" before its DeepSpeed launcher runs.
+    fields = str(getattr(args, "deepspeed_fields_from_accelerate_config", None) or "")
+    values["deepspeed_fields_from_accelerate_config"] = tuple(field for field in fields.split(",") if field)
+    origins = {key: f"args.{key}" for key in ("mixed_precision", "use_deepspeed", "use_fsdp", *fsdp_options.OPTIONS,
+                                              *deepspeed_options.OPTIONS)}  # fmt: skip
     return validate(LaunchConfig(**values), origins)
 
 
@@ -101,18 +110,37 @@ def prepare_multi_gpu_env(args: argparse.Namespace) -> dict[str, str]:
     """The environment for a torch.distributed.run launch; also sets torchrun's names on `args` as HF does
     (`nproc_per_node`, `nnodes`, `node_rank`, `master_addr`/`master_port` or `rdzv_endpoint`, `standalone`, ...).
     """
-    from torch.distributed.run import get_args_parser
-
     config = config_from_namespace(args)
-    torch_args = get_args_parser().parse_args(torchrun_argv(config))
-    for name in _TORCHRUN_NAMES:
-        setattr(args, name, getattr(torch_args, name))
+    _set_torchrun_names(args, config)
     return _environment(config)
 
 
-def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """HF's DeepSpeed launch preparation; refused: accel does not run DeepSpeed."""
-    raise refuse_backend("deepspeed", "prepare_deepspeed_cmd_env(args)")
+def _set_torchrun_names(args: argparse.Namespace, config: LaunchConfig) -> None:
+    from torch.distributed.run import get_args_parser
+
+    torch_args = get_args_parser().parse_args(torchrun_argv(config))
+    for name in _TORCHRUN_NAMES:
+        setattr(args, name, getattr(torch_args, name))
+
+
+def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[None, dict[str, str]]:
+    """The environment for a DeepSpeed launch through torch.distributed.run (HF's only path on one machine, and
+    its `deepspeed_multinode_launcher standard`); sets torchrun's names on `args` as `prepare_multi_gpu_env` does,
+    and `args.deepspeed_multinode_launcher` to "standard" when unset.
+
+    Returns:
+        None (HF's command is None on this path: torchrun is called in-process) and a copy of this process's
+        environment with HF's DeepSpeed variables (both spellings) and the other launch settings added.
+
+    Raises:
+        accel.cli.launch.LaunchError: a setting is invalid.
+        accel.unsupported.UnsupportedFeatureError: several machines with another launcher or a pdsh-only option.
+    """
+    if getattr(args, "deepspeed_multinode_launcher", None) is None:
+        args.deepspeed_multinode_launcher = deepspeed_options.STANDARD_LAUNCHER
+    config = config_from_namespace(argparse.Namespace(**{**vars(args), "use_deepspeed": True}))
+    _set_torchrun_names(args, config)
+    return None, _environment(config)
 
 
 def prepare_tpu(args: argparse.Namespace, current_env: dict[str, str], pod: bool = False

@@ -4,11 +4,12 @@ spellings), short forms (`-t`, `-q`, `-m`), types, defaults and actions.
 Two kinds of options:
 
 - RUN groups: accel does what they ask; each option's dest is a LaunchConfig field (`--cpu` is `use_cpu`).
-- REFUSED groups: backends accel does not run (DeepSpeed, Megatron-LM, FP8, TPU, SageMaker, mpirun, the
-  parallelism config). They parse, so HF command lines read; giving any of them is refused with one
-  `UnsupportedFeatureError` naming the flag, before anything starts. HF ignores, e.g., `--zero_stage` without
-  `--use_deepspeed`; accel refuses it too, since a flag that silently does nothing hides a mistake (likewise an
-  `--fsdp_*` flag without FSDP, see launch.py).
+- REFUSED groups: backends accel does not run (Megatron-LM, FP8, TPU, SageMaker, mpirun, the parallelism
+  config). They parse, so HF command lines read; giving any of them is refused with one
+  `UnsupportedFeatureError` naming the flag, before anything starts.
+
+HF ignores, e.g., `--zero_stage` without `--use_deepspeed`; accel refuses it, since a flag that silently does
+nothing hides a mistake (likewise an `--fsdp_*` flag without FSDP, see launch.py).
 
 Which options were given is recorded in `namespace.nondefault`, a {dest: option string as typed} dict (HF's
 parser keeps a set of the same name), so an option repeating its default still counts as given, and a default
@@ -117,23 +118,24 @@ _DISTRIBUTED = Group("Distributed processes", (
 ))  # fmt: skip
 
 _DEEPSPEED = Group("DeepSpeed", (
-    _flag("use_deepspeed", "Use DeepSpeed."),
-    Option("deepspeed_config_file", "DeepSpeed config file."),
-    Option("zero_stage", "DeepSpeed ZeRO stage.", type=int),
-    Option("offload_optimizer_device", "Where to offload optimizer states (none, cpu, nvme)."),
-    Option("offload_param_device", "Where to offload parameters (none, cpu, nvme)."),
+    _flag("use_deepspeed", "Train with DeepSpeed (on CPU processes too, with --cpu)."),
+    Option("deepspeed_config_file", "DeepSpeed config file (JSON)."),
+    Option("zero_stage", "DeepSpeed's ZeRO stage: 0, 1, 2 or 3 (default 2).", type=int),
+    Option("offload_optimizer_device", "Where to offload the optimizer states: none, cpu or nvme (default none)."),
+    Option("offload_param_device", "Where to offload the parameters: none, cpu or nvme (default none)."),
     Option("offload_optimizer_nvme_path", "NVMe path for offloaded optimizer states."),
     Option("offload_param_nvme_path", "NVMe path for offloaded parameters."),
-    Option("gradient_clipping", "DeepSpeed's gradient clipping value (use accelerator.clip_grad_norm_ instead).",
-           type=float),
-    Option("zero3_init_flag", "Use deepspeed.zero.Init (ZeRO-3)."),
-    Option("zero3_save_16bit_model", "Save 16-bit weights with ZeRO-3."),
-    Option("deepspeed_hostfile", "DeepSpeed hostfile."),
-    Option("deepspeed_exclusion_filter", "DeepSpeed exclusion filter."),
-    Option("deepspeed_inclusion_filter", "DeepSpeed inclusion filter."),
-    Option("deepspeed_multinode_launcher", "DeepSpeed multi-node launcher."),
-    Option("deepspeed_moe_layer_cls_names", "MoE layer class names to wrap."),
-), backend="deepspeed")  # fmt: skip
+    Option("gradient_clipping", "Gradient clipping value of the DeepSpeed config.", type=float),
+    Option("zero3_init_flag", "Build the model under deepspeed.zero.Init (true|false; ZeRO-3 only, where it defaults "
+           "to true)."),
+    Option("zero3_save_16bit_model", "Save 16-bit model weights with ZeRO-3 (true|false; default false)."),
+    Option("deepspeed_hostfile", "pdsh's hostfile (refused with several machines: accel starts each machine itself)."),
+    Option("deepspeed_exclusion_filter", "pdsh's exclusion filter (refused with several machines)."),
+    Option("deepspeed_inclusion_filter", "pdsh's inclusion filter (refused with several machines)."),
+    Option("deepspeed_multinode_launcher", "How the machines start: standard (accel launch on each machine; the "
+           "only one accel runs with several machines), pdsh, openmpi, mvapich, mpich, nossh, slurm."),
+    Option("deepspeed_moe_layer_cls_names", "Comma-separated MoE layer class names (MixtralSparseMoeBlock, ...)."),
+))  # fmt: skip
 _FSDP = Group("FSDP", (
     _flag("use_fsdp", "Shard the model with FSDP (accel runs FSDP2; on CPU processes too, with --cpu)."),
     Option("fsdp_version", "FSDP version: 2, or 1 (its options run on FSDP2, as `accel to-fsdp2` translates them).",

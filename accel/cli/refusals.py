@@ -21,7 +21,13 @@ class Backend(NamedTuple):
 
 
 BACKENDS = {
-    "deepspeed": Backend("DeepSpeed", _DDP),
+    "deepspeed_multinode": Backend(
+        "Starting DeepSpeed's machines with its own launcher (pdsh, openmpi, mvapich, mpich, nossh, slurm) and its "
+        "hostfile or filters",
+        "accel starts every machine through torch.distributed.run (HF's `--deepspeed_multinode_launcher standard`): "
+        "run `accel launch --use_deepspeed --num_machines N --machine_rank R --main_process_ip IP ...` on each "
+        "machine.",
+    ),
     "megatron_lm": Backend("Megatron-LM", _DDP),
     "parallelism_config": Backend("The N-d parallelism config (tensor, context, sequence parallelism)", _DDP),
     "fp8": Backend("FP8 training (TransformerEngine, MS-AMP, torchao)", "Use `--mixed_precision bf16` or `fp16`."),
@@ -44,7 +50,6 @@ BACKENDS = {
 
 # The backend each `distributed_type` accel does not run stands for.
 DISTRIBUTED_TYPE_BACKENDS = {
-    "DEEPSPEED": "deepspeed",
     "MEGATRON_LM": "megatron_lm",
     "XLA": "tpu",
     **{kind: "other_devices" for kind in ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",

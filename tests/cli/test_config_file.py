@@ -76,7 +76,7 @@ tpu_use_sudo: false
 use_cpu: false
 """
 
-# A DeepSpeed config: it must load (accel env shows it) but is refused by check_supported().
+# A DeepSpeed config, as HF Accelerate 1.15 writes it.
 HF_DEEPSPEED = """\
 compute_environment: LOCAL_MACHINE
 debug: false
@@ -231,13 +231,22 @@ def test_hf_basic_config_in_json_loads_from_both_suffixes(tmp_path):
     assert (from_json.distributed_type, from_json.use_cpu, from_json.num_processes) == ("NO", True, 1)
 
 
-def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path):
+def test_hf_deepspeed_config_loads_round_trips_and_is_supported(tmp_path):
     path = write(tmp_path / "default_config.yaml", HF_DEEPSPEED)
     config = load_config(path)
     assert config.deepspeed_config["zero_stage"] == 2
+    config.check_supported()
+    written = config.to_dict()
+    assert {key: value for key, value in yaml.safe_load(HF_DEEPSPEED).items() if value != {}} == {
+        key: value for key, value in written.items() if key != "enable_cpu_affinity"}  # (not in this older file)
+
+
+def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path):
+    path = write(tmp_path / "default_config.yaml", HF_DEEPSPEED.replace("DEEPSPEED", "MEGATRON_LM"))
+    config = load_config(path)
     with pytest.raises(UnsupportedFeatureError) as error:
         config.check_supported()
-    assert error.value.feature == "DeepSpeed" and error.value.asked_by == f"{path}: distributed_type: DEEPSPEED"
+    assert error.value.feature == "Megatron-LM" and error.value.asked_by == f"{path}: distributed_type: MEGATRON_LM"
     assert "--multi_gpu" in error.value.instead
 
 

@@ -53,11 +53,12 @@ def test_multi_cpu_answers_are_saved_with_hf_keys(tmp_path):
 
 
 def test_dynamo_answers_are_saved_to_the_default_path(tmp_path):
-    # No distributed training, CPU only, IPEX, dynamo with custom torch.compile settings.
-    answers = ["0", "0", "yes", "y", "yes", "eager", "y", "1", "true", "0", "", "bf16"]
+    # No distributed training, CPU only, IPEX, dynamo with custom torch.compile settings, no DeepSpeed.
+    answers = ["0", "0", "yes", "y", "yes", "eager", "y", "1", "true", "0", "", "no", "bf16"]
     result = run_accel(tmp_path, ["config"], answers)
     data = saved_yaml(result, tmp_path / "default_config.yaml")
     assert (data["distributed_type"], data["num_processes"], data["use_cpu"]) == ("NO", 1, True)
+    assert data["mixed_precision"] == "bf16" and "deepspeed_config" not in data
     assert data["ipex_config"] == {"ipex": True}
     assert data["dynamo_config"] == {
         "dynamo_backend": "EAGER",
@@ -72,7 +73,7 @@ def test_multi_node_answers(tmp_path):
     path = tmp_path / "nodes.yaml"
     answers = [
         "0", "multi-GPU", "2", "1", "10.1.2.3", "29501", "no", "c10d", "yes",  # machines, network, debug
-        "", "", "4", "0,1", "fp16",  # no dynamo, no FSDP, 4 GPUs in total, GPU ids, precision
+        "", "", "", "4", "0,1", "fp16",  # no dynamo, DeepSpeed or FSDP, 4 GPUs in total, GPU ids, precision
     ]  # fmt: skip
     data = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)], answers), path)
     assert (data["distributed_type"], data["num_machines"], data["machine_rank"]) == ("MULTI_GPU", 2, 1)
@@ -113,7 +114,7 @@ def launch_env(path: Path) -> dict[str, str]:
 def test_fsdp2_answers_are_saved_as_hf_writes_them_and_launch(tmp_path):
     path = tmp_path / "fsdp2.yaml"
     answers = [
-        "This machine", "multi-GPU", "1", "no", "no",  # one machine, no debug, no dynamo
+        "This machine", "multi-GPU", "1", "no", "no", "no",  # one machine, no debug, no dynamo, no DeepSpeed
         "yes", "", "", "no",  # FSDP, version 2, reshard after forward, no offload
         "SIZE_BASED_WRAP", "", "", "", "yes",  # 1e8 parameters, SHARDED_STATE_DICT, RAM-efficient loading, AC
         "2", "bf16",  # no GPU ids for FSDP, as in HF

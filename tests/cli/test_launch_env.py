@@ -50,7 +50,7 @@ def test_multi_gpu_env_sets_torchruns_names_on_args():
     assert one.standalone  # no port on one machine: a free one
 
 
-@pytest.mark.parametrize("attribute", ["use_deepspeed", "use_megatron_lm", "tpu", "mpirun_hostfile"])
+@pytest.mark.parametrize("attribute", ["use_megatron_lm", "tpu", "mpirun_hostfile"])
 def test_namespaces_asking_for_other_backends_are_refused(attribute):
     args = launch_command_parser().parse_args(["train.py"])
     setattr(args, attribute, "hosts" if attribute == "mpirun_hostfile" else True)
@@ -58,10 +58,8 @@ def test_namespaces_asking_for_other_backends_are_refused(attribute):
         accel.utils.prepare_multi_gpu_env(args)
 
 
-def test_deepspeed_tpu_and_sagemaker_helpers_refuse():
+def test_tpu_and_sagemaker_helpers_refuse():
     args = argparse.Namespace()
-    with pytest.raises(UnsupportedFeatureError, match="DeepSpeed"):
-        accel.utils.prepare_deepspeed_cmd_env(args)
     with pytest.raises(UnsupportedFeatureError, match="TPU"):
         accel.utils.prepare_tpu(args, {})
     with pytest.raises(UnsupportedFeatureError, match="SageMaker"):

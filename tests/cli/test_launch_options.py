@@ -151,10 +151,6 @@ def test_worker_target_for_main_function_module_and_pinned_executables():
 
 
 @pytest.mark.parametrize("argv,feature", [
-    (["--use_deepspeed"], "DeepSpeed"),
-    (["--zero_stage", "2"], "DeepSpeed"),
-    (["--gradient-clipping", "1.0"], "DeepSpeed"),
-    (["--deepspeed_config_file", "ds.json"], "DeepSpeed"),
     (["--use_megatron_lm"], "Megatron-LM"),
     (["--megatron_lm_tp_degree", "2"], "Megatron-LM"),
     (["--fp8_backend", "te"], "FP8"),
@@ -190,16 +186,17 @@ def test_fp8_is_refused_naming_where_it_came_from(tmp_path, layer):
 def test_a_refused_option_stops_the_launch_before_anything_starts(tmp_path, capsys):
     marker = tmp_path / "ran"
     script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
-    assert main(["launch", "--cpu", "--use_deepspeed", "--zero_stage", "2", str(script)]) == 2
+    assert main(["launch", "--cpu", "--use_megatron_lm", "--megatron_lm_tp_degree", "2", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("accel launch: error: DeepSpeed is not supported by accel (asked for by --use_deepspeed)")
+    assert err.startswith("accel launch: error: Megatron-LM is not supported by accel (asked for by "
+                          "--use_megatron_lm)")  # fmt: skip
     assert not marker.exists()
 
 
-def test_a_config_file_asking_for_deepspeed_exits_2_naming_the_key(tmp_path, capsys):
-    config = write(tmp_path / "c.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 2}\n")
+def test_a_config_file_asking_for_megatron_lm_exits_2_naming_the_key(tmp_path, capsys):
+    config = write(tmp_path / "c.yaml", "distributed_type: MEGATRON_LM\nmegatron_lm_config: {tp_degree: 2}\n")
     assert main(["launch", "--config_file", str(config), "train.py"]) == 2
-    assert f"DeepSpeed is not supported by accel (asked for by {config}: distributed_type: DEEPSPEED)" in (
+    assert f"Megatron-LM is not supported by accel (asked for by {config}: distributed_type: MEGATRON_LM)" in (
         capsys.readouterr().err)
 
 
