@@ -103,6 +103,32 @@ def start_group_of_one(device: torch.device) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def forget_destroyed_groups(deepspeed: Any) -> None:
+    """Drops DeepSpeed's cached process groups when they belong to a destroyed default group.
+
+    DeepSpeed keeps the groups it derives (its clone of the world group, data / model / expert parallel groups) in
+    module globals, and forgets them only when the group is destroyed through `deepspeed.comm`. One destroyed
+    through torch (`end_training`, a test's teardown) leaves them naming a dead group, and the next engine in this
+    process fails building ("Group ... is not registered"). DeepSpeed's own release is used (0.19.8 has it).
+    """
+    groups = deepspeed.utils.groups
+    release = getattr(groups, "_release_process_group_references", None)
+    cached = [groups._WORLD_GROUP, groups._DATA_PARALLEL_GROUP, groups._MODEL_PARALLEL_GROUP,
+              groups._TENSOR_MODEL_PARALLEL_GROUP, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP,
+              *groups._EXPERT_PARALLEL_GROUP.values(), *groups._EXPERT_DATA_PARALLEL_GROUP.values(),
+              *groups._ALL_TO_ALL_GROUP.values()]  # fmt: skip
+    if release is not None and not all(_registered(group) for group in cached if group is not None):
+        release(group=None)
+
+
+def _registered(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # torch's map of live groups lacks it
+        return False
+    return True
+
+
 class DeepSpeedStrategy(Strategy):
     """The model, optimizer and scheduler run inside DeepSpeed's engine (ZeRO stage 0-3).
 
@@ -116,6 +142,7 @@ class DeepSpeedStrategy(Strategy):
         self.deepspeed = import_deepspeed(state.device)
         if not dist.is_initialized():
             start_group_of_one(state.device)
+        forget_destroyed_groups(self.deepspeed)
         self.engine_wrapper: DeepSpeedEngineWrapper | None = None
 
     @classmethod
