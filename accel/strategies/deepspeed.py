@@ -178,6 +178,7 @@ class DeepSpeedStrategy(Strategy):
         config.check_parts(optimizer, scheduler)
         if model is None:
             return prepared  # HF prepares the engine only with its model: the rest stays as given
+        self.plugin.set_moe_leaf_modules(model)  # before the engine partitions it under ZeRO-3
         config.fill(model, optimizer, scheduler, self.state.device)
         engine, ds_optimizer, ds_scheduler = self._initialize(model, optimizer, scheduler, config.values)
         wrapped_optimizer = DeepSpeedOptimizerWrapper(ds_optimizer) if ds_optimizer is not None else None
