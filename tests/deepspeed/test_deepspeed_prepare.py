@@ -405,15 +405,24 @@ def test_bf16_trains(dist_env, new_accelerator, stage):
     assert model.global_steps == 12
 
 
-def test_one_process_trains_without_launcher_variables(new_accelerator):
+# ZeRO-3 reads LOCAL_RANK at every forward (deepspeed/runtime/zero/utils.py, assert_lst_len_same_as_other_ranks) and
+# in zero.Init: a process without a launcher would need the variable for the engine's whole life, not only while
+# accel builds it.
+ZERO3_NEEDS_LOCAL_RANK = pytest.mark.xfail(raises=KeyError, strict=True,
+                                           reason="ZeRO-3 reads LOCAL_RANK at each forward; accel sets it only while "
+                                                  "building the engine")  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=ZERO3_NEEDS_LOCAL_RANK)])
+def test_one_process_trains_without_launcher_variables(new_accelerator, stage):
     """A script run as `python train.py` (no launcher: no LOCAL_RANK, RANK, WORLD_SIZE): the Accelerator starts a
     process group of one, and DeepSpeed's engine builds and steps in it."""
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         assert name not in os.environ, f"{name} is set: this test needs a process without launcher variables"
-    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, gradient_clipping=1.0)
+    model = tiny_gpt2(causal_lm=True)  # before the Accelerator: not under ZeRO-3 init
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=1.0)
     accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
-    model = tiny_gpt2(causal_lm=True)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     train_steps(accelerator, model, optimizer, 2)
     assert model.global_steps == 2 and "LOCAL_RANK" not in os.environ
