@@ -211,8 +211,16 @@ class DeepSpeedStrategy(Strategy):
             kwargs["optimizer"] = _offload_optimizer(optimizer, config, self.state.device)
             if scheduler is not None and _is_deepspeed_scheduler(scheduler, self.deepspeed):
                 kwargs["lr_scheduler"] = scheduler
-        engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
+        with patch_environment(**self._launcher_local_rank()):
+            engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
         return engine, ds_optimizer, ds_scheduler
+
+    def _launcher_local_rank(self) -> dict[str, int]:
+        """LOCAL_RANK for building the engine, which asserts a launcher set it: this process's index when none did
+        (a script run alone, on accel's group of one); nothing when a launcher (or MPI) set it."""
+        if "LOCAL_RANK" in os.environ or "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:
+            return {}
+        return {"LOCAL_RANK": self.state.local_process_index}
 
     @staticmethod
     def _compile(engine: Any, dynamo_plugin: Any) -> None:
