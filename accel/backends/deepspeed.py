@@ -319,8 +319,12 @@ class DeepSpeedPlugin:
         fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "").split(",")
         if any(name in _IGNORED_WITH_CONFIG_FILE for name in fields):
             raise ValueError(
-                f"When using `deepspeed_config_file`, the following config variables will be ignored: "
-                f"{_IGNORED_WITH_CONFIG_FILE}.\nPlease specify them appropriately in the DeepSpeed config file."
+                f"When using `deepspeed_config_file`, the following accel config variables will be ignored: "
+                f"{_IGNORED_WITH_CONFIG_FILE}.\nPlease specify them appropriately in the DeepSpeed config file.\n"
+                "If you are using an accel config file, remove others config variables mentioned in the above "
+                "specified list.\nThe easiest method is to create a new config following the questionnaire via "
+                "`accel config`.\nIt will only ask for the necessary config variables when using "
+                "`deepspeed_config_file`."
             )
 
     def is_zero3_init_enabled(self) -> bool:

@@ -101,26 +101,18 @@ def _announce_builds() -> None:
     OpBuilder.jit_load = announced
 
 
-_handed_over: list[Any] = []  # the default group DeepSpeed's group cache was last set up for
-
-
 def hand_over_process_group(deepspeed: Any) -> None:
-    """Makes DeepSpeed run on the job's default group, sharing memory where it does.
+    """Makes DeepSpeed run ZeRO's collectives on the job's default group, sharing memory where it does.
 
     DeepSpeed reuses an initialized default group, but runs ZeRO's collectives on a clone of it that it makes with
     `new_group` (its "world group"), which would be plain gloo: on CPU processes whose default group shares memory,
-    accel makes that clone on its shared-memory backend. DeepSpeed keeps its groups for the process; after the
-    default group was replaced (a new job in the same process), the stale ones are dropped first, as DeepSpeed's own
-    teardown drops them.
+    accel makes that clone on its shared-memory backend.
     """
     from deepspeed.utils import groups
 
     from accel.backends.parallelism import mesh_backend
 
     default = dist.distributed_c10d._get_default_group()
-    if _handed_over and _handed_over[0] is not default:
-        groups._release_process_group_references(None)
-    _handed_over[:] = [default]
     backend = mesh_backend("cpu") if default._get_backend_name() != "nccl" else None
     if groups._WORLD_GROUP is None and backend is not None:
         groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), backend=backend)
@@ -131,6 +123,32 @@ def start_group_of_one(device: torch.device) -> None:
     DeepSpeed for one process too), on an in-memory store: no port, nothing outside the process."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def forget_destroyed_groups(deepspeed: Any) -> None:
+    """Drops DeepSpeed's cached process groups when they belong to a destroyed default group.
+
+    DeepSpeed keeps the groups it derives (its clone of the world group, data / model / expert parallel groups) in
+    module globals, and forgets them only when the group is destroyed through `deepspeed.comm`. One destroyed
+    through torch (`end_training`, a test's teardown) leaves them naming a dead group, and the next engine in this
+    process fails building ("Group ... is not registered"). DeepSpeed's own release is used (0.19.8 has it).
+    """
+    groups = deepspeed.utils.groups
+    release = getattr(groups, "_release_process_group_references", None)
+    cached = [groups._WORLD_GROUP, groups._DATA_PARALLEL_GROUP, groups._MODEL_PARALLEL_GROUP,
+              groups._TENSOR_MODEL_PARALLEL_GROUP, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP,
+              *groups._EXPERT_PARALLEL_GROUP.values(), *groups._EXPERT_DATA_PARALLEL_GROUP.values(),
+              *groups._ALL_TO_ALL_GROUP.values()]  # fmt: skip
+    if release is not None and not all(_registered(group) for group in cached if group is not None):
+        release(group=None)
+
+
+def _registered(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # torch's map of live groups lacks it
+        return False
+    return True
 
 
 class DeepSpeedStrategy(Strategy):
@@ -146,6 +164,11 @@ class DeepSpeedStrategy(Strategy):
         self.deepspeed = import_deepspeed(state.device)
         if not dist.is_initialized():
             start_group_of_one(state.device)
+        forget_destroyed_groups(self.deepspeed)
+        if "LOCAL_RANK" not in os.environ and "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
+            # DeepSpeed reads LOCAL_RANK (its engine asserts it, ZeRO-3 at every forward), which a script run alone
+            # has not: set as a launcher sets it.
+            os.environ["LOCAL_RANK"] = str(state.local_process_index)
         self.engine_wrapper: DeepSpeedEngineWrapper | None = None
 
     @classmethod
@@ -181,6 +204,7 @@ class DeepSpeedStrategy(Strategy):
         config.check_parts(optimizer, scheduler)
         if model is None:
             return prepared  # HF prepares the engine only with its model: the rest stays as given
+        self.plugin.set_moe_leaf_modules(model)  # before the engine partitions it under ZeRO-3
         config.fill(model, optimizer, scheduler, self.state.device)
         engine, ds_optimizer, ds_scheduler = self._initialize(model, optimizer, scheduler, config.values)
         wrapped_optimizer = DeepSpeedOptimizerWrapper(ds_optimizer) if ds_optimizer is not None else None
@@ -214,10 +238,7 @@ class DeepSpeedStrategy(Strategy):
             if scheduler is not None and _is_deepspeed_scheduler(scheduler, self.deepspeed):
                 kwargs["lr_scheduler"] = scheduler
         hand_over_process_group(self.deepspeed)
-        # DeepSpeed insists on LOCAL_RANK, which a script started without a launcher (one process) lacks.
-        local_rank = {} if "LOCAL_RANK" in os.environ else {"LOCAL_RANK": self.state.local_process_index}
-        with patch_environment(**local_rank):
-            engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
+        engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
         return engine, ds_optimizer, ds_scheduler
 
     @staticmethod
