@@ -4,6 +4,7 @@ Every test here leaves transformers without a DeepSpeed config: a plugin hands t
 reference), and a model built later in the session would otherwise be built partitioned under ZeRO-3 init.
 """
 
+import os
 import sys
 
 import pytest
@@ -18,6 +19,15 @@ def _no_transformers_deepspeed_config():
     yield
     if "transformers.integrations" in sys.modules:
         sys.modules["transformers.integrations"].unset_hf_deepspeed_config()
+
+
+@pytest.fixture(autouse=True)
+def _launcher_local_rank_unset_after(monkeypatch):
+    """An Accelerator running DeepSpeed in a process no launcher started sets LOCAL_RANK, as a launcher would (its
+    engine reads it for its whole life): the variable is removed again after the test, when it was not set before."""
+    if "LOCAL_RANK" not in os.environ:
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.delenv("LOCAL_RANK")  # the undo restores "unset"
 
 
 @pytest.fixture

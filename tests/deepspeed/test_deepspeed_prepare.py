@@ -406,14 +406,12 @@ def test_bf16_trains(dist_env, new_accelerator, stage):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_one_process_trains_without_launcher_variables(new_accelerator, monkeypatch, stage):
+def test_one_process_trains_without_launcher_variables(new_accelerator, stage):
     """A script run as `python train.py` (no launcher: no LOCAL_RANK, RANK, WORLD_SIZE): the Accelerator starts a
     process group of one, and DeepSpeed's engine builds and steps in it. DeepSpeed reads LOCAL_RANK (its engine
     asserts it; ZeRO-3 at every forward), so accel sets it as a launcher would."""
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         assert name not in os.environ, f"{name} is set: this test needs a process without launcher variables"
-    monkeypatch.setenv("LOCAL_RANK", "unset again after the test")
-    monkeypatch.delenv("LOCAL_RANK")  # the undo removes what accel sets
     model = tiny_gpt2(causal_lm=True)  # before the Accelerator: not under ZeRO-3 init
     plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=1, gradient_clipping=1.0)
     accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
