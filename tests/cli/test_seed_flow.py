@@ -8,6 +8,7 @@ with inductor, mode default, fullgraph, dynamic shapes, 2 CPUs, fp16) must give 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -81,3 +82,19 @@ def test_the_fsdp_questionnaire_trains_the_example_as_ddp_does(tmp_path):
     replicated = run(tmp_path, "launch", "--cpu", "--num_processes", "2", *example).stdout
     assert "2 process(es) (DistributedType.MULTI_CPU)" in replicated
     assert len(epoch_losses(sharded)) == 2 and epoch_losses(sharded) == epoch_losses(replicated)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
+@pytest.mark.parametrize("cpu", [True, False])
+def test_use_deepspeed_zero_stage_2_trains_the_example_as_ddp_does(tmp_path, cpu):
+    """The issue's command, `accel launch --use_deepspeed --zero_stage 2 --num_processes 2 examples/train.py`, with
+    and without `--cpu` (HF refuses the pair; without it here there is no GPU either): DeepSpeed's engine trains the
+    example with DDP's losses and evaluation (printed to 4 digits)."""
+    example = ["examples/train.py", "--epochs", "2", "--samples", "1024", "--batch_size", "64"]
+    flags = ["--cpu"] if cpu else []
+    zero = run(tmp_path, "launch", *flags, "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
+               *example).stdout  # fmt: skip
+    assert "2 process(es) (DistributedType.DEEPSPEED)" in zero
+    replicated = run(tmp_path, "launch", "--cpu", "--num_processes", "2", *example).stdout
+    assert len(epoch_losses(zero)) == 2 and epoch_losses(zero) == epoch_losses(replicated)
