@@ -1,5 +1,5 @@
-"""HF Accelerate's several-DeepSpeed-plugin tests (its tests/deepspeed/test_deepspeed_multiple_model.py: test_select_plugin,
-test_config_reference_update, test_enable_disable_manually_set, test_multiple_accelerators,
+"""HF Accelerate's several-DeepSpeed-plugin tests (its tests/deepspeed/test_deepspeed_multiple_model.py:
+test_select_plugin, test_config_reference_update, test_enable_disable_manually_set, test_multiple_accelerators,
 test_prepare_multiple_models_zero3_inference) in one CPU process: `deepspeed_plugin={name: plugin}`, the first one
 active, `state.select_deepspeed_plugin` switching (and the config transformers sees with it), a second engine built
 under another plugin. A tiny GPT-2 built from its config stands for hf-internal-testing/tiny-random-gpt2.

@@ -228,7 +228,8 @@ def test_use_deepspeed_variable_builds_the_plugin(dist_env, monkeypatch, new_acc
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
     accelerator = new_accelerator()
     assert accelerator.distributed_type == DistributedType.DEEPSPEED
-    assert accelerator.deepspeed_plugin.zero_stage == 1 and accelerator.deepspeed_config["zero_optimization"]["stage"] == 1
+    assert accelerator.deepspeed_plugin.zero_stage == 1
+    assert accelerator.deepspeed_config["zero_optimization"]["stage"] == 1
 
 
 # A meta path finder refusing DeepSpeed, as if it were not installed.

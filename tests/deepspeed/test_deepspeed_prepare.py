@@ -32,11 +32,12 @@ deepspeed = pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 
 # HF's plugin for a torch optimizer and scheduler: ZeRO-2, everything offloaded to the CPU, no ZeRO-3 init.
-OFFLOADED_ZERO2 = dict(gradient_accumulation_steps=1, gradient_clipping=1.0, zero_stage=2, offload_optimizer_device="cpu",
-                       offload_param_device="cpu", zero3_save_16bit_model=False, zero3_init_flag=False)  # fmt: skip
+OFFLOADED_ZERO2 = dict(gradient_accumulation_steps=1, gradient_clipping=1.0, zero_stage=2,
+                       offload_optimizer_device="cpu", offload_param_device="cpu", zero3_save_16bit_model=False,
+                       zero3_init_flag=False)  # fmt: skip
 NO_DATALOADER = ("When using DeepSpeed, `accelerate.prepare()` requires you to pass at least one of training or "
-                 "evaluation dataloaders with `batch_size` attribute returning an integer value or alternatively set an "
-                 "integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer "
+                 "evaluation dataloaders with `batch_size` attribute returning an integer value or alternatively set "
+                 "an integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer "
                  "value to `AcceleratorState().deepspeed_plugin.deepspeed_config['train_micro_batch_size_per_gpu']`.")
 NO_SCHEDULER_CALLABLE = ("Either specify a scheduler in the config file or pass in the `lr_scheduler_callable` "
                          "parameter when using `accelerate.utils.DummyScheduler`.")  # fmt: skip
@@ -204,6 +205,17 @@ def test_prepare_without_dataloader_uses_the_configs_micro_batch_size(dist_env, 
     assert accelerator.deepspeed_config["train_batch_size"] == 4 and engine.train_batch_size() == 4
 
 
+def test_is_train_batch_min_false_takes_the_largest_batch(dist_env, new_accelerator):
+    """HF's rule: with `is_train_batch_min=False` the micro batch size is the largest dataloader batch size."""
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=2, is_train_batch_min=False)
+    accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
+    train, evaluation = regression_loaders(16, 32)
+    model = tiny_gpt2()
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), train, evaluation)
+    assert accelerator.deepspeed_config["train_micro_batch_size_per_gpu"] == 32
+    assert accelerator.deepspeed_config["train_batch_size"] == 32 * 2
+
+
 # --- HF's auto-filling tests ---------------------------------------------------------------------------------------
 
 
@@ -285,7 +297,8 @@ def test_autofill_comm_buffers_dsconfig(dist_env, new_accelerator, model_type):
     objects = (model, optimizer, train, evaluation, linear_schedule(optimizer))
 
     errors = {"no_config": "Can't find `model.config` entry",
-              "config_with_no_hidden_size": "Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`"}
+              "config_with_no_hidden_size": "Can find neither `model.config.hidden_size` nor "
+                                            "`model.config.hidden_sizes`"}  # fmt: skip
     if model_type in errors:
         with pytest.raises(ValueError, match=errors[model_type]):
             accelerator.prepare(*objects)
@@ -352,7 +365,8 @@ def test_save_checkpoints(dist_env, new_accelerator):
     model, *_ = accelerator.prepare(model, dummy_optimizer, train, evaluation, DummyScheduler(dummy_optimizer))
     with pytest.raises(ValueError) as raised:
         accelerator.get_state_dict(model)
-    # HF's message, with accel's `accel config` for `accelerate config` and `accel merge-weights` beside zero_to_fp32.py.
+    # HF's message, with accel's `accel config` for `accelerate config` (and `accel merge-weights` beside
+    # zero_to_fp32.py, after the part asserted).
     message = str(raised.value)
     assert ("Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in DeepSpeed config is "
             "False. To save the model weights in 16bit, set `stage3_gather_16bit_weights_on_model_save` to True in "
