@@ -108,6 +108,8 @@ def test_deepspeed_training(benchmark, tmp_path):
         "speed_goal": SPEED_GOAL, "strategies": strategies, "backends": backends,
         "cpu_ms_per_step": {name: [statistics.mean(rank["cpu_ms_per_step"] for rank in run) for run in runs]
                             for name, runs in reports.items()},
+        "collective_ms_per_step": {name: [statistics.mean(rank["collective_ms_per_step"] for rank in run) for run in runs]
+                                   for name, runs in reports.items()},
         "peak_rss_mib": {name: [statistics.median(run[rank]["peak_rss_bytes"] / 2**20 for run in runs)
                                 for rank in (0, 1)] for name, runs in reports.items()},
         "optimizer_state_bytes": {name: [rank["optimizer_state_bytes"] for rank in first[name]] for name in CONTENDERS},

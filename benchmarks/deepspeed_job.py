@@ -14,7 +14,9 @@ only its tensor-parallel inference all-reduce uses). Every runner trains the sam
 rank its own: the accel runner's DataLoader hands rank r what the raw runner draws for it).
 
 After `--warmup` steps each rank times `--steps` steps and writes `--out`/rank<N>.json: {"steps_per_s",
-"cpu_ms_per_step", "losses" (every step), "optimizer_state_bytes" (the optimizer's state tensors this rank holds:
+"cpu_ms_per_step", "collective_ms_per_step" (wall time inside torch.distributed's collectives called from Python,
+as DeepSpeed calls them: ZeRO's gradient reductions and parameter gathers; DDP's and FSDP2's run from C++ hooks and
+are not counted), "losses" (every step), "optimizer_state_bytes" (the optimizer's state tensors this rank holds:
 Adam's moments, over ZeRO's partition), "parameter_bytes" (the parameters it holds: ZeRO-3's partitions, FSDP's
 shards, else whole), "peak_rss_bytes", "strategy", "backend" (the CPU backend of the group the gradients move
 through)}.
@@ -33,6 +35,28 @@ import torch
 import torch.distributed as dist
 
 from fsdp2_job import BATCH, LEARNING_RATE, MAX_GRAD_NORM, gpt2, local, rank_batches
+
+
+# The collectives ZeRO calls through torch.distributed's Python functions (looked up at each call, or cached by
+# DeepSpeed's comm backend when it starts: so they are wrapped before anything starts).
+COLLECTIVES = ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
+               "reduce_scatter", "all_to_all_single")  # fmt: skip
+collective_seconds = [0.0]
+
+
+def time_collectives() -> None:
+    """Adds every call's wall time of the COLLECTIVES to `collective_seconds`."""
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+
+        def timed(*args, _real=real, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                collective_seconds[0] += time.perf_counter() - start
+
+        setattr(dist, name, timed)
 
 
 def interleaved_loader(world_size: int, steps: int) -> torch.utils.data.DataLoader:
@@ -83,14 +107,14 @@ def accel_training(steps: int) -> tuple[list[float], list[float], dict]:
                                                                                          steps))  # fmt: skip
     losses, stamps = [], []
     for tokens in loader:
-        stamps.append((time.perf_counter(), time.process_time()))
+        stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
         loss = model(input_ids=tokens, labels=tokens).loss
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    stamps.append((time.perf_counter(), time.process_time()))
+    stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
     module = getattr(model, "module", model)
     facts = {"optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(optimizer)),
              "parameter_bytes": parameter_bytes(module), "backend": gradient_backend(),
@@ -115,12 +139,12 @@ def raw_training(stage: int, steps: int) -> tuple[list[float], list[float], dict
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses, stamps = [], []
     for tokens in rank_batches(dist.get_rank(), steps):
-        stamps.append((time.perf_counter(), time.process_time()))
+        stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    stamps.append((time.perf_counter(), time.process_time()))
+    stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
     facts = {"optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(ds_optimizer)),
              "parameter_bytes": parameter_bytes(engine.module), "backend": gradient_backend(),
              "strategy": f"DeepSpeed ZeRO-{stage}"}  # fmt: skip
@@ -137,13 +161,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     total = args.warmup + args.steps
+    time_collectives()
     if args.runner == "accel":
         losses, stamps, facts = accel_training(total)
     else:
         losses, stamps, facts = raw_training(args.stage, total)
-    (wall_start, cpu_start), (wall_end, cpu_end) = stamps[args.warmup], stamps[-1]
+    (wall_start, cpu_start, comm_start), (wall_end, cpu_end, comm_end) = stamps[args.warmup], stamps[-1]
     report = {"steps_per_s": args.steps / (wall_end - wall_start), "cpu_ms_per_step": (cpu_end - cpu_start) / args.steps * 1e3,
-              "losses": losses, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **facts}
+              "collective_ms_per_step": (comm_end - comm_start) / args.steps * 1e3, "losses": losses, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **facts}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
 
