@@ -12,11 +12,10 @@ import base64
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from accel._env import get_setting, parse_bool
 
@@ -30,24 +29,6 @@ def require_deepspeed() -> None:
 
     if not is_deepspeed_available():
         raise ImportError(f"DeepSpeed is not installed => run `{INSTALL}`.")
-
-
-def deepspeed_required(func: Callable) -> Callable:
-    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF). Before
-    an Accelerator exists, `func` is called."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        from accel.state import AcceleratorState, DistributedType, is_initialized  # (imports torch: not at import)
-
-        if is_initialized() and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
-            raise ValueError(
-                "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for `deepspeed` "
-                "before calling this function."
-            )
-        return func(*args, **kwargs)
-
-    return wrapper
 
 
 class HfDeepSpeedConfig:
@@ -491,21 +472,7 @@ def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
     return optimizer_class(optimizer.param_groups, **defaults)
 
 
-# The wrappers `prepare` returns around an engine's parts live with the strategy (they need torch); their HF import
-# path is this module's.
-_WRAPPERS = ("DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WRAPPERS:
-        from accel.strategies import deepspeed_wrappers
-
-        return getattr(deepspeed_wrappers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
-    "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedPlugin", "DeepSpeedSchedulerWrapper",
-    "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
-    "map_pytorch_optim_to_deepspeed",
+    "DeepSpeedPlugin", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
+    "map_pytorch_optim_to_deepspeed", "require_deepspeed",
 ]  # fmt: skip

@@ -69,7 +69,7 @@ _PUBLIC = {
     "MITA_PROFILING_AVAILABLE_PYTORCH_VERSION": "accel.availability",
     "XPU_PROFILING_AVAILABLE_PYTORCH_VERSION": "accel.availability",
     "compare_versions": "accel.availability",
-    "deepspeed_required": "accel.backends.deepspeed",
+    "deepspeed_required": "accel.backends.deepspeed_required",
     "is_4bit_bnb_available": "accel.availability",
     "is_8bit_bnb_available": "accel.availability",
     "is_aim_available": "accel.availability",

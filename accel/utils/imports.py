@@ -1,5 +1,5 @@
 """`accelerate.utils.imports` import path: re-exports of accel.availability (what is installed and present), and
-HF's `deepspeed_required` from accel.backends.deepspeed."""
+HF's `deepspeed_required` from accel.backends.deepspeed_required."""
 
 from accel.availability import (
     compare_versions,
@@ -65,7 +65,7 @@ from accel.availability import (
     is_xpu_available,
     torchao_required,
 )
-from accel.backends.deepspeed import deepspeed_required
+from accel.backends.deepspeed_required import deepspeed_required
 from accel.environment import parse_flag_from_env, patch_environment, str_to_bool
 
 __all__ = [name for name in dir() if not name.startswith("_")]

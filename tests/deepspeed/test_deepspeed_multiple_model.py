@@ -15,9 +15,9 @@ from accel.backends.deepspeed import (
     DeepSpeedPlugin,
     DummyOptim,
     DummyScheduler,
-    deepspeed_required,
     get_active_deepspeed_plugin,
 )
+from accel.backends.deepspeed_required import deepspeed_required
 from accel.test_utils.training import RegressionDataset
 
 pytest.importorskip("deepspeed")

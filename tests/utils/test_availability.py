@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from accel import availability
-from accel.backends.deepspeed import deepspeed_required
+from accel.backends.deepspeed_required import deepspeed_required
 from accel.utils import imports
 
 
