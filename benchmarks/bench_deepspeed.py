@@ -26,10 +26,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, launch, relative_difference
+from two_process_jobs import free_port, job_env, launch, per_round_ratio, relative_difference
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP = 30, 5
 CONTENDERS = ("accel_zero2", "raw_zero2", "accel_zero3", "raw_zero3", "accel_zero1", "accel_ddp", "accel_fsdp2")
@@ -37,8 +36,6 @@ SPEED_GOAL = 1.5
 JOB_TIMEOUT_S = 600
 FSDP_FLAGS = ("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
               "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--fsdp_cpu_ram_efficient_loading", "false")
-_DROPPED = ("ACCEL_", "ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_", "DS_")  # fmt: skip
 
 
 def command(contender: str, out: Path) -> list[str]:
@@ -54,11 +51,7 @@ def command(contender: str, out: Path) -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    """The same environment for every job: offline, one thread per rank, this checkout's accel."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(_DROPPED)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))  # fmt: skip
-    return env
+    return job_env(TRANSFORMERS_VERBOSITY="error")
 
 
 def run(contender: str, workspace: Path) -> list[dict]:
@@ -66,13 +59,6 @@ def run(contender: str, workspace: Path) -> list[dict]:
     out = workspace / contender
     launch(command(contender, out), child_env(), workspace, f"the {contender} job", JOB_TIMEOUT_S)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-def per_round_ratio(numerators: list[float], denominators: list[float]) -> dict:
-    """The median and quartiles (inclusive) of the per-round ratios."""
-    ratios = sorted(a / b for a, b in zip(numerators, denominators))
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 RATIOS = ("accel_zero2/raw_zero2", "accel_zero3/raw_zero3", "accel_zero2/accel_ddp", "accel_zero3/accel_fsdp2",

@@ -34,10 +34,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, launch, relative_difference
+from two_process_jobs import free_port, job_env, launch, per_round_ratio, relative_difference
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP, PARITY_STEPS = 30, 5, 20
 CHECKPOINT_LAUNCHES, CHECKPOINT_REPEATS = 3, 5
@@ -49,11 +48,6 @@ JOB_TIMEOUT_S = 600
 FSDP_FLAGS = ("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
               "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
               "--fsdp_cpu_ram_efficient_loading", "false")  # fmt: skip
-# What a job would inherit from this process that changes what it does: accel's and HF's settings, a launcher's
-# rank variables, thread counts.
-_DROPPED = ("ACCEL_", "ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
-
 
 
 def command(contender: str, job_args: list[str]) -> list[str]:
@@ -69,11 +63,7 @@ def command(contender: str, job_args: list[str]) -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    """The same environment for every job: offline, one thread per rank, this checkout's accel."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(_DROPPED)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))  # fmt: skip
-    return env
+    return job_env(TRANSFORMERS_VERBOSITY="error")
 
 
 def run_training(contender: str, workspace: Path) -> list[dict]:
@@ -93,13 +83,6 @@ def run_checkpoint(pair: str, workspace: Path) -> dict:
     job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--out", str(out)]
     launch(command("accel_fsdp", job), child_env(), workspace, f"the {pair} checkpoint job", JOB_TIMEOUT_S)
     return json.loads((out / "checkpoint.json").read_text())
-
-
-def per_round_ratio(numerators: list[float], denominators: list[float]) -> dict:
-    """The median and quartiles (inclusive) of the per-round ratios."""
-    ratios = sorted(a / b for a, b in zip(numerators, denominators))
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"median": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 @pytest.mark.timeout(ROUNDS * len(CONTENDERS) * JOB_TIMEOUT_S + 60)  # past every job's own deadline

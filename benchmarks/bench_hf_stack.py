@@ -28,19 +28,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, launch, relative_difference
+from two_process_jobs import free_port, job_env, launch, relative_difference
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP = 100, 10
 CONTENDERS = ("accel", "hf", "raw_shm", "raw_gloo")
 JOB_TIMEOUT_S = 600
-# What a job would inherit from this process that changes what it does: accel's and HF's settings (the alias switch
-# included), a launcher's rank variables, thread counts.
-_DROPPED = ("ACCEL_", "ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
-
 
 
 def command(contender: str, task: str, out: Path) -> list[str]:
@@ -58,10 +52,7 @@ def command(contender: str, task: str, out: Path) -> list[str]:
 
 def child_env(contender: str, home: Path) -> dict[str, str]:
     """The same environment for every job, offline, one thread per rank; HF's jobs are told to use the CPU."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith(_DROPPED)}
-    env.update(OMP_NUM_THREADS="1", HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))  # fmt: skip
+    env = job_env(HF_HOME=str(home), HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true")
     if contender == "hf":
         env["ACCELERATE_USE_CPU"] = "1"
     return env
