@@ -605,6 +605,8 @@ class AcceleratorState:
             plugin.set_mixed_precision(mixed_precision)
             _refuse_unrunnable_deepspeed(plugin, self.device)
         next(iter(named.values())).select(_from_accelerator_state=True)
+        # HF's Accelerator says so in the environment: a TrainingArguments made later builds its DeepSpeed plugin.
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.DEEPSPEED
         return plugins
 

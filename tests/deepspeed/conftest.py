@@ -22,12 +22,15 @@ def _no_transformers_deepspeed_config():
 
 
 @pytest.fixture(autouse=True)
-def _launcher_local_rank_unset_after(monkeypatch):
-    """An Accelerator running DeepSpeed in a process no launcher started sets LOCAL_RANK, as a launcher would (its
-    engine reads it for its whole life): the variable is removed again after the test, when it was not set before."""
-    if "LOCAL_RANK" not in os.environ:
-        monkeypatch.setenv("LOCAL_RANK", "0")
-        monkeypatch.delenv("LOCAL_RANK")  # the undo restores "unset"
+def _deepspeed_variables_restored_after(monkeypatch):
+    """What an Accelerator running DeepSpeed sets in the environment, as HF's does or a launcher would, is put back
+    after each test: ACCELERATE_USE_DEEPSPEED=true (HF's Accelerator sets it), LOCAL_RANK in a process no launcher
+    started (DeepSpeed's engine reads it for its whole life)."""
+    for name in ("ACCELERATE_USE_DEEPSPEED", "LOCAL_RANK"):
+        was_set = name in os.environ
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # the undo restores the value before the test, or none
+        if not was_set:
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture

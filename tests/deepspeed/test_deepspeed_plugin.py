@@ -169,6 +169,14 @@ def test_accelerate_state_deepspeed(dist_env, new_accelerator):
     assert state.mixed_precision == accelerator.mixed_precision == "bf16"
 
 
+def test_an_accelerator_given_a_plugin_says_so_in_the_environment_as_hf_does(monkeypatch, new_accelerator):
+    """HF's Accelerator sets ACCELERATE_USE_DEEPSPEED=true when given a plugin: a TrainingArguments made afterwards
+    (transformers reads the variable) then builds its own DeepSpeed plugin."""
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    new_accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    assert os.environ["ACCELERATE_USE_DEEPSPEED"] == "true"
+
+
 def test_fp16_is_refused_on_cpu(dist_env, new_accelerator):
     """DeepSpeed's CPU accelerator has no fp16 optimizer or loss scaler: fp16 asked for by the Accelerator or by
     the config is refused before anything starts, naming fp16 and the CPU."""
