@@ -10,11 +10,14 @@ returns HF's wrapper types: the engine as the model, `DeepSpeedOptimizerWrapper`
 engine's backward and, at an accumulation boundary, its step; the wrappers' `step` / `zero_grad` do nothing.
 
 The engine runs on the job's default process group, which accel starts before DeepSpeed looks (DeepSpeed reuses an
-initialized default group): on CPU processes of one host that group moves its tensors through accel's shared memory.
-What accel keeps DeepSpeed from building it does not need (each JIT build takes one to two minutes): its own
-shared-memory all-reduce (used by tensor-parallel inference only, and the group already shares memory), and on CPU
-processes its fused Adam (torch's Adam / AdamW run the same update: `"torch_adam": true` unless the config sets it).
-A build that does run prints one line first and is cached by torch (`TORCH_EXTENSIONS_DIR`).
+initialized default group; one process gets a group of one): on CPU processes of one host that group moves its
+tensors through accel's shared memory, and so does the clone of it ZeRO's collectives run on
+(`hand_over_process_group`). What accel keeps DeepSpeed from building it does not need (each JIT build takes one to
+two minutes): its own shared-memory all-reduce (used by tensor-parallel inference only, and the group already shares
+memory), and on CPU processes its fused Adam (torch's Adam / AdamW run the same update: `"torch_adam": true` unless
+the config sets it) and its CPU Adam for an offloaded optimizer state (`"zero_force_ds_cpu_optimizer": false`
+unless set: the state is in CPU memory anyway). A build that does run prints one line first and is cached by torch
+(`TORCH_EXTENSIONS_DIR`). Checkpoints: accel.checkpoint.engine_states.
 """
 
 from __future__ import annotations
@@ -50,10 +53,6 @@ from accel.strategies.deepspeed_wrappers import (
 )
 
 logger = logging.getLogger(__name__)
-
-# The model's checkpoint folder inside a save_state folder (HF's: `pytorch_model`, then `pytorch_model_1`, ...).
-CHECKPOINT_TAG = "pytorch_model"
-
 
 def import_deepspeed(device: torch.device) -> Any:
     """The `deepspeed` module, set up for accel (see the module docstring) to run on `device`'s kind of accelerator;
@@ -491,4 +490,4 @@ def _cpu_defaults(config: dict) -> None:
     config.setdefault("zero_force_ds_cpu_optimizer", False)
 
 
-__all__ = ["CHECKPOINT_TAG", "DeepSpeedStrategy", "EngineConfig", "import_deepspeed"]
+__all__ = ["DeepSpeedStrategy", "EngineConfig", "import_deepspeed"]
