@@ -21,7 +21,9 @@ from accel import _ext
 from accel.state import AcceleratorState, GradientState, PartialState
 
 SHM_DIR = "/dev/shm"
-_IGNORED_ENV = {"PYTEST_CURRENT_TEST"}  # pytest rewrites it between setup, call and teardown
+# pytest rewrites the first between setup, call and teardown; mlflow sets the second when imported (DeepSpeed's
+# import imports it) and clears it when a run ends.
+_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID"}
 # Process-wide settings torch (inductor, opcheck) and DeepSpeed's import export once and keep for the process: not
 # a test's leak.
 _TORCH_SET_ONCE = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TORCH_WARM_POOL", "KMP_DUPLICATE_LIB_OK",

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 from ds_helpers import DIST_ENV
 
@@ -19,6 +20,15 @@ def _no_transformers_deepspeed_config():
     yield
     if "transformers.integrations" in sys.modules:
         sys.modules["transformers.integrations"].unset_hf_deepspeed_config()
+
+
+@pytest.fixture(autouse=True)
+def _torch_linear_restored_after():
+    """DeepSpeed's ZeRO-3 init replaces torch.nn.functional.linear for the process ("This will persist unless manually
+    reset", it says): torch's own is put back after each test, so that later tests run torch's."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ stand for its Hub checkpoints. Beyond HF's cases: bf16 training, a run without a
 (device placement, two models), and save_state / load_state in HF's folder layout.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -28,7 +29,15 @@ from accel.state import AcceleratorState
 from accel.test_utils.training import RegressionDataset
 from accel.utils.deepspeed import DeepSpeedEngineWrapper, DeepSpeedOptimizerWrapper, DeepSpeedSchedulerWrapper
 
-deepspeed = pytest.importorskip("deepspeed")
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: accel imports it for the device it runs on
+    pytest.skip("DeepSpeed is not installed", allow_module_level=True)
+
+
+def engine_class() -> type:
+    """DeepSpeed's engine class (imported once accel has imported DeepSpeed for the device it runs on)."""
+    import deepspeed
+
+    return deepspeed.DeepSpeedEngine
 transformers = pytest.importorskip("transformers")
 
 # HF's plugin for a torch optimizer and scheduler: ZeRO-2, everything offloaded to the CPU, no ZeRO-3 init.
@@ -50,7 +59,7 @@ def filled(plugin: DeepSpeedPlugin, num_processes: int = 1) -> None:
 
 
 def assert_engine_parts(accelerator, model, optimizer, scheduler, scheduler_type) -> None:
-    assert type(model) is deepspeed.DeepSpeedEngine
+    assert type(model) is engine_class()
     assert type(optimizer) is DeepSpeedOptimizerWrapper
     assert type(scheduler) is scheduler_type
     assert type(accelerator.deepspeed_engine_wrapped) is DeepSpeedEngineWrapper
@@ -201,7 +210,7 @@ def test_prepare_without_dataloader_uses_the_configs_micro_batch_size(dist_env, 
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 4
     model = tiny_gpt2()
     engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    assert type(engine) is deepspeed.DeepSpeedEngine and engine.train_micro_batch_size_per_gpu() == 4
+    assert type(engine) is engine_class() and engine.train_micro_batch_size_per_gpu() == 4
     assert accelerator.deepspeed_config["train_batch_size"] == 4 and engine.train_batch_size() == 4
 
 
