@@ -374,7 +374,7 @@ class DeepSpeedPlugin:
         """Makes this plugin the active one; only `AcceleratorState` may (`select_deepspeed_plugin`)."""
         if not _from_accelerator_state:
             raise ValueError("A `DeepSpeedPlugin` object must be enabled manually by calling "
-                             "`AcceleratorState().enable_deepspeed_plugin(plugin_key)`.")  # fmt: skip
+                             "`AcceleratorState().select_deepspeed_plugin(plugin_key)`.")  # fmt: skip
         self.set_deepspeed_weakref()
         self._set_selected(True)
 
@@ -391,7 +391,7 @@ class DeepSpeedPlugin:
 
     @selected.setter
     def selected(self, value: bool) -> None:
-        raise NotImplementedError("'enabled' can only be set through calling 'AcceleratorState().enable_deepspeed_plugin(key)'.")
+        raise NotImplementedError("'enabled' can only be set through calling 'AcceleratorState().select_deepspeed_plugin(key)'.")
 
 
 class DummyOptim:

@@ -202,7 +202,8 @@ def options_of(fsdp_config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def shown(value: Any) -> str:
-    """A value as the FSDP_* variables spell it: booleans lower-case, as HF's launcher writes them."""
+    """A value as HF's launcher writes it into a variable (FSDP_*, and DeepSpeed's ACCELERATE_*): booleans
+    lower-case."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from accel._env import parse_bool
+from accel.backends.fsdp_options import shown
 
 # HF's DEEPSPEED_MULTINODE_LAUNCHERS, in its order (its questionnaire offers them so; HF's default is the first).
 MULTINODE_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")
@@ -139,11 +140,6 @@ def parse_entry(name: str, value: Any) -> Any:
         hint = f"unknown key (did you mean {close[0]!r}?); " if close else "unknown key; "
         raise ValueError(hint + "allowed keys: " + ", ".join(map(repr, OPTIONS)))
     return None if value is None else OPTIONS[name].parse(value)
-
-
-def shown(value: Any) -> str:
-    """A value as HF's launcher writes it into a variable: booleans lower-case."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def environment(options: Mapping[str, Any], config_fields: tuple[str, ...]) -> dict[str, str]:

@@ -377,7 +377,7 @@ def _check_deepspeed(config: LaunchConfig, origins: Mapping[str, str]) -> Launch
         return config
     refused = deepspeed_options.multinode_refusal(options) if config.num_machines > 1 else None
     if refused is not None:
-        asked_by = _asked_by(origins.get(refused, refused), deepspeed_options.shown(options[refused]))
+        asked_by = _asked_by(origins.get(refused, refused), fsdp_options.shown(options[refused]))
         raise refuse_backend("deepspeed_multinode", f"{asked_by} with num_machines={config.num_machines}")
     return config
 

@@ -154,8 +154,9 @@ class DeepSpeedStrategy(Strategy):
     """The model, optimizer and scheduler run inside DeepSpeed's engine (ZeRO stage 0-3).
 
     Args:
-        state: The process state (AcceleratorState: its active DeepSpeed plugin is read at each prepare).
-        device: Where the engine runs.
+        state: The process state (AcceleratorState: its active DeepSpeed plugin is read at each prepare; its device
+            is where the engine runs).
+        precision: No mixed precision of accel's own (`create` gives it): the engine's config holds bf16 / fp16.
     """
 
     def __init__(self, state, precision):
@@ -179,10 +180,6 @@ class DeepSpeedStrategy(Strategy):
     def plugin(self) -> DeepSpeedPlugin:
         """The active plugin (`AcceleratorState().select_deepspeed_plugin` switches it between prepares)."""
         return self.state.deepspeed_plugin
-
-    @property
-    def engine(self) -> Any:
-        return None if self.engine_wrapper is None else self.engine_wrapper.engine
 
     # --- prepare ----------------------------------------------------------------------------------------------
 
