@@ -103,6 +103,36 @@ def test_an_asynchronous_sharded_save_resumes_as_a_synchronous_one_and_holds_the
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # no staging folder left
 
 
+def _resume_from_second_save(folder, async_save):
+    """As _resume, from the second of two saves with training between them: the second asynchronous save copies
+    into the copy the first made (accel.checkpoint.shard_stager), which must hold the state of its own call."""
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    train(accelerator, model, optimizer, 3, seed=1)
+    accelerator.save_state(os.path.join(folder, "first"), async_save=async_save)
+    train(accelerator, model, optimizer, 2, seed=3)
+    at_save = full_weights(accelerator, model)
+    with writes_held_back({0, 1}):
+        accelerator.save_state(os.path.join(folder, "second"), async_save=async_save)
+        straight = train(accelerator, model, optimizer, 3, seed=2)
+    accelerator.wait_for_checkpoint()
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator, seed=7)
+    accelerator.load_state(os.path.join(folder, "second"))
+    loaded = full_weights(accelerator, model)
+    return straight, train(accelerator, model, optimizer, 3, seed=2), at_save, loaded
+
+
+def test_a_second_asynchronous_sharded_save_holds_the_state_of_its_own_call(tmp_path):
+    synchronous = run_on_ranks(_resume_from_second_save, 2, str(tmp_path / "sync"), False, timeout=120)
+    asynchronous = run_on_ranks(_resume_from_second_save, 2, str(tmp_path / "async"), True, timeout=120)
+    for (straight, resumed, _, _), reference in zip(asynchronous, synchronous):
+        assert straight == resumed == reference[1]
+    at_save, loaded = asynchronous[0][2], asynchronous[0][3]  # the main process holds the full weights
+    for name, tensor in at_save.items():  # the steps taken while it was written did not leak into it
+        assert torch.equal(loaded[name], tensor), name
+
+
 def _slow_background_write(folder):
     """The write of rank 1's shards is held back; the checkpoint must not appear until it is done."""
     accelerator = fresh_accelerator()
