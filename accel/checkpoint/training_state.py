@@ -56,6 +56,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from accel import collectives
-from accel.checkpoint import background, snapshot
+from accel.checkpoint import background, shard_stager, snapshot
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.background import SaveMode, durability_of, sync_published
 from accel.checkpoint.model_io import without_shared_tensors
@@ -167,17 +168,21 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
             failure = error
         staging = _agree_on_staging(parts, failure, output_dir, staging)  # it exists for every process
         cleanup = staging if staged and writes_shared_files else None
-        files, shards = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks, mode,
-                                         cleanup)  # fmt: skip
+        # An asynchronous save's worker starts writing once this call's last exchange is over (`returned`): until
+        # then it would only compete with the processes' agreeing for the CPU and the interpreter.
+        worker_writes = mode.asynchronous and (writes_shared_files or isinstance(parts.sharded, ShardedStates))
+        returned = threading.Event()
+        files, own, shards = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks,
+                                              mode, worker_writes, cleanup)  # fmt: skip
         failure = None
         try:
             # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
             finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
                                        config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
-            if mode.asynchronous and (writes_shared_files or shards is not None):
-                job = functools.partial(_write_and_publish, staging, shards,
+            if worker_writes:
+                job = functools.partial(_write_and_publish, staging, shards, own,
                                         snapshot.buffers.take(files) if writes_shared_files else None,
-                                        finish if writes_shared_files else None, lock, cleanup)  # fmt: skip
+                                        finish if writes_shared_files else None, lock, cleanup, returned)  # fmt: skip
                 background.saves.submit(job, f"save_state into '{output_dir}'", asynchronous=True)
                 lock = None  # the worker releases it once published
             elif writes_shared_files:
@@ -187,18 +192,23 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     finally:
         if lock is not None:
             lock.release()
-    _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
+    try:
+        _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
+    finally:
+        returned.set()
     config.iteration += 1
     return output_dir
 
 
 def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
-                     pre_hooks: list[Callable], mode: SaveMode, cleanup: str | None
-                     ) -> tuple[dict[str, Any], StagedShards | None]:  # fmt: skip
-    """Writes this process's files into `staging` (all of them but an asynchronous save's shared files and sharded
-    state, which are returned for the worker: the files as they are, the shards copied); every process agrees on
-    the outcome, and on a failure anywhere `cleanup` is removed and every process raises."""
+                     pre_hooks: list[Callable], mode: SaveMode, worker_writes: bool, cleanup: str | None
+                     ) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:  # fmt: skip
+    """Writes this process's files into `staging`, but those its worker writes when `worker_writes` (an
+    asynchronous save's), which are returned as they are: the shared files, this process's own (its RNG states)
+    and its sharded state, copied. Every process agrees on the outcome; on a failure anywhere `cleanup` is removed
+    and every process raises."""
     files: dict[str, Any] = {}
+    own: dict[str, Any] = {}
     shards = None
     failure = None
     try:
@@ -218,20 +228,25 @@ def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: b
             files = {**gathered, **shared_files(parts, weights, safe_serialization)}
             if not mode.asynchronous:
                 write_files(staging, files, durable=mode.durable)
-        save_rng_state(staging, parts.process_index, parts.step, parts.num_processes, durable=mode.durable)
+        own = {rng_file(parts.process_index): rng_states(parts.step, parts.num_processes)}
+        if not worker_writes:
+            write_files(staging, own, durable=mode.durable)
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(parts, failure, "writing", cleanup=cleanup)
-    return files, shards
+    return files, own, shards
 
 
-def _write_and_publish(staging: str, shards: StagedShards | None, files: dict[str, Any] | None,
-                       finish: Callable[[], None] | None, lock: TargetLock | None, cleanup: str | None
-                       ) -> None:  # fmt: skip
-    """An asynchronous save's work on a process's worker: its part of the sharded state (which returns once every
-    process's part is written), then, on a process that writes the shared files, those and the publish; the
-    staging folder goes if any of it fails, and the folder's lock is released either way."""
+def _write_and_publish(staging: str, shards: StagedShards | None, own: dict[str, Any], files: dict[str, Any] | None,
+                       finish: Callable[[], None] | None, lock: TargetLock | None, cleanup: str | None,
+                       returned: threading.Event) -> None:  # fmt: skip
+    """An asynchronous save's work on a process's worker, once its caller `returned`: its own files and its part of
+    the sharded state (which returns once every process's part is written, so every process's own files are in
+    place too), then, on a process that writes the shared files, those and the publish; the staging folder goes if
+    any of it fails, and the folder's lock is released either way."""
     try:
+        returned.wait()
+        write_files(staging, own, durable=True)  # published durable: the caller did not wait for the fsync
         if shards is not None:
             shards.write(staging)
         if finish is not None:
@@ -351,6 +366,7 @@ def finish(parts: Checkpointable) -> None:
         join_saves(parts)
     finally:
         snapshot.buffers.release()
+        shard_stager.stager.release()
 
 
 def shared_files(parts: Checkpointable, weights: list[dict], safe_serialization: bool) -> dict[str, Any]:
@@ -396,9 +412,13 @@ def loader_state(loader: Any) -> dict:
 
 
 def save_rng_state(folder: str, process_index: int, step: int, num_processes: int, durable: bool = True) -> None:
-    """Writes this process's python / numpy / torch (/ CUDA) RNG states, `step` and the number of processes that
-    saved to `folder/random_states_{process_index}.pkl` (fsync'd when `durable`). HF's loader reads the same file
-    and ignores the extra key."""
+    """Writes `rng_states` to `folder/random_states_{process_index}.pkl` (fsync'd when `durable`)."""
+    write_files(folder, {rng_file(process_index): rng_states(step, num_processes)}, durable=durable)
+
+
+def rng_states(step: int, num_processes: int) -> dict[str, Any]:
+    """This process's python / numpy / torch (/ CUDA) RNG states, `step` and the number of processes that saved:
+    the content of its `random_states_{i}.pkl`. HF's loader reads the same file and ignores the extra key."""
     states = {
         "step": step,
         "num_processes": num_processes,
@@ -408,8 +428,11 @@ def save_rng_state(folder: str, process_index: int, step: int, num_processes: in
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
-    write_atomically(path, lambda f: torch.save(states, f), durable=durable)
+    return states
+
+
+def rng_file(process_index: int) -> str:
+    return f"{RNG_STATE_NAME}_{process_index}.pkl"
 
 
 # --- loading -----------------------------------------------------------------------------------------------------
@@ -697,7 +720,7 @@ def _restore_rng_states(parts: Checkpointable, folder: str, own: dict | None, sa
 
 
 def _read_rng_states(folder: str, process_index: int) -> dict | None:
-    path = os.path.join(folder, f"{RNG_STATE_NAME}_{process_index}.pkl")
+    path = os.path.join(folder, rng_file(process_index))
     if not os.path.exists(path):
         return None
     with torch.serialization.safe_globals(_numpy_rng_globals()):  # numpy's RNG state is an array
