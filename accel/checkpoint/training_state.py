@@ -157,6 +157,26 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     if not staged and writes_shared_files:
         logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
                        "not atomically", output_dir)  # fmt: skip
+    # An asynchronous save's worker starts writing once this call's last exchange is over, however it ends: until
+    # then it would only compete with the processes' agreeing for the CPU and the interpreter.
+    returned = threading.Event()
+    try:
+        failure = _write_and_hand_over(parts, output_dir, root, staged, writes_shared_files, safe_serialization,
+                                       pre_hooks, mode, returned)  # fmt: skip
+        _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
+    finally:
+        returned.set()
+    config.iteration += 1
+    return output_dir
+
+
+def _write_and_hand_over(parts: Checkpointable, output_dir: str, root: str | None, staged: bool,
+                         writes_shared_files: bool, safe_serialization: bool, pre_hooks: list[Callable],
+                         mode: SaveMode, returned: threading.Event) -> BaseException | None:  # fmt: skip
+    """save_state's work up to its last exchange: the staging folder (agreed by every process), this process's
+    files, then the publish, or with `mode.asynchronous` the job that writes and publishes in the background (it
+    waits for `returned`). A failure before the publish raises on every process; one of the publish or the job's
+    submission is returned, for every process to learn in the caller's last exchange."""
     lock = staging = failure = None
     try:
         try:
@@ -168,17 +188,13 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
             failure = error
         staging = _agree_on_staging(parts, failure, output_dir, staging)  # it exists for every process
         cleanup = staging if staged and writes_shared_files else None
-        # An asynchronous save's worker starts writing once this call's last exchange is over (`returned`): until
-        # then it would only compete with the processes' agreeing for the CPU and the interpreter.
         worker_writes = mode.asynchronous and (writes_shared_files or isinstance(parts.sharded, ShardedStates))
-        returned = threading.Event()
         files, own, shards = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks,
                                               mode, worker_writes, cleanup)  # fmt: skip
-        failure = None
         try:
             # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
             finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
-                                       config.total_limit, mode.durable or mode.asynchronous)  # fmt: skip
+                                       parts.project_configuration.total_limit, mode.durable or mode.asynchronous)
             if worker_writes:
                 job = functools.partial(_write_and_publish, staging, shards, own,
                                         snapshot.buffers.take(files) if writes_shared_files else None,
@@ -187,17 +203,12 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
                 lock = None  # the worker releases it once published
             elif writes_shared_files:
                 finish()
-        except Exception as error:  # noqa: BLE001
-            failure = error
+        except Exception as error:  # noqa: BLE001 - reported on every process by the caller
+            return error
+        return None
     finally:
         if lock is not None:
             lock.release()
-    try:
-        _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
-    finally:
-        returned.set()
-    config.iteration += 1
-    return output_dir
 
 
 def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
