@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP, PARITY_STEPS = 30, 5, 20
 CHECKPOINT_LAUNCHES, CHECKPOINT_REPEATS = 3, 5
+TESTS_WIDTH, SMALL_WIDTH = 256, 768  # the tests' GPT-2 (3.4 M parameters); GPT-2 small's width (29.1 M)
 CONTENDERS = ("accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo")
 SPEED_GOAL, SAVE_GOAL, ASYNC_SAVE_GOAL = 1.5, 1.0, 1.5
 JOB_TIMEOUT_S = 600
@@ -77,10 +78,11 @@ def run_training(contender: str, workspace: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def run_checkpoint(pair: str, workspace: Path) -> dict:
-    """One checkpoint job (FSDP2 under accel) timing `pair`'s saves; its report."""
-    out = workspace / f"checkpoint-{pair}"
-    job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--out", str(out)]
+def run_checkpoint(pair: str, width: int, workspace: Path) -> dict:
+    """One checkpoint job (FSDP2 under accel) timing `pair`'s saves of a GPT-2 of `width`; its report."""
+    out = workspace / f"checkpoint-{pair}-{width}"
+    job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--width", str(width),
+           "--out", str(out)]  # fmt: skip
     launch(command("accel_fsdp", job), child_env(), workspace, f"the {pair} checkpoint job", JOB_TIMEOUT_S)
     return json.loads((out / "checkpoint.json").read_text())
 
@@ -133,13 +135,13 @@ def test_fsdp2_training(benchmark, tmp_path):
     })  # fmt: skip
 
 
-def _save_record(benchmark, pair: str, workspace: Path) -> dict:
-    """Launches the `pair` checkpoint job CHECKPOINT_LAUNCHES times; accel's save against its reference: the medians
-    of every repeat's slowest-rank time and of the per-repeat ratios."""
+def _save_record(benchmark, pair: str, workspace: Path, width: int = TESTS_WIDTH) -> dict:
+    """Launches the `pair` checkpoint job CHECKPOINT_LAUNCHES times (a GPT-2 of `width`); accel's save against its
+    reference: the medians of every repeat's slowest-rank time and of the per-repeat ratios."""
     runs: list[dict] = []
     benchmark.group = "fsdp2, checkpoint saves, 2 processes"
-    benchmark.pedantic(lambda: runs.append(run_checkpoint(pair, workspace)), rounds=CHECKPOINT_LAUNCHES, iterations=1,
-                       warmup_rounds=0)  # fmt: skip
+    benchmark.pedantic(lambda: runs.append(run_checkpoint(pair, width, workspace)), rounds=CHECKPOINT_LAUNCHES,
+                       iterations=1, warmup_rounds=0)  # fmt: skip
     accel_name, *reference_names = list(runs[0]["times_s"])
     times = {name: [t for run in runs for t in run["times_s"][name]] for name in runs[0]["times_s"]}
     reference = times[reference_names[0]]
@@ -163,11 +165,16 @@ def test_fsdp2_save_state_blocking(benchmark, tmp_path):
 
 
 @pytest.mark.timeout(CHECKPOINT_LAUNCHES * JOB_TIMEOUT_S + 60)
-def test_fsdp2_async_save_state_blocking(benchmark, tmp_path):
+@pytest.mark.parametrize("width", [TESTS_WIDTH, SMALL_WIDTH])
+def test_fsdp2_async_save_state_blocking(benchmark, tmp_path, width):
     """Measured whether or not the asynchronous save is asynchronous under FSDP yet: `synchronous` says which (an
-    asynchronous save that writes its shards on the calling thread before it returns is synchronous)."""
+    asynchronous save that writes its shards on the calling thread before it returns is synchronous). Two sizes:
+    the save's fixed costs (the processes agreeing, the staging folder) weigh on the tests' small state, the copy
+    on a larger one."""
     pytest.importorskip("transformers")
-    record = _save_record(benchmark, "async", tmp_path)
-    benchmark.extra_info.update(measure="asynchronous save_state blocking time", reference_name="memcpy of the "
-                                "rank's shards (parameters and optimizer state)", goal=ASYNC_SAVE_GOAL,
-                                synchronous=record["async_writes_on_caller"], **record)  # fmt: skip
+    record = _save_record(benchmark, "async", tmp_path, width)
+    size = f"{record['shard_bytes'] / 2**20:.1f} MiB a rank"
+    measure = f"asynchronous save_state blocking time, GPT-2 of width {width} ({size})"
+    benchmark.extra_info.update(measure=measure, goal=ASYNC_SAVE_GOAL, synchronous=record["async_writes_on_caller"],
+                                reference_name="memcpy of the rank's shards (parameters and optimizer state)",
+                                **record)  # fmt: skip

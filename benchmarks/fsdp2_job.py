@@ -54,12 +54,13 @@ WIDTH, LAYERS, HEADS = 256, 4, 4
 PHASES = ("forward_backward", "clip", "optimizer", "zero_grad")
 
 
-def gpt2():
-    """GPT-2 of 4 layers of width 256 (3.4 M parameters, 0.26 M of them the embedding tied to the output layer)."""
+def gpt2(width: int = WIDTH):
+    """GPT-2 of 4 layers of width 256 (3.4 M parameters, 0.26 M of them the embedding tied to the output layer);
+    the checkpoint runner also saves one of GPT-2 small's width, 768 (29.1 M parameters)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCABULARY, n_positions=SEQUENCE, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS,
+    config = GPT2Config(vocab_size=VOCABULARY, n_positions=SEQUENCE, n_embd=width, n_layer=LAYERS, n_head=HEADS,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     return GPT2LMHeadModel(config)
 
@@ -235,13 +236,13 @@ def timed(call) -> float:
     return slowest(time.perf_counter() - started)
 
 
-def checkpoint_run(pair: str, repeats: int, out: Path) -> dict:
+def checkpoint_run(pair: str, repeats: int, width: int, out: Path) -> dict:
     """`pair`'s two ways of saving (see SAVES), `repeats` times each in turn; the slowest rank's time of each."""
     from accel import Accelerator
 
     accelerator = Accelerator(cpu=True)
     assert accelerator.is_fsdp2, "launch the checkpoint runner with --use_fsdp"
-    model = gpt2()
+    model = gpt2(width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     model, optimizer = accelerator.prepare(model, optimizer)
     for tokens in rank_batches(accelerator.process_index, 3):  # the optimizer's state exists from the first step
@@ -329,12 +330,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--pair", choices=list(SAVES), default="sync", help="the checkpoint runner's saves")
     parser.add_argument("--repeats", type=int, default=5, help="the checkpoint runner's saves of each kind")
+    parser.add_argument("--width", type=int, default=WIDTH, help="the checkpoint runner's GPT-2 width")
     parser.add_argument("--out", required=True, help="folder for rank<N>.json (checkpoint.json)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.runner == "checkpoint":
-        report = checkpoint_run(args.pair, args.repeats, out)
+        report = checkpoint_run(args.pair, args.repeats, args.width, out)
         if os.environ["RANK"] == "0":
             (out / "checkpoint.json").write_text(json.dumps(report))
         return
