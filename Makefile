@@ -143,9 +143,12 @@ bench-deepspeed: setup
 cuda-check:
 	tools/cuda_compile_check.sh
 
-# The C++ tests of the shared-memory protocol: plain, ThreadSanitizer, AddressSanitizer + UBSan.
+# The torch-free native core (csrc/shm) built by CMake (cmake/) and its C++ tests (tests/cpp) run by ctest, once per
+# preset of cmake/CMakePresets.json: plain, ThreadSanitizer, AddressSanitizer + UBSan. Build trees in build/shm/.
 shm-check:
-	tools/shm_ctest.sh
+	@start=$$(date +%s); cd cmake && for preset in plain thread address; do \
+	  echo "== shm core: $$preset ==" && cmake --workflow --preset $$preset || exit 1; \
+	done; echo "shm core: all presets passed in $$(( $$(date +%s) - start )) s"
 
 # On a machine with a GPU and a CUDA build of torch (in PYTHON, default python3): builds the CUDA kernels in place,
 # runs the GPU-marked tests, the GPU benchmarks against HF Accelerate and the many-rank CPU benchmarks, each step
