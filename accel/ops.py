@@ -8,6 +8,8 @@ pure-torch reference. The fakes give shapes and the kernels' argument checks to 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from accel import _ext
@@ -99,13 +101,16 @@ def _clip_grads_fake(grads, total_norm, max_norm):
     return None
 
 
-def write_tensors_(path: str, header: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> None:
-    """Writes `header`, then each tensor's bytes at header.numel() + offsets[i], to a new file; fsyncs it."""
-    torch.ops.accel.write_tensors_.default(path, header, tensors, offsets)
+def write_tensors_(fd: int, path: str, header: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> None:
+    """Writes `header`, then each tensor's bytes at header.numel() + offsets[i], into the open file `fd` (`path`
+    names it); fsyncs it. A failed system call raises OSError with its errno."""
+    status = _io_status()
+    torch.ops.accel.write_tensors_.default(fd, path, header, tensors, offsets, status)
+    _raise_failed_call(status, "write", path)
 
 
 @_fake("accel::write_tensors_")
-def _write_tensors_fake(path, header, tensors, offsets):
+def _write_tensors_fake(fd, path, header, tensors, offsets, status):
     torch._check(len(tensors) == len(offsets), lambda: "accel::write_tensors_: one offset per tensor")
     return None
 
@@ -113,15 +118,32 @@ def _write_tensors_fake(path, header, tensors, offsets):
 _effectful("accel::write_tensors_")
 
 
-def read_tensors_(path: str, offsets: list[int], outs: list[torch.Tensor]) -> None:
-    """Reads the bytes at file offsets[i] of `path` into the contiguous tensors outs[i]."""
-    torch.ops.accel.read_tensors_.default(path, offsets, outs)
+def read_tensors_(fd: int, path: str, offsets: list[int], outs: list[torch.Tensor]) -> None:
+    """Reads the bytes at file offsets[i] of the open file `fd` (`path` names it) into the contiguous tensors
+    outs[i]. A failed system call raises OSError with its errno; a file too short or changed while read, an error
+    naming it."""
+    status = _io_status()
+    torch.ops.accel.read_tensors_.default(fd, path, offsets, outs, status)
+    _raise_failed_call(status, "read", path)
 
 
 @_fake("accel::read_tensors_")
-def _read_tensors_fake(path, offsets, outs):
+def _read_tensors_fake(fd, path, offsets, outs, status):
     torch._check(len(outs) == len(offsets), lambda: "accel::read_tensors_: one offset per tensor")
     return None
+
+
+def _io_status() -> torch.Tensor:
+    return torch.tensor([0, -1], dtype=torch.int64)
+
+
+@torch.compiler.disable  # a compiled program reads the status eagerly (a graph break), as a failure must raise
+def _raise_failed_call(status: torch.Tensor, verb: str, path: str) -> None:
+    """The OSError of the system call the file op's `status` reports ({errno, tensor index or -1}), if one failed."""
+    code, tensor = status.tolist()
+    if code:
+        what = f"{verb}, tensor {tensor}" if tensor >= 0 else verb
+        raise OSError(code, f"{os.strerror(code)} ({what})", path)
 
 
 def map_file_leased(fd: int, size: int, path: str) -> torch.Tensor:

@@ -33,12 +33,15 @@ TORCH_LIBRARY(accel, m) {
   // element) read where it lives, so a CUDA caller never waits for it.
   m.def("clip_grads_(Tensor(a!)[] grads, Tensor total_norm, float max_norm) -> ()");
 
-  // The safetensors byte mover (cpu/tensor_file_io.cpp, cuda/tensor_file_io.cu). Writes `header` at the start of a new file at `path`, then
-  // each tensor's bytes at header.numel() + offsets[i], with the size reserved first, then fsyncs; a failure
-  // removes the file. Python plans the header and offsets (accel/checkpoint/safetensors_io.py).
-  m.def("write_tensors_(str path, Tensor header, Tensor[] tensors, int[] offsets) -> ()");
-  // Reads the bytes at file offsets[i] of `path` into outs[i] (contiguous), straight into their memory.
-  m.def("read_tensors_(str path, int[] offsets, Tensor(a!)[] outs) -> ()");
+  // The safetensors byte mover (cpu/tensor_file_io.cpp, cuda/tensor_file_io.cu), on the caller's open file `fd`
+  // (`path` names it in messages). Writes `header` at the start of the file, then each tensor's bytes at
+  // header.numel() + offsets[i], with the size reserved first, then fsyncs. Python plans the header and offsets and
+  // removes a file whose write failed (accel/checkpoint/safetensors_io.py). A failed system call is returned in
+  // `status` (int64 {errno, tensor index or -1}; {0, -1}: none), for the caller to raise as an OSError.
+  m.def("write_tensors_(int fd, str path, Tensor header, Tensor[] tensors, int[] offsets, Tensor(a!) status) -> ()");
+  // Reads the bytes at file offsets[i] of `fd` into outs[i] (contiguous), straight into their memory; `status` as
+  // above. A file too short for the reads, or changed while read, raises.
+  m.def("read_tensors_(int fd, str path, int[] offsets, Tensor(a!)[] outs, Tensor(b!) status) -> ()");
   // The first `size` bytes of the open file `fd` as a uint8 tensor over a private mapping guarded by a read lease
   // (leased_mapping/leased_mapping.cpp): a writer of the file gets the bytes copied into memory first. Empty when
   // no lease can be taken (the caller then copies); `path` names the file in warnings.

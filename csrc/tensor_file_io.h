@@ -1,5 +1,6 @@
-// Shared by cpu/tensor_file_io.cpp and cuda/tensor_file_io.cu: the file handling, error collection and chunked
-// pwrite/pread of accel::write_tensors_ / accel::read_tensors_. Host code only.
+// Shared by cpu/tensor_file_io.cpp and cuda/tensor_file_io.cu: the caller's file, the status a failed system call
+// is returned in, error collection across threads and the chunked pwrite/pread of accel::write_tensors_ /
+// accel::read_tensors_. Host code only.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -31,33 +32,54 @@ struct IoChunk {
   int64_t tensor;  // index in the caller's list, for error messages
 };
 
-inline std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
+// A failed system call: its errno and the tensor whose bytes it moved (-1: the file as a whole). err == 0: none.
+struct SysError {
+  int err = 0;
+  int64_t tensor = -1;
+  explicit operator bool() const { return err != 0; }
+};
 
-// Closes the descriptor on every path; `unlink_on_failure` removes a half-written file.
+// The op's `status` argument, a CPU int64 tensor of two: {errno, tensor} of the first failed system call, {0, -1}
+// when none failed. A system call's failure is a value the caller turns into an OSError (as os.pwrite would raise),
+// not text to parse; bad arguments and files whose contents do not fit raise.
+class Status {
+ public:
+  Status(const at::Tensor& status, const char* op) {
+    TORCH_CHECK(status.device().is_cpu() && status.scalar_type() == at::kLong && status.numel() == 2 &&
+                    status.is_contiguous(),
+                op, ": status must be a contiguous CPU int64 tensor of 2 elements");
+    data_ = status.data_ptr<int64_t>();
+    data_[0] = 0;
+    data_[1] = -1;
+  }
+  // Records `error`; true when it is one (the op then returns).
+  bool failed(SysError error) {
+    if (!error) return false;
+    data_[0] = error.err;
+    data_[1] = error.tensor;
+    return true;
+  }
+
+ private:
+  int64_t* data_;
+};
+
+// The caller's open file: the op reads or writes the descriptor it is given (the very file the caller created or
+// opened and checked), never a path it would reopen. `path` names it in messages. The caller closes it.
 class File {
  public:
-  File(const std::string& path, int flags, bool unlink_on_failure)
-      : path_(path), unlink_on_failure_(unlink_on_failure) {
-    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-    const int err = errno;
-    TORCH_CHECK(fd_ >= 0, "cannot open '", path, "': ", errno_text(err));
-  }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-  ~File() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_ && unlink_on_failure_) ::unlink(path_.c_str());
+  File(int64_t fd, std::string path, const char* op) : fd_(static_cast<int>(fd)), path_(std::move(path)) {
+    TORCH_CHECK(fd >= 0 && fd <= INT32_MAX, op, ": fd must be an open file descriptor, got ", fd);
   }
   int fd() const { return fd_; }
   const std::string& path() const { return path_; }
-  void commit() { committed_ = true; }
 
  private:
+  int fd_;
   std::string path_;
-  bool unlink_on_failure_;
-  bool committed_ = false;
-  int fd_ = -1;
 };
+
+inline std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }
 
 // Which file, at which contents: a writer that replaces the file keeps the path but not the inode; one that truncates
 // or rewrites it in place moves its size or mtime. Checked around a read, so that bytes of a file that changed while
@@ -99,22 +121,28 @@ inline void check_covers(const File& file, const std::vector<IoChunk>& chunks, c
   }
 }
 
-// The first failure of any thread, reported once all threads are done.
+// The first failure of any thread, reported once all threads are done: a failed system call is returned, a
+// file that ended early raises.
 class FirstError {
  public:
-  void set(std::string message) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!failed_.exchange(true)) message_ = std::move(message);
-  }
+  void set(std::string message) { first([&] { message_ = std::move(message); }); }
+  void set(SysError error) { first([&] { sys_ = error; }); }
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  void raise_if_failed() {
-    TORCH_CHECK(!failed_, message_);
+  SysError raise_or_return() {
+    TORCH_CHECK(message_.empty(), message_);
+    return sys_;
   }
 
  private:
+  template <typename Record>
+  void first(Record record) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failed_.exchange(true)) record();
+  }
   std::mutex mutex_;
   std::atomic<bool> failed_{false};
   std::string message_;
+  SysError sys_;
 };
 
 inline std::vector<IoChunk> plan_io(at::TensorList tensors, at::IntArrayRef offsets, int64_t base, const char* op) {
@@ -159,16 +187,15 @@ void transfer_chunk(const IoChunk& c, Transfer transfer, const File& file, const
                 ", at byte " + std::to_string(c.file_offset + done) + "): the file is truncated");
       return;
     } else if (err != EINTR) {
-      error.set(std::string("cannot ") + verb + " '" + file.path() + "' (tensor " + std::to_string(c.tensor) +
-                "): " + errno_text(err));
+      error.set(SysError{err, c.tensor});
       return;
     }
   }
 }
 
 template <typename Transfer>
-void transfer_all(const std::vector<IoChunk>& chunks, Transfer transfer, const File& file, const char* verb,
-                  bool writeback) {
+SysError transfer_all(const std::vector<IoChunk>& chunks, Transfer transfer, const File& file, const char* verb,
+                      bool writeback) {
   FirstError error;
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -176,21 +203,21 @@ void transfer_all(const std::vector<IoChunk>& chunks, Transfer transfer, const F
       if (writeback) start_writeback(file, chunks[i]);
     }
   });
-  error.raise_if_failed();
+  return error.raise_or_return();
 }
 
 // Reserves `total` bytes for the file, so that a full disk fails here, before any data moves. fallocate(2)
 // itself, not posix_fallocate: where a filesystem cannot reserve space (NFSv3, ZFS...), glibc's emulation writes a
 // byte per block, which costs more than it saves; the writes still report a full disk there.
-inline void reserve(const File& file, int64_t total) {
-  if (total <= 0) return;
+inline SysError reserve(const File& file, int64_t total) {
+  if (total <= 0) return {};
 #if defined(__linux__)
   const int err = ::fallocate(file.fd(), 0, 0, total) == 0 ? 0 : errno;
 #else
   const int err = ::posix_fallocate(file.fd(), 0, total);
 #endif
-  TORCH_CHECK(err == 0 || err == EOPNOTSUPP || err == ENOSYS || err == EINVAL, "cannot reserve ", total,
-              " bytes for '", file.path(), "': ", errno_text(err));
+  const bool unsupported = err == EOPNOTSUPP || err == ENOSYS || err == EINVAL;  // the writes report a full disk
+  return SysError{unsupported ? 0 : err, -1};
 }
 
 // Bytes the file needs: the header plus the end of the furthest tensor.
@@ -208,17 +235,13 @@ inline void check_header(const at::Tensor& header, const char* op) {
               op, ": header must be a contiguous 1-d uint8 CPU tensor");
 }
 
-inline void write_header(const File& file, const at::Tensor& header) {
+inline SysError write_header(const File& file, const at::Tensor& header) {
   auto pwrite_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pwrite(file.fd(), memory, bytes, offset); };
   FirstError error;
   transfer_chunk(IoChunk{static_cast<char*>(header.data_ptr()), 0, header.numel(), -1}, pwrite_fn, file, "write", error);
-  error.raise_if_failed();
+  return error.raise_or_return();
 }
 
-inline void finish_write(File& file) {
-  const int err = ::fsync(file.fd()) == 0 ? 0 : errno;
-  TORCH_CHECK(err == 0, "cannot flush '", file.path(), "' to disk: ", errno_text(err));
-  file.commit();
-}
+inline SysError flush_to_disk(const File& file) { return SysError{::fsync(file.fd()) == 0 ? 0 : errno, -1}; }
 
 }  // namespace accel::tensor_file_io

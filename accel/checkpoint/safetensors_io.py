@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import struct
 import threading
 from collections.abc import Mapping
@@ -116,19 +115,13 @@ def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Ma
     fd = create_exclusive(temporary)
     try:
         if native:
-            ops.write_tensors_(descriptor_path(fd, temporary), torch.frombuffer(bytearray(header), dtype=torch.uint8),
+            ops.write_tensors_(fd, temporary, torch.frombuffer(bytearray(header), dtype=torch.uint8),
                                [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
         else:
             write_parallel(fd, header, staged, durable)
     except OSError as error:
         remove_quietly(temporary)
         raise OSError(error.errno, f"cannot write '{path}': {error.strerror or error}") from error
-    except RuntimeError as error:  # the native writer's I/O errors, which carry "(errno N)"
-        remove_quietly(temporary)
-        code = re.search(r"\(errno (\d+)\)", str(error))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), f"cannot write '{path}': {os.strerror(int(code.group(1)))}") from error
     except BaseException:
         remove_quietly(temporary)
         raise
@@ -418,23 +411,12 @@ def _check_unchanged(fd: int, header: Header) -> None:
         raise _changed(header.path, header.identity, now)
 
 
-def descriptor_path(fd: int, path: str) -> str:
-    """A path that opens the very file `fd` is open on (Linux's /proc/self/fd), for code that takes a path (the
-    native reader, torch.from_file); `path` itself where /proc is not mounted (the identity checks then catch a
-    replaced file)."""
-    alias = f"/proc/self/fd/{fd}"
-    return alias if os.path.exists(alias) else path
-
-
 def _read(fd: int, path: str, pairs: list[tuple[TensorInfo, torch.Tensor]]) -> None:
     pairs = [(info, tensor) for info, tensor in pairs if info.nbytes]
     if not pairs:
         return
     if _ext.native_for("read_tensors_", "cpu"):
-        try:
-            ops.read_tensors_(descriptor_path(fd, path), [info.begin for info, _ in pairs], [t for _, t in pairs])
-        except RuntimeError as error:  # the native reader names the descriptor's alias; users know the path
-            raise RuntimeError(str(error).replace(f"/proc/self/fd/{fd}", path)) from None
+        ops.read_tensors_(fd, path, [info.begin for info, _ in pairs], [t for _, t in pairs])
         return
     for info, tensor in pairs:
         view, done = _bytes_of(tensor), 0

@@ -83,8 +83,8 @@ class PinnedPipeline {
   std::array<at::cuda::CUDAEvent, 2> events_;
 };
 
-void write_device_chunks(const SplitIo& split, const File& file) {
-  if (split.device_chunks.empty()) return;
+SysError write_device_chunks(const SplitIo& split, const File& file) {
+  if (split.device_chunks.empty()) return {};
   const c10::cuda::CUDAGuard guard(*split.device);
   PinnedPipeline pipeline(*split.device);
   const auto& chunks = split.device_chunks;
@@ -105,11 +105,11 @@ void write_device_chunks(const SplitIo& split, const File& file) {
     start_writeback(file, staged);
   }
   C10_CUDA_CHECK(cudaStreamSynchronize(pipeline.stream()));  // no copy may still target a buffer we release
-  error.raise_if_failed();
+  return error.raise_or_return();
 }
 
-void read_device_chunks(const SplitIo& split, const File& file) {
-  if (split.device_chunks.empty()) return;
+SysError read_device_chunks(const SplitIo& split, const File& file) {
+  if (split.device_chunks.empty()) return {};
   const c10::cuda::CUDAGuard guard(*split.device);
   PinnedPipeline pipeline(*split.device);
   const auto& chunks = split.device_chunks;
@@ -126,38 +126,41 @@ void read_device_chunks(const SplitIo& split, const File& file) {
     pipeline.record(i);
   }
   C10_CUDA_CHECK(cudaStreamSynchronize(pipeline.stream()));
-  error.raise_if_failed();
+  const SysError failed = error.raise_or_return();
   pipeline.hand_back(*split.device);
+  return failed;
 }
 
-void write_tensors_cuda(c10::string_view path, const at::Tensor& header, at::TensorList tensors,
-                        at::IntArrayRef offsets) {
+void write_tensors_cuda(int64_t fd, c10::string_view path, const at::Tensor& header, at::TensorList tensors,
+                        at::IntArrayRef offsets, const at::Tensor& status_out) {
   constexpr const char* op = "accel::write_tensors_";
+  Status status(status_out, op);
   check_header(header, op);
   const SplitIo split = split_by_device(tensors, offsets, header.numel(), op);
   const std::vector<IoChunk> host_chunks = plan_io(split.host_tensors, split.host_offsets, header.numel(), op);
-  File file(std::string(path), O_WRONLY | O_CREAT | O_TRUNC, /*unlink_on_failure=*/true);
-  reserve(file, file_size(header.numel(), tensors, offsets));
-  write_header(file, header);
+  const File file(fd, std::string(path), op);
+  if (status.failed(reserve(file, file_size(header.numel(), tensors, offsets)))) return;
+  if (status.failed(write_header(file, header))) return;
   auto pwrite_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pwrite(file.fd(), memory, bytes, offset); };
-  transfer_all(host_chunks, pwrite_fn, file, "write", /*writeback=*/true);
-  write_device_chunks(split, file);
-  finish_write(file);
+  if (status.failed(transfer_all(host_chunks, pwrite_fn, file, "write", /*writeback=*/true))) return;
+  if (status.failed(write_device_chunks(split, file))) return;
+  status.failed(flush_to_disk(file));
 }
 
-void read_tensors_cuda(c10::string_view path, at::IntArrayRef offsets, at::TensorList outs) {
+void read_tensors_cuda(int64_t fd, c10::string_view path, at::IntArrayRef offsets, at::TensorList outs,
+                       const at::Tensor& status_out) {
   constexpr const char* op = "accel::read_tensors_";
+  Status status(status_out, op);
   const SplitIo split = split_by_device(outs, offsets, 0, op);
   const std::vector<IoChunk> host_chunks = plan_io(split.host_tensors, split.host_offsets, 0, op);
-  File file(std::string(path), O_RDONLY, /*unlink_on_failure=*/false);
+  const File file(fd, std::string(path), op);
   const FileVersion before = version_of(file);
   check_covers(file, host_chunks, before);
   check_covers(file, split.device_chunks, before);
   auto pread_fn = [&](char* memory, size_t bytes, int64_t offset) { return ::pread(file.fd(), memory, bytes, offset); };
-  transfer_all(host_chunks, pread_fn, file, "read", /*writeback=*/false);
-  read_device_chunks(split, file);
+  if (status.failed(transfer_all(host_chunks, pread_fn, file, "read", /*writeback=*/false))) return;
+  if (status.failed(read_device_chunks(split, file))) return;
   check_unchanged(file, before);
-  file.commit();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 """safetensors files: round trips through the native writer/reader and the fallback (identical bytes), files
 safetensors itself reads, complete header validation (with a fuzz), and a full disk."""
 
+import errno
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file as reference_save_file
 
+from accel import ops
 from accel.checkpoint import safetensors_io as io
 from accel.checkpoint.safetensors_io import CheckpointError
 
@@ -97,8 +99,12 @@ def test_native_and_fallback_write_identical_files(tmp_path):
     header, planned = io.plan_file(tensors, {"format": "pt"})
     staged = [(name, io._host_contiguous(tensor), offset) for name, tensor, offset in planned]
     native, python = tmp_path / "native", tmp_path / "python"
-    torch.ops.accel.write_tensors_(str(native), torch.frombuffer(bytearray(header), dtype=torch.uint8),
-                                   [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
+    fd = io.create_exclusive(str(native))
+    try:
+        ops.write_tensors_(fd, str(native), torch.frombuffer(bytearray(header), dtype=torch.uint8),
+                           [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
+    finally:
+        os.close(fd)
     fd = io.create_exclusive(str(python))
     try:
         io.write_parallel(fd, header, staged, durable=True)
@@ -278,16 +284,38 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_temporary_file(tmp_path, nat
 @pytest.mark.native
 def test_native_bad_arguments_name_the_problem(tmp_path):
     header = torch.zeros(8, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match=r"tensors\[0\] is not contiguous"):
-        torch.ops.accel.write_tensors_(str(tmp_path / "x"), header, [torch.ones(3, 3).t()], [0])
-    with pytest.raises(RuntimeError, match="1 tensors but 2 offsets"):
-        torch.ops.accel.write_tensors_(str(tmp_path / "x"), header, [torch.ones(3)], [0, 1])
-    with pytest.raises(RuntimeError, match="cannot open"):
-        torch.ops.accel.read_tensors_(str(tmp_path / "missing"), [0], [torch.empty(3)])
+    with open(tmp_path / "x", "wb") as file:
+        with pytest.raises(RuntimeError, match=r"tensors\[0\] is not contiguous"):
+            ops.write_tensors_(file.fileno(), "x", header, [torch.ones(3, 3).t()], [0])
+        with pytest.raises(RuntimeError, match="1 tensors but 2 offsets"):
+            ops.write_tensors_(file.fileno(), "x", header, [torch.ones(3)], [0, 1])
+    with pytest.raises(RuntimeError, match="fd must be an open file descriptor, got -1"):
+        ops.read_tensors_(-1, "missing", [0], [torch.empty(3)])
     (tmp_path / "short").write_bytes(b"\0" * 100)
-    with pytest.raises(RuntimeError, match=r"'.*short' ended early \(tensor 1 needs bytes up to 140, the file has 100\)"):
-        torch.ops.accel.read_tensors_(str(tmp_path / "short"), [0, 60], [torch.empty(10), torch.empty(20)])
-    assert not (tmp_path / "x").exists()
+    with open(tmp_path / "short", "rb") as file:
+        with pytest.raises(RuntimeError, match=r"'short' ended early \(tensor 1 needs bytes up to 140, the file has 100\)"):
+            ops.read_tensors_(file.fileno(), "short", [0, 60], [torch.empty(10), torch.empty(20)])
+    assert (tmp_path / "x").stat().st_size == 0  # refused before any byte moved
+
+
+@pytest.mark.native
+def test_a_failed_system_call_of_the_native_ops_is_an_oserror_with_its_errno(tmp_path):
+    """The ops return a failed call's errno as a value (their status), which the wrappers raise as OSError: nothing
+    is parsed out of a message."""
+    header = torch.zeros(8, dtype=torch.uint8)
+    (tmp_path / "ro").write_bytes(b"")
+    with open(tmp_path / "ro", "rb") as file:  # open for reading only: every write fails with EBADF
+        with pytest.raises(OSError) as raised:
+            ops.write_tensors_(file.fileno(), "ro", header, [torch.ones(3)], [0])
+    assert raised.value.errno == errno.EBADF and raised.value.filename == "ro"
+    (tmp_path / "wo").write_bytes(b"\0" * 64)
+    fd = os.open(tmp_path / "wo", os.O_WRONLY)  # open for writing only: reads fail with EBADF, naming the tensor
+    try:
+        with pytest.raises(OSError, match=r"\(read, tensor 0\)") as raised:
+            ops.read_tensors_(fd, "wo", [0], [torch.empty(4)])
+    finally:
+        os.close(fd)
+    assert raised.value.errno == errno.EBADF
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ class Resources:
 
     def __init__(self, tmp_path):
         self.tmp_path = tmp_path
-        self.fd: int | None = None  # a file a sample opened
+        self.fds: list[int] = []  # files samples opened
         self.first_group = self._create()
 
     def _create(self) -> int:
@@ -56,8 +56,12 @@ class Resources:
     def close(self) -> None:
         for handle in range(self.first_group, self._create() + 1):
             ops.shm_group_destroy(handle)  # a handle already destroyed is ignored
-        if self.fd is not None:
-            os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
+
+    def open(self, path, flags: int) -> int:
+        self.fds.append(os.open(path, flags, 0o644))
+        return self.fds[-1]
 
 
 def _pad_into(res: Resources) -> list[Sample]:
@@ -100,23 +104,27 @@ def _safetensors_file(res: Resources) -> tuple[str, torch.Tensor, torch.Tensor]:
     return str(res.tmp_path / "w.safetensors"), torch.frombuffer(bytearray(header), dtype=torch.uint8), torch.randn(5)
 
 
+def _status() -> torch.Tensor:
+    return torch.tensor([0, -1], dtype=torch.int64)
+
+
 def _write_tensors(res: Resources) -> list[Sample]:
     path, header, tensor = _safetensors_file(res)
-    return [Sample((path, header, [tensor], [0]))]
+    return [Sample((res.open(path, os.O_WRONLY | os.O_CREAT), path, header, [tensor], [0], _status()))]
 
 
 def _read_tensors(res: Resources) -> list[Sample]:
     path, header, tensor = _safetensors_file(res)
-    ops.write_tensors_(path, header, [tensor], [0])
-    return [Sample((path, [header.numel()], [torch.empty(5)]))]
+    ops.write_tensors_(res.open(path, os.O_WRONLY | os.O_CREAT), path, header, [tensor], [0])
+    return [Sample((res.open(path, os.O_RDONLY), path, [header.numel()], [torch.empty(5)], _status()))]
 
 
 def _map_file_leased(res: Resources) -> list[Sample]:
     path = res.tmp_path / "mapped.bin"
     path.write_bytes(bytes(range(256)) * 20)
-    res.fd = os.open(path, os.O_RDONLY)
+    fd = res.open(path, os.O_RDONLY)
     # Each call makes a new mapping under a new lease (not a function of its inputs): no AOT check.
-    return [Sample((res.fd, 5000, str(path)), UNTRACEABLE), Sample((res.fd, 1, str(path)), UNTRACEABLE)]
+    return [Sample((fd, 5000, str(path)), UNTRACEABLE), Sample((fd, 1, str(path)), UNTRACEABLE)]
 
 
 def _shm_group_create(res: Resources) -> list[Sample]:
@@ -228,13 +236,17 @@ def test_opcheck(op_name, resources):
 CUDA_OPS = ("clip_grads_", "pad_into", "read_tensors_", "unscale_grads_", "write_tensors_")
 
 
+# The arguments the file ops take on the CPU whatever the device of the tensors: the header, the status.
+HOST_ARGUMENTS = {"write_tensors_": (2, 5), "read_tensors_": (4,)}
+
+
 def on_cuda(op_name: str, sample: Sample) -> Sample:
-    """The sample with every tensor on the GPU, except write_tensors_'s header (the op takes it on the CPU)."""
+    """The sample with every tensor on the GPU, except the file ops' header and status (HOST_ARGUMENTS)."""
 
     def move(value, position):
         if isinstance(value, list):
             return [move(item, None) for item in value]
-        if isinstance(value, torch.Tensor) and not (op_name == "write_tensors_" and position == 1):
+        if isinstance(value, torch.Tensor) and position not in HOST_ARGUMENTS.get(op_name, ()):
             return value.cuda()
         return value
 
@@ -337,29 +349,33 @@ def test_unscale_and_clip_under_torch_compile(device, backend, poison):
     assert compiled_args[1].item() == (0.0 if poison is None else 1.0)
 
 
-def _write(path, header, tensors, offsets):
-    ops.write_tensors_(path, header, tensors, offsets)
+def _write(fd, path, header, tensors, offsets, status):
+    # The op itself: its wrapper raises a failed call's OSError eagerly (a graph break, refused by fullgraph).
+    torch.ops.accel.write_tensors_.default(fd, path, header, tensors, offsets, status)
     return tensors[0] * 1  # an output: dynamo compiles no graph for a function without tensor work
 
 
-def _read(path, offsets, outs):
-    ops.read_tensors_(path, offsets, outs)
+def _read(fd, path, offsets, outs, status):
+    torch.ops.accel.read_tensors_.default(fd, path, offsets, outs, status)
     return outs[0] * 1
 
 
 @pytest.mark.parametrize("device,backend", COMPILERS)
 def test_file_ops_under_torch_compile(device, backend, tmp_path):
-    """The write, which has neither an output nor a mutated input, is kept (it is registered as effectful)."""
+    """The write, whose only output is its status, is kept (it is registered as effectful)."""
     res = Resources(tmp_path)
     try:
         path, header, tensor = _safetensors_file(res)
+        status = _status()
+        fd = res.open(path, os.O_WRONLY | os.O_CREAT)
+        compiled(_write, backend)(fd, path, header, [tensor.to(device)], [0], status)
+        assert os.path.getsize(path) == header.numel() + tensor.numel() * 4, "the compiled program did not write"
+        assert status.tolist() == [0, -1]
+        eager = torch.empty(5, device=device)
+        ops.read_tensors_(res.open(path, os.O_RDONLY), path, [header.numel()], [eager])
+        assert _same(eager.cpu(), tensor)
+        out = torch.empty(5, device=device)
+        result = compiled(_read, backend)(res.open(path, os.O_RDONLY), path, [header.numel()], [out], status)
+        assert _same(out, eager) and _same(result, eager) and status.tolist() == [0, -1]
     finally:
         res.close()
-    compiled(_write, backend)(path, header, [tensor.to(device)], [0])
-    assert os.path.getsize(path) == header.numel() + tensor.numel() * 4, "the compiled program did not write"
-    eager = torch.empty(5, device=device)
-    ops.read_tensors_(path, [header.numel()], [eager])
-    assert _same(eager.cpu(), tensor)
-    out = torch.empty(5, device=device)
-    result = compiled(_read, backend)(path, [header.numel()], [out])
-    assert _same(out, eager) and _same(result, eager)
