@@ -40,7 +40,7 @@ class DeepSpeedStates:
     def save(models: list[Any], optimizers: list[torch.optim.Optimizer], folder: str, durable: bool = False) -> None:
         """Each engine's `save_checkpoint` into `folder`; with `durable`, this process's files are fsynced (DeepSpeed
         writes with torch.save, which does not)."""
-        from accel.checkpoint.background import sync_published
+        from accel.checkpoint.durability import sync_published
 
         for i, engine in enumerate(models):
             engine.save_checkpoint(folder, engine_tag(i))

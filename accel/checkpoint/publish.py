@@ -27,7 +27,8 @@ import shutil
 
 from accel.checkpoint import background
 from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly
-from accel.checkpoint.background import Durability, durability_of, remove_tree_now_free_later
+from accel.checkpoint.background import remove_tree_now_free_later
+from accel.checkpoint.durability import Durability, durability_of
 from accel.checkpoint.names import CHECKPOINT_FILE, CHECKPOINT_PATTERN, DURABILITY_RECORD
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
 
     When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
     moved in one by one instead (each file atomically, the folder as a whole not). `durable`: fsync the folders
-    (else accel.checkpoint.background.Durability does it later).
+    (else accel.checkpoint.durability.Durability does it later).
     """
     sync = fsync_directory if durable else (lambda folder: None)
     sync(partial)  # every entry of the folder is durable before it is renamed into place

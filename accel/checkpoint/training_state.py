@@ -67,7 +67,8 @@ import torch.distributed as dist
 from accel import collectives
 from accel.checkpoint import background, shard_stager, snapshot
 from accel.checkpoint.atomic_files import write_atomically
-from accel.checkpoint.background import SaveMode, durability_of, sync_published
+from accel.checkpoint.background import SaveMode
+from accel.checkpoint.durability import durability_of, sync_published
 from accel.checkpoint.model_io import without_shared_tensors
 from accel.checkpoint.names import (
     CUSTOM_CHECKPOINT_NAME,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from accel.accelerator import Accelerator
-from accel.checkpoint import background, load_checkpoint_in_model, model_io, snapshot
+from accel.checkpoint import background, durability, load_checkpoint_in_model, model_io, snapshot
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import DURABILITY_RECORD, PUBLISH_JOURNAL
 from accel.settings import ProjectConfiguration
@@ -93,10 +93,10 @@ def test_default_save_state_returns_complete_files_and_is_made_durable_in_the_ba
     folder = accelerator.save_state(str(tmp_path / "ckpt"))
     assert fsynced == []  # nothing waited for the disk
     assert {"model.safetensors", "optimizer.bin", DURABILITY_RECORD} <= set(os.listdir(folder))
-    assert background.durability_of(folder) == "this-boot"
+    assert durability.durability_of(folder) == "this-boot"
     gate.set()
     accelerator.wait_for_checkpoint()
-    assert background.durability_of(folder) == "durable"
+    assert durability.durability_of(folder) == "durable"
     synced = [os.path.basename(p) for p in fsynced]
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "ckpt", DURABILITY_RECORD} <= set(synced)
     assert synced[-1] == DURABILITY_RECORD  # "durable" is recorded once everything else is on disk
@@ -106,7 +106,7 @@ def test_durable_save_state_is_durable_when_it_returns(tmp_path, held_worker):
     accelerator = fresh_accelerator(project_config=ProjectConfiguration(durable_save=True))
     prepared(accelerator)
     folder = accelerator.save_state(str(tmp_path / "ckpt"))
-    assert background.durability_of(folder) == "durable"  # although the worker is held
+    assert durability.durability_of(folder) == "durable"  # although the worker is held
 
 
 def test_default_save_model_is_complete_on_return_and_synced_later(tmp_path, fsynced):
@@ -183,7 +183,7 @@ def test_an_asynchronous_save_writes_the_state_as_it_was_at_the_call(tmp_path):
         step(model, optimizer)
     gate.set()
     accelerator.wait_for_checkpoint()
-    assert background.durability_of(folder) == "durable"
+    assert durability.durability_of(folder) == "durable"
     accelerator2 = fresh_accelerator()
     model2, optimizer2 = prepared(accelerator2, seed=5)
     accelerator2.load_state(folder)
@@ -336,7 +336,7 @@ def _asynchronous_save_on_ranks(folder):
     accelerator.wait_for_checkpoint()
     accelerator.load_state(folder)
     same = all(torch.equal(a, b) for a, b in zip(weights(model).values(), saved.values()))
-    return same, background.durability_of(folder), sorted(n for n in os.listdir(folder) if n.startswith("random"))
+    return same, durability.durability_of(folder), sorted(n for n in os.listdir(folder) if n.startswith("random"))
 
 
 def test_an_asynchronous_save_on_two_processes_publishes_every_process_files(tmp_path):

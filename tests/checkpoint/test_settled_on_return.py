@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from accel.accelerator import Accelerator
-from accel.checkpoint import background
+from accel.checkpoint import background, durability
 from accel.checkpoint.names import DURABILITY_RECORD
 from accel.settings import ProjectConfiguration
 from accel.state import AcceleratorState, GradientState
@@ -157,11 +157,11 @@ def test_save_state_listing_does_not_change_when_durability_completes(tmp_path, 
     on_return = accelerator.save_state(folder)
     assert on_return == folder
     seen = listing(tmp_path)
-    assert background.durability_of(folder) == "this-boot"
+    assert durability.durability_of(folder) == "this-boot"
     held_worker.set()
     worker_finished()
     assert listing(tmp_path) == seen
-    assert background.durability_of(folder) == "durable"
+    assert durability.durability_of(folder) == "durable"
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-folder", "replaced-folder"])
@@ -184,11 +184,11 @@ def test_a_folder_with_other_content_is_made_durable_where_its_files_went(tmp_pa
     (tmp_path / "logs.txt").write_text("the user's")  # the files are moved in one by one, not the folder swapped
     accelerator.save_state(str(tmp_path))
     seen = listing(tmp_path)
-    assert background.durability_of(str(tmp_path)) == "this-boot"
+    assert durability.durability_of(str(tmp_path)) == "this-boot"
     held_worker.set()
     worker_finished()
     assert listing(tmp_path) == seen
-    assert background.durability_of(str(tmp_path)) == "durable"
+    assert durability.durability_of(str(tmp_path)) == "durable"
 
 
 def test_replaced_save_model_files_are_gone_on_return_and_their_blocks_freed_later(tmp_path, held_worker):
@@ -219,7 +219,7 @@ def test_a_folder_replaced_by_the_user_before_durability_completes_is_left_alone
     held_worker.set()
     accelerator.wait_for_checkpoint()
     assert os.listdir(folder) == ["mine.txt"]
-    assert background.durability_of(str(folder)) == "unknown"
+    assert durability.durability_of(str(folder)) == "unknown"
 
 
 def numbered(tmp_path):
@@ -236,7 +236,7 @@ def test_rotation_waits_for_a_join_point_the_user_calls(tmp_path, held_worker, j
     assert numbered(tmp_path) == ["checkpoint_0", "checkpoint_1"]
     held_worker.set()
     worker_finished()
-    assert background.durability_of(str(tmp_path / "checkpoints" / "checkpoint_1")) == "durable"
+    assert durability.durability_of(str(tmp_path / "checkpoints" / "checkpoint_1")) == "durable"
     assert numbered(tmp_path) == ["checkpoint_0", "checkpoint_1"]  # the worker removes nothing
     if join_point == "save_state":
         accelerator.save_state()  # checkpoint_2; checkpoint_1, durable, is kept until checkpoint_2 is
@@ -248,8 +248,8 @@ def test_rotation_waits_for_a_join_point_the_user_calls(tmp_path, held_worker, j
 
 def test_the_record_says_which_durability_a_folder_has(tmp_path):
     record = tmp_path / DURABILITY_RECORD
-    assert background.durability_of(str(tmp_path)) == "unknown"  # HF's folders have none
-    here = background.boot_identity()
+    assert durability.durability_of(str(tmp_path)) == "unknown"  # HF's folders have none
+    here = durability.boot_identity()
     for content, expected in [
         (f"unsynced {here}\n", "this-boot"),
         ("unsynced another-host another-boot\n", "lost-boot"),
@@ -259,9 +259,9 @@ def test_the_record_says_which_durability_a_folder_has(tmp_path):
         ("", "unknown"),
     ]:
         record.write_text(content)
-        assert background.durability_of(str(tmp_path)) == expected, content
+        assert durability.durability_of(str(tmp_path)) == expected, content
     record.write_bytes(b"\xff\xfe")
-    assert background.durability_of(str(tmp_path)) == "unknown"
+    assert durability.durability_of(str(tmp_path)) == "unknown"
 
 
 def big_files(folder, count):
@@ -329,4 +329,4 @@ def test_a_script_that_ends_without_end_training_is_rotated_at_exit(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["checkpoint_0", "checkpoint_1"]  # checkpoint_1 was not durable yet
     assert numbered(tmp_path) == ["checkpoint_1"]
-    assert background.durability_of(str(tmp_path / "checkpoints" / "checkpoint_1")) == "durable"
+    assert durability.durability_of(str(tmp_path / "checkpoints" / "checkpoint_1")) == "durable"
