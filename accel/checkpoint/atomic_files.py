@@ -50,17 +50,31 @@ def rename_into_place(temporary: str, path: str, durable: bool) -> None:
 def write_temporary(path: str, write: Callable[[IO], None], mode: str = "wb", *, durable: bool = True) -> str:
     """`write_atomically` without the rename: returns the complete temporary file's name, for a caller that
     publishes several files together (accel.checkpoint.model_io's journal)."""
-    temporary = temporary_name(path)
-    fd = create_exclusive(temporary)
-    try:
-        with os.fdopen(fd, mode) as f:
+
+    def write_file(fd: int) -> None:
+        with os.fdopen(fd, mode, closefd=False) as f:
             write(f)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+
+    return write_temporary_fd(path, write_file)
+
+
+def write_temporary_fd(path: str, write: Callable[[int], None]) -> str:
+    """A new temporary file next to `path` (`temporary_name`, created exclusively) that `write(fd)` fills (and
+    fsyncs, for a durable write); returns its name. The descriptor is closed on return; the file is removed if
+    `write` raises. The one way every writer of a file that is renamed into place makes it (file objects through
+    `write_temporary`, safetensors' parallel writers on the descriptor itself)."""
+    temporary = temporary_name(path)
+    fd = create_exclusive(temporary)
+    try:
+        write(fd)
     except BaseException:
         remove_quietly(temporary)
         raise
+    finally:
+        os.close(fd)
     return temporary
 
 

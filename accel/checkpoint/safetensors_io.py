@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from accel import _ext, ops
-from accel.checkpoint.atomic_files import create_exclusive, remove_quietly, rename_into_place, temporary_name
+from accel.checkpoint.atomic_files import rename_into_place, write_temporary_fd
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {
@@ -111,23 +111,18 @@ def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Ma
     header, planned = plan_file(tensors, metadata)
     native = durable and _ext.native_for("write_tensors_", "cpu")
     staged = [(name, _staged(tensor, native), offset) for name, tensor, offset in planned]
-    temporary = temporary_name(path)
-    fd = create_exclusive(temporary)
-    try:
+
+    def write(fd: int) -> None:
         if native:
-            ops.write_tensors_(fd, temporary, torch.frombuffer(bytearray(header), dtype=torch.uint8),
+            ops.write_tensors_(fd, path, torch.frombuffer(bytearray(header), dtype=torch.uint8),
                                [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
         else:
             write_parallel(fd, header, staged, durable)
+
+    try:
+        return write_temporary_fd(path, write)
     except OSError as error:
-        remove_quietly(temporary)
         raise OSError(error.errno, f"cannot write '{path}': {error.strerror or error}") from error
-    except BaseException:
-        remove_quietly(temporary)
-        raise
-    finally:
-        os.close(fd)
-    return temporary
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:

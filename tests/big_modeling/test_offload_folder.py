@@ -25,7 +25,7 @@ def test_a_symlink_planted_at_the_old_temporary_name_is_not_followed(tmp_path):
 
 
 def test_temporary_names_cannot_be_guessed():
-    names = {io.temporary_name("/x/index.json") for _ in range(100)}
+    names = {atomic_files.temporary_name("/x/index.json") for _ in range(100)}
     assert len(names) == 100 and all(len(n.rsplit("-", 1)[1]) == 16 for n in names)  # 64 random bits each
 
 

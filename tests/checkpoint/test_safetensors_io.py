@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file as reference_save_file
 
 from accel import ops
+from accel.checkpoint import atomic_files
 from accel.checkpoint import safetensors_io as io
 from accel.checkpoint.safetensors_io import CheckpointError
 
@@ -99,13 +100,13 @@ def test_native_and_fallback_write_identical_files(tmp_path):
     header, planned = io.plan_file(tensors, {"format": "pt"})
     staged = [(name, io._host_contiguous(tensor), offset) for name, tensor, offset in planned]
     native, python = tmp_path / "native", tmp_path / "python"
-    fd = io.create_exclusive(str(native))
+    fd = atomic_files.create_exclusive(str(native))
     try:
         ops.write_tensors_(fd, str(native), torch.frombuffer(bytearray(header), dtype=torch.uint8),
                            [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
     finally:
         os.close(fd)
-    fd = io.create_exclusive(str(python))
+    fd = atomic_files.create_exclusive(str(python))
     try:
         io.write_parallel(fd, header, staged, durable=True)
     finally:
