@@ -83,6 +83,7 @@ def run_checkpoint(pair: str, width: int, workspace: Path) -> dict:
     out = workspace / f"checkpoint-{pair}-{width}"
     job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--width", str(width),
            "--out", str(out)]  # fmt: skip
+    os.sync()  # the earlier jobs' saves are on disk: their writeback does not land in this job's timings
     launch(command("accel_fsdp", job), child_env(), workspace, f"the {pair} checkpoint job", JOB_TIMEOUT_S)
     return json.loads((out / "checkpoint.json").read_text())
 
