@@ -7,7 +7,8 @@ Three singletons share their state between all instances (Alex Martelli's "Borg"
 - `GradientState`: gradient accumulation and dataloader bookkeeping (`accel.gradient_state`, re-exported here).
 
 The process group comes from the environment `torchrun` (`accel launch`) exports: RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`).
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`), or,
+for a script srun starts once per process without a launcher, from the step's SLURM_* variables (`accel.slurm`).
 Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
 processes simply use gloo on the CPU. When they all run on one host, the group's CPU collectives then go through
 shared memory instead of TCP (`accel.process_group` starts `accel.collectives.shm_process_group`;
@@ -29,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accel import process_group
+from accel import process_group, slurm
 from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
 from accel.collectives import uneven
@@ -131,6 +132,16 @@ def _single_process_fields(use_cuda: bool, timeout: timedelta | None) -> dict:
     }
 
 
+def _adopt_srun_task() -> None:
+    """A process srun started as one task of several (`srun python script.py`, no launcher) exports its rank,
+    world size and rendezvous from the SLURM_* variables (`accel.slurm.task_environment`), as torchrun would have,
+    so the group starts from them; HF Accelerate does the same for MPI launchers' variables. Anything a launcher
+    set already is left alone."""
+    variables = slurm.task_environment(os.environ)
+    if variables is not None:
+        os.environ.update(variables)
+
+
 # --- split_between_processes -------------------------------------------------------------------------------------
 
 
@@ -208,6 +219,9 @@ class PartialState:
     - launched by torchrun / `accel launch` (LOCAL_RANK or WORLD_SIZE > 1 in the environment): initializes the
       default process group, NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on the CPU
       (`MULTI_GPU` / `MULTI_CPU`). A process group the user already initialized is adopted as it is.
+    - started by srun as one of several tasks, without a launcher (`srun python script.py`): the same, with the
+      rank, local rank and world size from SLURM_PROCID, SLURM_LOCALID and the step's task count, exported as
+      RANK, LOCAL_RANK, WORLD_SIZE, ... (`accel.slurm.task_environment`).
     - otherwise: one process (`DistributedType.NO`) on the CPU or the current CUDA device.
 
     Args:
@@ -254,6 +268,8 @@ class PartialState:
         backend = kwargs.pop("backend", None) or ("nccl" if use_cuda else "gloo")
         timeout = process_group.requested_timeout(kwargs.pop("timeout", None))
         debug = get_flag("DEBUG_MODE")
+        if not dist.is_initialized():
+            _adopt_srun_task()
         if not dist.is_initialized() and process_group.launched_distributed(use_cuda):
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
             device = process_group.device_for(True, use_cuda, local_rank)

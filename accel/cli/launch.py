@@ -1,10 +1,10 @@
 """`accel launch`: resolve the launch settings once, then hand off to torch.distributed.run.
 
 Settings come in layers, each overriding the one before: LaunchConfig's defaults (HF Accelerate's) < the config
-file (`--config_file`, else the default one, else HF Accelerate's) < ACCEL_<NAME> environment variables <
-command-line flags. Process supervision, rendezvous, restarts, log files and error files are torch's elastic
-agent's. The options themselves (all of `accelerate launch`'s) are listed in launch_options.py; those of
-backends accel does not run are refused before anything starts.
+file (`--config_file`, else the default one, else HF Accelerate's) < Slurm's facts, under srun (`values_from_slurm`)
+< ACCEL_<NAME> environment variables < command-line flags. Process supervision, rendezvous, restarts, log files and
+error files are torch's elastic agent's. The options themselves (all of `accelerate launch`'s) are listed in
+launch_options.py; those of backends accel does not run are refused before anything starts.
 
 Differences from `accelerate launch`, on purpose:
   * `--cpu --num_processes N` starts N processes (HF starts one).
@@ -15,6 +15,9 @@ Differences from `accelerate launch`, on purpose:
     (accel/cpu_affinity.py); HF pins only GPU ranks, to their GPU's NUMA node (so does accel).
   * `-q/--quiet` applies to every launch (HF: DeepSpeed and single-process ones): on failure only the ranks'
     own output shows, without the launcher's summary and the elastic agent's log lines.
+  * Under srun, one `accel launch` per node (`srun --ntasks-per-node=1 accel launch ...`) takes the machines, its
+    rank, the first machine's address, the GPUs' process count and, for several machines, the job's port from the
+    SLURM_* variables (`values_from_slurm`); HF reads none of them.
   * `--main_training_function` (HF: TPU only) works on CPUs and GPUs: the script is imported and that
     function called. The config file's `main_training_function` key (HF writes `main` into every file) is
     read only on TPUs by HF and is ignored here as well.
@@ -55,7 +58,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from accel import accelerate_alias, availability
+from accel import accelerate_alias, availability, slurm
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.backends import fsdp_options
 from accel.cli import deepspeed_options
@@ -256,6 +259,55 @@ def values_from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[st
     return values, origins
 
 
+def _slurm_machine_rank(environ: Mapping[str, str]) -> tuple[str, int]:
+    slurm.check_one_task_per_node(environ)  # SLURM_NODEID is the machine's rank only with one launcher a node
+    return slurm.node_rank(environ)
+
+
+_SLURM_FACTS = {"num_machines": slurm.num_nodes, "machine_rank": _slurm_machine_rank,
+                "main_process_ip": slurm.first_node}  # fmt: skip
+
+
+def values_from_slurm(environ: Mapping[str, str], above: Mapping[str, Any], use_cpu: bool
+                      ) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+    """The settings an srun step gives `accel launch` (`srun accel launch`, one task per node), and their variables.
+
+    num_machines is the step's node count, machine_rank SLURM_NODEID, main_process_ip the step's first node (its
+    host list expanded as Slurm writes it) and, unless the processes run on the CPU, num_processes SLURM_GPUS_ON_NODE
+    per machine (Slurm says nothing about CPU processes per launcher: CPU jobs keep the launcher's default of one per
+    machine, or say --num_processes). Only fields that no ACCEL_* variable or flag sets (`above`) are read. This layer
+    lies above the config file: Slurm's values are facts about this very job and node, while a config file's
+    machine_rank or main_process_ip, written once (often in a home folder every node shares), cannot be right on
+    every node. Outside an srun step (sbatch's batch script, salloc's shell) nothing is read.
+
+    Raises:
+        LaunchError: a variable needed is missing or malformed, or srun started several launchers on a node.
+    """
+    if not slurm.in_srun_step(environ):
+        return {}, {}
+    try:
+        found = {field: read(environ) for field, read in _SLURM_FACTS.items() if field not in above}
+        gpus = None if use_cpu or "num_processes" in above else slurm.gpus_on_node(environ)
+    except slurm.SlurmError as error:
+        raise LaunchError(str(error)) from None
+    values = {field: value for field, (_, value) in found.items()}
+    origins = {field: name for field, (name, _) in found.items()}
+    if gpus is not None:
+        machines = above.get("num_machines", values.get("num_machines", 1))
+        values["num_processes"], origins["num_processes"] = gpus[1] * machines, gpus[0]
+    return values, origins
+
+
+def _slurm_port(values: dict[str, Any], origins: dict[str, str], environ: Mapping[str, str]) -> None:
+    """Several machines under srun meet on the job's port (`accel.slurm.job_port`) when no layer names one, so
+    jobs sharing a node do not collide; one machine keeps picking a free port."""
+    if slurm.in_srun_step(environ) and values.get("num_machines", 1) > 1 and values.get("main_process_port") is None:
+        try:
+            values["main_process_port"], origins["main_process_port"] = slurm.job_port(environ), "SLURM_JOB_ID"
+        except slurm.SlurmError as error:
+            raise LaunchError(str(error)) from None
+
+
 def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
     """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice,
     and one choosing multi-GPU, DeepSpeed or FSDP turns off a lower layer's DeepSpeed or FSDP that it does not
@@ -272,8 +324,16 @@ def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
     values.update(layer)
 
 
+def _merged_use_cpu(values: dict[str, Any], *layers: dict[str, Any]) -> bool:
+    merged = dict(values)
+    for layer in layers:
+        _merge(merged, layer)
+    return bool(merged.get("use_cpu", False))
+
+
 def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> LaunchConfig:
-    """Builds the one LaunchConfig: config file < ACCEL_* env < flags (flags that were not given are None).
+    """Builds the one LaunchConfig: config file < Slurm (under srun) < ACCEL_* env < flags (flags that were not given
+    are None).
 
     Raises:
         LaunchError: a setting is invalid (the message names it and where it came from).
@@ -287,10 +347,15 @@ def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> L
     if "mixed_precision" in values and "mixed_precision" not in {**env_values, **flag_values}:
         # HF: a precision from the file counts as one of its DeepSpeed settings.
         values["deepspeed_fields_from_accelerate_config"] += ("mixed_precision",)
+    use_cpu = _merged_use_cpu(values, env_values, flag_values)  # Slurm's layer sets no device
+    slurm_values, slurm_origins = values_from_slurm(environ, {**env_values, **flag_values}, use_cpu)
+    _merge(values, slurm_values)
     _merge(values, env_values)
     _merge(values, flag_values)
+    origins.update(slurm_origins)
     origins.update(env_origins)
     origins.update({k: f"--{'cpu' if k == 'use_cpu' else k}" for k in flag_values})
+    _slurm_port(values, origins, environ)
     return validate(LaunchConfig(**values), origins)
 
 
