@@ -28,7 +28,7 @@ def _with_padded(tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Te
     if isinstance(tensor, torch.Tensor):  # the common case: one leaf, padded or not (a nested one is not in `regular`)
         return padded[0] if padded else tensor
     if all(new is old for new, old in zip(padded, regular)):
-        return tensor if isinstance(tensor, torch.Tensor) else replace_tensor_leaves(tensor, leaves)
+        return replace_tensor_leaves(tensor, leaves)
     if len(regular) == len(leaves):
         return replace_tensor_leaves(tensor, padded)
     replacements = iter(padded)
