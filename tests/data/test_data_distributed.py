@@ -91,7 +91,8 @@ def _grid_on_rank():
         kept, ends, local, unlike = _eval_pass(prepared)
         expected = _expected(length, batch, world, drop_last, split)
         if unlike:
-            failures.append(f"{case}: gather_for_metrics gave {unlike[0][0]}, gather_ragged + truncation {unlike[0][1]}")
+            ours, composed = unlike[0]
+            failures.append(f"{case}: gather_for_metrics gave {ours}, gather_ragged + truncation {composed}")
         # Process 0 always has a batch in the last step; one standing by misses that step's samples.
         if kept != expected[: len(kept)] or (PartialState().is_main_process and kept != expected):
             failures.append(f"{case}: gather_for_metrics kept {kept}")
