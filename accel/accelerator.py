@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from accel import collectives, data, pytree
+from accel import collectives, data
 from accel.checkpoint import save_file
 from accel.checkpoint import training_state
 from accel.checkpoint.background import SaveMode
@@ -685,12 +685,7 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gathers across processes and drops the samples that sharding duplicated at the end of the data,
         so an evaluation pass sees each sample exactly once."""
-        as_objects = use_gather_object or not _all_tensors(input_data)
-        if as_objects:
-            gathered = collectives.gather_object(input_data)
-        else:  # last batches can differ in length across ranks (even_batches=False, dispatched batches)
-            gathered = collectives.gather_ragged(input_data)
-        return data.gather_for_metrics_truncation(gathered, self.gradient_state, use_gather_object=as_objects)
+        return data.gather_for_metrics(input_data, self.gradient_state, use_gather_object=use_gather_object)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         return collectives.reduce(tensor, reduction=reduction, scale=scale)
@@ -959,15 +954,6 @@ def _deepspeed_plugins(plugin: Any, plugins: Any) -> Any:
                                   "Please make sure the first `Accelerator` is initialized with all the plugins you "
                                   "want to use.")  # fmt: skip
     return AcceleratorState().deepspeed_plugins if given is None and running else given
-
-
-def _all_tensors(data: Any) -> bool:
-    """Whether every leaf is a tensor (any Mapping, so transformers' BatchEncoding/ModelOutput count)."""
-    try:
-        pytree.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
-    except TypeError:
-        return False
-    return True
 
 
 __all__ = ["Accelerator"]

@@ -80,7 +80,8 @@ class GradientState:
     @property
     def active_dataloader(self):
         """The innermost dataloader being iterated, or None."""
-        return self.dataloader_references[-1]
+        innermost = self._dataloader_references_ref[-1]  # read on every collective: not the whole list
+        return innermost() if innermost is not None else None
 
     @property
     def dataloader_references(self) -> list:

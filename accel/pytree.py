@@ -112,32 +112,50 @@ def tensor_leaves(data: Any, operation: str) -> list[torch.Tensor]:
     if isinstance(data, torch.Tensor):  # the common case, on every collective's path
         return [data]
     leaves: list[torch.Tensor] = []
-
-    def collect(item):
-        if isinstance(item, (tuple, list)):
-            for child in item:
-                collect(child)
-        elif isinstance(item, Mapping):
-            for child in item.values():
-                collect(child)
-        elif isinstance(item, torch.Tensor):
-            leaves.append(item)
-        else:
-            raise TypeError(
-                f"Unsupported types ({type(item)}) passed to `{operation}`. Only nested list/tuple/dicts of "
-                "tensors should be passed."
-            )
-
-    collect(data)
+    _collect_tensors(data, leaves, operation)
     return leaves
 
 
+def _collect_tensors(item: Any, leaves: list[torch.Tensor], operation: str) -> None:
+    if isinstance(item, (tuple, list)):
+        children = item
+    elif isinstance(item, Mapping):
+        children = item.values()
+    elif isinstance(item, torch.Tensor):
+        leaves.append(item)
+        return
+    else:
+        raise TypeError(
+            f"Unsupported types ({type(item)}) passed to `{operation}`. Only nested list/tuple/dicts of "
+            "tensors should be passed."
+        )
+    for child in children:
+        if isinstance(child, torch.Tensor):  # no call per leaf: containers of tensors are the common case
+            leaves.append(child)
+        else:
+            _collect_tensors(child, leaves, operation)
+
+
 def replace_tensor_leaves(data: Any, leaves: Iterable[torch.Tensor]) -> Any:
-    """`data` rebuilt with `leaves` in place of its tensors, in `tensor_leaves`'s order."""
+    """`data` rebuilt with `leaves` in place of its tensors, in `tensor_leaves`'s order (containers rebuilt as
+    `recursively_apply` rebuilds them, other leaves kept)."""
     if isinstance(data, torch.Tensor):
         return next(iter(leaves))
-    remaining = iter(leaves)
-    return recursively_apply(lambda _: next(remaining), data)
+    return _rebuild(data, iter(leaves))
+
+
+def _rebuild(data: Any, remaining: Iterator[torch.Tensor]) -> Any:
+    # `recursively_apply(lambda _: next(remaining), data)` without its per-node keyword plumbing: every collective
+    # returns through here.
+    if isinstance(data, (tuple, list)):
+        return honor_type(data, [next(remaining) if isinstance(item, torch.Tensor) else _rebuild(item, remaining)
+                                 for item in data])  # fmt: skip
+    if isinstance(data, Mapping):
+        return _rebuild_mapping(data, {key: next(remaining) if isinstance(value, torch.Tensor)
+                                       else _rebuild(value, remaining) for key, value in data.items()})  # fmt: skip
+    if isinstance(data, torch.Tensor):
+        return next(remaining)
+    return data
 
 
 def _move(tensor: Any, device: Any, non_blocking: bool) -> Any:

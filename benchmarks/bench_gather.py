@@ -16,7 +16,10 @@ an order that alternates between rounds, the same number of calls of:
 - `fused`: the same result in one op call (`accel::shm_all_gather` with `pad_dim=0`), the op-level column;
 - `reference`: accel's two calls through its torch.distributed transport (gloo).
 The ratio HF/accel is the median over rounds of each round's ratio (interleaved pairs), so drifts of a busy
-machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way.
+machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way, and a
+third the same pass with a small MLP's forward (issue 23): accel's pass, HF's pass, and accel's forward-only pass
+over the same prepared loader and model (the limit), with what gathering adds per batch. ACCEL_BENCH_ROUNDS sets the
+rounds of the evaluation-pass benchmarks (default 21; a few suffice to check that they run).
 Everything lands in each benchmark's `extra_info` (benchmarks/report/gather.py reads it); pytest-benchmark's
 own statistics are those of one whole round.
 
@@ -47,7 +50,8 @@ one_gpu = pytest.mark.skipif(WORLD_SIZE != 1 or not torch.cuda.is_available(), r
 PAYLOADS = {"64B": 64, "4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "32MiB": 32 << 20}
 # (rounds, calls per contender and round): the same on every rank, so every rank runs the same collectives.
 REPEATS = {"64B": (21, 100), "4KiB": (21, 100), "256KiB": (15, 10), "4MiB": (15, 8), "32MiB": (9, 2)}
-EVAL_ROWS, EVAL_BATCH, EVAL_ROUNDS = 1003, 16, 21
+EVAL_ROWS, EVAL_BATCH = 1003, 16
+EVAL_ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "21"))  # of each evaluation-pass benchmark
 
 
 def hf_accelerate():
@@ -196,6 +200,62 @@ def test_gather_for_metrics_eval_pass(benchmark, state):
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
     benchmark.extra_info.update(world_size=WORLD_SIZE, rows=EVAL_ROWS, batch_size=EVAL_BATCH,
                                 **runs.summary("accel", ["hf", "reference", "limit"]))
+
+
+# --- an evaluation pass with a model (issue 23) ------------------------------------------------------------------
+
+
+def _mlp() -> torch.nn.Module:
+    """A small MLP over the loader's 256 features: 10 logits per sample; the same weights in every call."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def _model_pass(model, loader, gather_for_metrics=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An evaluation loop as users write it: predictions and labels of every batch through `gather_for_metrics`
+    (none: the forward-only pass over the same loader), concatenated at the end."""
+    predictions, labels = [], []
+    with torch.no_grad():
+        for features, batch_labels in loader:
+            batch_predictions = model(features).argmax(dim=-1)
+            if gather_for_metrics is not None:
+                batch_predictions, batch_labels = gather_for_metrics((batch_predictions, batch_labels))
+                predictions.append(batch_predictions)
+                labels.append(batch_labels)
+    return (torch.cat(predictions), torch.cat(labels)) if gather_for_metrics is not None else None
+
+
+@multi_rank
+def test_eval_pass_with_model(benchmark, state):
+    """accel's whole evaluation pass (forward + gather_for_metrics of (predictions, labels)) against the same pass
+    without gathering (`forward`, the limit) and HF Accelerate's pass (its prepared model, loader and gather)."""
+    import accel
+
+    hf = hf_accelerate()
+    ours, theirs = accel.Accelerator(cpu=True), hf.Accelerator(cpu=True)
+    our_model, our_loader = ours.prepare(_mlp(), _eval_loader(lambda loader: loader))
+    their_model, their_loader = theirs.prepare(_mlp(), _eval_loader(lambda loader: loader))
+    our_model.eval()
+    their_model.eval()
+    seen = _model_pass(our_model, our_loader, ours.gather_for_metrics)
+    theirs_seen = _model_pass(their_model, their_loader, theirs.gather_for_metrics)
+    assert all(torch.equal(a, b) for a, b in zip(seen, theirs_seen))
+    assert torch.equal(seen[1], torch.arange(EVAL_ROWS))  # every sample once, in order
+    runs = Interleaved({
+        "limit": lambda: _model_pass(our_model, our_loader),
+        "accel": lambda: _model_pass(our_model, our_loader, ours.gather_for_metrics),
+        "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
+    }, 1)  # fmt: skip
+    runs.round()  # warm-up, not recorded
+    runs.times = {contender: [] for contender in runs.times}
+    benchmark.group = f"evaluation pass with a model, {WORLD_SIZE} ranks"
+    benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
+    # What gathering adds per batch, from each round's pair (the same loader and model, interleaved).
+    per_batch = [(a - f) / len(our_loader) for a, f in zip(runs.times["accel"], runs.times["limit"])]
+    benchmark.extra_info.update(world_size=WORLD_SIZE, payload="eval+mlp", rows=EVAL_ROWS, batch_size=EVAL_BATCH,
+                                batches=len(our_loader), gather_per_batch_s=statistics.median(per_batch),
+                                **runs.summary("accel", ["hf"]))  # fmt: skip
+    benchmark.extra_info["accel/limit"] = runs.summary("limit", ["accel"])["accel/limit"]
 
 
 # --- one process on a GPU (issue 25) -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <c10/core/WrapDimMinimal.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -77,6 +78,27 @@ inline PadPattern pad_pattern(const c10::Scalar& pad_value, at::ScalarType dtype
   PadPattern pattern;
   std::memcpy(pattern.bytes, value.const_data_ptr(), value.element_size());
   return pattern;
+}
+
+template <typename T>
+void fill_pattern(uint8_t* dst, int64_t count, const PadPattern& pattern) {
+  T value;
+  std::memcpy(&value, pattern.bytes, sizeof(T));
+  T* typed = reinterpret_cast<T*>(dst);
+  std::fill(typed, typed + count, value);
+}
+
+// Host memory: `count` elements of `elem_size` bytes at dst, each set to the pattern (the CPU kernel's padding, and
+// the shared-memory gather's, which pads while it places the ranks' data).
+inline void fill_elements(uint8_t* dst, int64_t count, int64_t elem_size, const PadPattern& pattern) {
+  switch (elem_size) {
+    case 1: std::memset(dst, pattern.bytes[0], count); break;
+    case 2: fill_pattern<uint16_t>(dst, count, pattern); break;
+    case 4: fill_pattern<uint32_t>(dst, count, pattern); break;
+    case 8: fill_pattern<uint64_t>(dst, count, pattern); break;
+    case 16: fill_pattern<Bytes16>(dst, count, pattern); break;
+    default: TORCH_INTERNAL_ASSERT(false, "accel::pad_into: unexpected element size ", elem_size);
+  }
 }
 
 }  // namespace accel

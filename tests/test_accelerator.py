@@ -512,3 +512,36 @@ def test_gather_for_metrics_takes_any_mapping_and_uneven_lengths():
     for gathered in run_on_ranks(_ragged_metrics, 2):
         assert isinstance(gathered, collections.UserDict)  # a Mapping, not pickled objects (BatchEncoding is one)
         assert gathered["ids"].tolist() == [0, 0, 1] and gathered["mask"].tolist() == [True] * 3
+
+
+def _native_calls_per_collective():
+    """The shared-memory ops each public call makes, after a first gather has opened the group."""
+    from accel import ops
+
+    accelerator = Accelerator()
+    rank = accelerator.process_index
+    accelerator.gather(torch.zeros(1))
+    calls = []
+    for name in ("shm_all_gather", "shm_all_gather_bytes", "shm_pad_across_processes"):
+        def recorded(group, data, *args, _name=name, _op=getattr(ops, name), **kwargs):
+            calls.append((_name, len(data) if isinstance(data, list) else 1))
+            return _op(group, data, *args, **kwargs)
+
+        setattr(ops, name, recorded)
+    outputs = {"logits": torch.ones(rank + 2, 3), "labels": (torch.arange(rank + 2), [torch.tensor(1.0)])}
+    per_call = []
+    for collective in (lambda: accelerator.gather_for_metrics(outputs),
+                       lambda: accelerator.gather(accelerator.pad_across_processes(torch.ones(rank + 1))),
+                       lambda: accelerator.gather_for_metrics([f"rank {rank}"])):  # fmt: skip
+        collective()
+        per_call.append(list(calls))
+        calls.clear()
+    return per_call
+
+
+@pytest.mark.native
+def test_each_public_gather_is_one_native_call_per_call_for_all_its_leaves():
+    for per_call in run_on_ranks(_native_calls_per_collective, 2):
+        assert per_call == [[("shm_all_gather", 3)],
+                            [("shm_pad_across_processes", 1), ("shm_all_gather", 1)],
+                            [("shm_all_gather_bytes", 1)]]  # fmt: skip

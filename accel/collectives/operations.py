@@ -318,8 +318,25 @@ def gather_ragged(tensor: Any) -> Any:
     """
     if PartialState().num_processes == 1:
         return tensor
-    leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather_ragged")]
-    return replace_tensor_leaves(tensor, select_transport(leaves).all_gather_ragged(leaves))
+    return replace_tensor_leaves(tensor, _all_gather_ragged(tensor_leaves(tensor, "gather_ragged")))
+
+
+@uneven.uneven_aware("gather", _gather_in_uneven_step)
+def gather_ragged_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`gather_ragged` of a pytree's tensor leaves, already flattened by the caller (`gather_for_metrics`), so the
+    pytree is walked once on the way down and once on the way up.
+
+    Returns:
+        The gathered leaves, in order; on one process, `leaves` itself.
+    """
+    if PartialState().num_processes == 1:
+        return leaves
+    return _all_gather_ragged(leaves)
+
+
+def _all_gather_ragged(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    rows = [leaf[None] if leaf.dim() == 0 else leaf for leaf in leaves]
+    return select_transport(rows).all_gather_ragged(rows)
 
 
 # --- one process's tensor to every process -----------------------------------------------------------------------

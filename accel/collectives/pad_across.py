@@ -25,8 +25,10 @@ class CannotPadNestedTensorWarning(UserWarning):
 def _with_padded(tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Tensor], padded: list[torch.Tensor]
                  ) -> Any:  # fmt: skip
     """`tensor` with each of its `regular` leaves (those of `leaves` that are not nested) replaced by `padded`."""
+    if isinstance(tensor, torch.Tensor):  # the common case: one leaf, padded or not (a nested one is not in `regular`)
+        return padded[0] if padded else tensor
     if all(new is old for new, old in zip(padded, regular)):
-        return tensor if isinstance(tensor, torch.Tensor) else replace_tensor_leaves(tensor, leaves)
+        return replace_tensor_leaves(tensor, leaves)
     if len(regular) == len(leaves):
         return replace_tensor_leaves(tensor, padded)
     replacements = iter(padded)

@@ -6,7 +6,7 @@ from accel.data.loaders import DataLoaderAdapter, DataLoaderStateMixin, get_samp
 from accel.data.prepare import prepare_data_loader
 from accel.data.shard_loader import DataLoaderShard
 from accel.data.skip import SkipDataLoader, skip_first_batches
-from accel.data.truncation import gather_for_metrics_truncation
+from accel.data.truncation import gather_for_metrics, gather_for_metrics_truncation
 from accel.data.rng import RNGType, set_seed, synchronize_rng_state, synchronize_rng_states
 from accel.data.samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
 
@@ -21,6 +21,7 @@ __all__ = [
     "SeedableRandomSampler",
     "SkipBatchSampler",
     "SkipDataLoader",
+    "gather_for_metrics",
     "gather_for_metrics_truncation",
     "get_sampler",
     "override_even_batches",

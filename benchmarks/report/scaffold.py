@@ -72,6 +72,11 @@ def at_least(goal: float, value: float) -> str:
     return f"≥ {goal}× {'met' if value >= goal else 'NOT met'}"
 
 
+def at_most(goal: float, value: float, unit: str = "×") -> str:
+    """"≤ goal<unit> met" or "≤ goal<unit> NOT met" (unit "×" for a ratio, " µs" for a time in µs...)."""
+    return f"≤ {goal}{unit} {'met' if value <= goal else 'NOT met'}"
+
+
 def rank_spread(info: dict) -> str:
     """The slowest rank's median over the fastest's (`per_rank_accel_median_s`): 1.0 when no rank waits on a
     starved peer more than the others."""

@@ -9,25 +9,6 @@
 namespace accel {
 namespace {
 
-template <typename T>
-void fill_pattern(uint8_t* dst, int64_t count, const PadPattern& pattern) {
-  T value;
-  std::memcpy(&value, pattern.bytes, sizeof(T));
-  T* typed = reinterpret_cast<T*>(dst);
-  std::fill(typed, typed + count, value);
-}
-
-void fill_elements(uint8_t* dst, int64_t count, int64_t elem_size, const PadPattern& pattern) {
-  switch (elem_size) {
-    case 1: std::memset(dst, pattern.bytes[0], count); break;
-    case 2: fill_pattern<uint16_t>(dst, count, pattern); break;
-    case 4: fill_pattern<uint32_t>(dst, count, pattern); break;
-    case 8: fill_pattern<uint64_t>(dst, count, pattern); break;
-    case 16: fill_pattern<Bytes16>(dst, count, pattern); break;
-    default: TORCH_INTERNAL_ASSERT(false, "accel::pad_into: unexpected element size ", elem_size);
-  }
-}
-
 // Writes the out elements [begin, end) (flat indices): each row is [pad | data | pad] in elements.
 void pad_range(const uint8_t* src, uint8_t* out, const PadGeometry& g, const PadPattern& pattern,
                int64_t begin, int64_t end) {

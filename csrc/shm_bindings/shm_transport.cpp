@@ -18,6 +18,7 @@
 // the core's Group is one-thread-at-a-time, so concurrent calls on one group queue instead of interleaving.
 #include <Python.h>  // before any standard header, as Python requires
 
+#include "../pad_into.h"
 #include "../shm/shm_group.h"
 
 #include <sys/mman.h>
@@ -646,22 +647,37 @@ void GatherPlan::plan_leaf(const std::vector<RankMeta>& ranks, size_t leaf, std:
   shape[0] = rows;
   if (dim > 0) shape[dim] = padded;
   at::Tensor out = fresh_output(shape, at::TensorOptions().dtype(first.dtype));  // at::empty checks numel overflow
+  // Blocks and padding are placed by address (tensor views cost a dispatch each, several times the copy at the
+  // small sizes of an evaluation loop). In bytes: one index of `dim`, one row of dim 0, one slice along `dim`.
   const int64_t elem = static_cast<int64_t>(out.element_size());
   const int64_t inner = product(shape, dim + 1, shape.size()) * elem;
+  const int64_t row_bytes = product(shape, 1, shape.size()) * elem;
+  const int64_t slice_bytes = padded * inner;
+  auto* base = static_cast<std::byte*>(out.mutable_data_ptr());
+  std::optional<PadPattern> pattern;  // the pad value in this leaf's dtype, converted once if any block needs it
   int64_t row = 0;
   for (size_t r = 0; r < ranks.size(); ++r) {
     const LeafHeader& header = ranks[r].leaves[leaf];
     const std::vector<int64_t>& sizes = header.sizes;
     const int64_t block_rows = dim == 0 && pad_dim_ ? padded : sizes[0];
-    at::Tensor block = out.narrow(0, row, block_rows);
+    std::byte* block = base + row * row_bytes;
     const int64_t missing = (dim == 0 ? block_rows : padded) - sizes[dim];
-    if (missing > 0) block.narrow(dim, pad_first_ ? 0 : sizes[dim], missing).fill_(pad_value_);
+    if (missing > 0) {
+      if (!pattern) pattern = pad_pattern(pad_value_, first.dtype);
+      // Each slice of the block along `dim` holds `missing` indices of padding, before or after the data.
+      const int64_t slices = dim == 0 ? 1 : block_rows * product(shape, 1, dim);
+      std::byte* padding = block + (pad_first_ ? 0 : sizes[dim] * inner);
+      for (int64_t slice = 0; slice < slices; ++slice) {
+        fill_elements(reinterpret_cast<uint8_t*>(padding + slice * slice_bytes), missing * inner / elem, elem,
+                      *pattern);
+      }
+    }
     Placement& p = placements_[r][leaf];
     p.stream_start = starts[r];
     p.bytes = header.bytes;
     p.src_row = static_cast<uint64_t>(sizes[dim] * inner);
-    p.dst_row = static_cast<uint64_t>(padded * inner);
-    p.dst = static_cast<std::byte*>(block.mutable_data_ptr()) + (pad_first_ ? missing * inner : 0);
+    p.dst_row = static_cast<uint64_t>(slice_bytes);
+    p.dst = block + (pad_first_ ? missing * inner : 0);
     starts[r] += p.bytes;
     row += block_rows;
   }
@@ -776,13 +792,13 @@ std::vector<int64_t> padded_sizes(const std::vector<RankMeta>& ranks, int self, 
   }
   std::vector<int64_t> targets;
   for (size_t leaf = 0; leaf < counts[0]; ++leaf) {
-    std::vector<std::string> shapes;
     bool same_ndim = true;
     for (const RankMeta& rank : ranks) {
-      shapes.push_back(c10::str(c10::IntArrayRef(rank.leaves[leaf].sizes)));
       same_ndim = same_ndim && rank.leaves[leaf].sizes.size() == ranks[0].leaves[leaf].sizes.size();
     }
-    if (!same_ndim) {
+    if (!same_ndim) {  // the shapes are formatted for the message only (every call would pay for it otherwise)
+      std::vector<std::string> shapes;
+      for (const RankMeta& rank : ranks) shapes.push_back(c10::str(c10::IntArrayRef(rank.leaves[leaf].sizes)));
       rejection.message = "pad_across_processes: ranks hold tensors of different ranks (shapes " +
                           c10::str(c10::ArrayRef<std::string>(shapes)) + ")";
       return {};

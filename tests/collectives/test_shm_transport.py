@@ -75,6 +75,7 @@ def _parity_on_rank():
         shm.broadcast([target], src=1)
         if not _same_bits(target, expected):
             failures.append(f"broadcast {dtype}")
+    failures += _padded_leaves_parity(ops, shm, rank)
     if shm.all_gather_object({"rank": rank}) != [{"rank": r} for r in range(PartialState().num_processes)]:
         failures.append("all_gather_object")
     if shm.broadcast_object_list([rank, None], src=1) != [1, None]:
@@ -116,6 +117,27 @@ def _padded_parity(ops, shm, dtype, rank):
         theirs = TorchDistributedTransport().all_gather_ragged([padded])[0]
         if not _same_bits(ours, theirs):
             failures.append(f"padded gather dim={dim} pad_first={pad_first} {dtype} on {world} ranks")
+    return failures
+
+
+def _padded_leaves_parity(ops, shm, rank):
+    """Several leaves in one padded gather: each padded with the pad value in its own dtype, blocks of ranks with
+    different row counts, a leaf with a zero-size dim; dims 0 (padding rows) and 1 (padding inside every row)."""
+    world = PartialState().num_processes
+    failures = []
+    for dim, pad_first in [(0, True), (1, False), (1, True)]:
+        rows = rank + 2 if dim else 2  # padding along dim 1, the ranks' row counts may differ too
+        shapes = [[rows, 3, 3], [rows, 4], [rows, 2, 0]]
+        for shape in shapes:
+            shape[dim] = rank + 1
+        leaves = [_values(dtype, shape, rank) for dtype, shape in zip((torch.int16, torch.float64, torch.bool), shapes)]
+        ours = ops.shm_all_gather(shm.handle, leaves, dim, -2, pad_first)
+        largest = [max(s[dim] for s in shapes) for shapes in zip(*shm.all_gather_shapes(leaves))]
+        padded = [pad_reference(leaf, dim, size, -2, pad_first) for leaf, size in zip(leaves, largest)]
+        for index, (mine, theirs) in enumerate(zip(ours, TorchDistributedTransport().all_gather_ragged(padded))):
+            if not _same_bits(mine, theirs):
+                failures.append(f"padded gather of several leaves: leaf {index} dim={dim} pad_first={pad_first} "
+                                f"on {world} ranks")
     return failures
 
 

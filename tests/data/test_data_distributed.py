@@ -14,12 +14,14 @@ from data_fixtures import Stream
 from accel.collectives import gather_ragged
 from accel.data import (
     SeedableRandomSampler,
+    gather_for_metrics,
     gather_for_metrics_truncation,
     prepare_data_loader,
     set_seed,
     skip_first_batches,
     synchronize_rng_states,
 )
+from accel.pytree import recursively_apply
 from accel.state import GradientState, PartialState
 
 
@@ -41,19 +43,30 @@ def _indices(batch):
 
 
 def _eval_pass(prepared):
-    """(samples gather_for_metrics kept, end_of_dataloader flags, batches of this rank): a plain user loop.
+    """(samples gather_for_metrics kept, end_of_dataloader flags, batches of this rank, the steps where
+    `gather_for_metrics` of a pytree differed from `gather_ragged` + `gather_for_metrics_truncation`): a plain user
+    loop.
 
     Without even_batches a rank may have no batch in the last step; it stands by inside the loader while the
     others gather (accel.collectives.uneven), so this loop must not hang.
     """
     state = GradientState()
-    kept, ends, local = [], [], []
+    kept, ends, local, unlike = [], [], [], []
     for batch in prepared:
         rows = _indices(batch)
         ends.append(state.end_of_dataloader)
         local.append(rows.tolist())
         kept += gather_for_metrics_truncation(gather_ragged(rows)).tolist()
-    return kept, ends, local
+        outputs = {"batch": batch, "pair": (rows * 2, [rows[:, None]]), "scalar": torch.tensor(3),
+                   "per_process": torch.ones(1, 2)}  # fmt: skip
+        ours, composed = gather_for_metrics(outputs), gather_for_metrics_truncation(gather_ragged(outputs))
+        if _listed(ours) != _listed(composed):
+            unlike.append((ours, composed))
+    return kept, ends, local, unlike
+
+
+def _listed(data):
+    return recursively_apply(lambda tensor: (tensor.dtype, tensor.tolist()), data)
 
 
 def _expected(length, batch, world, drop_last, split):
@@ -75,8 +88,11 @@ def _grid_on_rank():
         loader = DataLoader(dataset, batch_size=batch, drop_last=drop_last)
         prepared = prepare_data_loader(loader, device=torch.device("cpu"), split_batches=split, put_on_device=True,
                                        dispatch_batches=dispatch, even_batches=even)
-        kept, ends, local = _eval_pass(prepared)
+        kept, ends, local, unlike = _eval_pass(prepared)
         expected = _expected(length, batch, world, drop_last, split)
+        if unlike:
+            ours, composed = unlike[0]
+            failures.append(f"{case}: gather_for_metrics gave {ours}, gather_ragged + truncation {composed}")
         # Process 0 always has a batch in the last step; one standing by misses that step's samples.
         if kept != expected[: len(kept)] or (PartialState().is_main_process and kept != expected):
             failures.append(f"{case}: gather_for_metrics kept {kept}")
@@ -150,10 +166,10 @@ def _resume_on_rank():
         prepared = prepare_data_loader(loader, split_batches=split, put_on_device=True, dispatch_batches=dispatch,
                                        use_seedable_sampler=True)
         prepared.set_epoch(4)
-        kept, _, local = _eval_pass(prepared)
+        kept, _, local, _ = _eval_pass(prepared)
         resumed = skip_first_batches(prepared, 2)
         resumed.set_epoch(4)
-        kept_after, ends_after, local_after = _eval_pass(resumed)
+        kept_after, ends_after, local_after, _ = _eval_pass(resumed)
         case = f"split={split} dispatch={dispatch}"
         if local_after != local[2:]:
             failures.append(f"{case}: resumed batches {local_after}, expected {local[2:]}")
@@ -173,7 +189,7 @@ def _variable_batches_on_rank():
     # Joined pairs of batches: 5 rows (3 + 2 across the ranks), then a last 5 rows evened out to 3 + 3.
     loader = DataLoader(list(range(10)), batch_sampler=[[0, 1, 2], [3, 4], [5], [6, 7, 8, 9]])
     prepared = prepare_data_loader(loader, put_on_device=True, dispatch_batches=True)
-    kept, ends, local = _eval_pass(prepared)
+    kept, ends, local, _ = _eval_pass(prepared)
     return kept, ends, local
 
 

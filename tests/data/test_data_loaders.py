@@ -14,6 +14,7 @@ from accel.data import (
     DataLoaderShard,
     SeedableRandomSampler,
     SkipDataLoader,
+    gather_for_metrics,
     gather_for_metrics_truncation,
     prepare_data_loader,
     skip_first_batches,
@@ -162,6 +163,23 @@ def test_truncation_leaves_other_leaves_and_unknown_remainders_alone():
 
 def test_truncation_of_gather_object_lists():
     assert gather_for_metrics_truncation(list("abcdef"), _state(True, 4, 6), use_gather_object=True) == list("abcd")
+
+
+def test_gather_for_metrics_on_one_process_returns_its_input_until_the_last_batch_cuts_it():
+    outputs = {"out": Pair(torch.arange(8), torch.arange(8) * 2), "ids": [torch.arange(8).view(8, 1)],
+               "per_rank": torch.ones(4), "scalar": torch.tensor(1.0)}  # fmt: skip
+    assert gather_for_metrics(outputs, _state(False, 5, 8)) is outputs
+    assert gather_for_metrics(outputs, _state(True, -1, None)) is outputs
+    cut = gather_for_metrics(outputs, _state(True, 5, 8))
+    assert isinstance(cut["out"], Pair) and cut["out"].pred.tolist() == [0, 1, 2, 3, 4]
+    assert cut["out"].label.tolist() == [0, 2, 4, 6, 8] and cut["ids"][0].shape == (5, 1)
+    assert cut["per_rank"].shape == (4,) and cut["scalar"].dim() == 0 and list(cut) == list(outputs)
+
+
+def test_gather_for_metrics_gathers_anything_but_tensors_as_objects():
+    assert gather_for_metrics(list("abcdef"), _state(True, 4, 6)) == list("abcd")
+    tensors = [torch.arange(6), torch.arange(6)]
+    assert gather_for_metrics(tensors, _state(True, 1, 2), use_gather_object=True) == tensors[:1]  # a list of 2 items
 
 
 # --- Packing batches for the dispatcher -----------------------------------------------------------------------------
