@@ -88,7 +88,7 @@ class ShardedStates:
 
         # A plain CPU copy, made now, in the caller's thread (what dcp.async_save's default stager makes), into the
         # copy the previous save made when the state is the same (accel.checkpoint.shard_stager).
-        return StagedShards(shard_stager.stager.stage(models, owners, build), _write_group(timeout))
+        return StagedShards(shard_stager.stager.stage(models, owners, build), write_group(timeout))
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
@@ -129,9 +129,10 @@ class StagedShards:
 _write_group_of: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the default group, its gloo group)
 
 
-def _write_group(timeout: timedelta) -> dist.ProcessGroup | None:
-    """The gloo group that asynchronous sharded saves write through, made once per default process group (a
-    collective on it: every process asks at the same save)."""
+def write_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """The gloo group that asynchronous saves exchange and write sharded state through on the checkpoint worker
+    (training's collectives run on the default group meanwhile), made once per default process group with
+    `timeout` (a collective on it: every process asks at the same save); None without a process group."""
     global _write_group_of
     if not dist.is_initialized():
         return None
