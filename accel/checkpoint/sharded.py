@@ -79,16 +79,15 @@ class ShardedStates:
         process calls it at the same save (the first one makes the write's process group)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        owners = [(_owner(models, i, optimizer), optimizer) for i, optimizer in enumerate(optimizers)]
-
         def build() -> list[tuple[str, dict]]:
             states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
-            return states + [(optimizer_folder(i), {"optimizer": get_optimizer_state_dict(owner, optimizer)})
-                             for i, (owner, optimizer) in enumerate(owners)]  # fmt: skip
+            return states + [(optimizer_folder(i),
+                              {"optimizer": get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)})
+                             for i, optimizer in enumerate(optimizers)]  # fmt: skip
 
         # A plain CPU copy, made now, in the caller's thread (what dcp.async_save's default stager makes), into the
         # copy the previous save made when the state is the same (accel.checkpoint.shard_stager).
-        return StagedShards(shard_stager.stager.stage(models, owners, build), write_group(timeout))
+        return StagedShards(shard_stager.stager.stage(models, optimizers, build), write_group(timeout))
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
