@@ -270,7 +270,7 @@ def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_seri
         raise
     finally:
         background.saves.submit(save.run, f"save_state into '{output_dir}'", asynchronous=True)
-    parts.project_configuration.iteration += 1
+        parts.project_configuration.iteration += 1  # also when this call failed: the others' calls took the number
     return output_dir
 
 

@@ -279,8 +279,9 @@ def _raised(call):
 def _fails_at_the_call_on_rank_one(folder, where):
     """Rank 1's asynchronous save fails at its call: in a pre-hook only rank 1 has ("hook": every process agrees
     on the staging folder at the call) or while it copies its state ("copy": nothing is agreed at the call).
-    Returns what each call and the next join raised, what was left beside the folder, the weights loaded after
-    it, and those of a later asynchronous save (the workers' exchanges still pair up)."""
+    Returns what each call and the next join raised, the checkpoint number the next save takes, what was left
+    beside the folder, the weights loaded after it, and those of a later asynchronous save (the workers'
+    exchanges still pair up)."""
     accelerator = fresh_accelerator()
     model, _ = prepared_linear(accelerator, 1.0)
     accelerator.save_state(folder)  # the previous checkpoint
@@ -301,6 +302,7 @@ def _fails_at_the_call_on_rank_one(folder, where):
         training_state.rng_states = real
         if hook is not None:
             hook.remove()
+    iteration = accelerator.project_configuration.iteration  # the same on every process (automatic naming)
     at_join = _raised(accelerator.wait_for_checkpoint)
     leftovers = _leftovers(os.path.dirname(folder))
     accelerator.load_state(folder)
@@ -310,7 +312,7 @@ def _fails_at_the_call_on_rank_one(folder, where):
     accelerator.wait_for_checkpoint()
     set_weights(model, 0.0)
     accelerator.load_state(folder)
-    return at_call, at_join, leftovers, loaded, weight_value(model)
+    return at_call, at_join, iteration, leftovers, loaded, weight_value(model)
 
 
 @pytest.mark.parametrize("where", ["hook", "copy"])
@@ -323,7 +325,7 @@ def test_a_failure_at_one_process_call_fails_the_asynchronous_save_everywhere(tm
     assert call_0 is None and call_1 == ("OSError", "[Errno 28] No space left on device")
     assert join_0[0] == "RuntimeError" and "failed on process 1" in join_0[1], join_0
     assert join_1[0] == "RuntimeError" and "another process" in join_1[1], join_1
-    assert rest_0 == rest_1 == [[], 1.0, 3.0]
+    assert rest_0 == rest_1 == [2, [], 1.0, 3.0]
 
 
 EXIT_SCRIPT = textwrap.dedent(
