@@ -245,10 +245,10 @@ def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_seri
                         pre_hooks: list[Callable]) -> str:  # fmt: skip
     """save_state with `async_save`. The call does this process's work only: it names the folder, learns whether
     it writes the shared files (the one exchange), joins this process's previous asynchronous save, copies what
-    this process writes (`_snapshot`) and hands the rest to its checkpoint worker (`_BackgroundSave`). When any
-    process has pre-hooks, which write into the staging folder at the call, every process prepares and agrees on
-    that folder first. A failure at the call raises there and is handed over too, so that the other processes'
-    workers learn it; theirs raise at the next join point."""
+    this process writes (`_snapshot`) and hands the rest to its checkpoint worker (`_BackgroundSave`). When
+    something writes into the staging folder at the call (any process's pre-hooks, a DeepSpeed engine's
+    checkpoint), every process prepares and agrees on that folder first. A failure at the call raises there and
+    is handed over too, so that the other processes' workers learn it; theirs raise at the next join point."""
     root, output_dir = _target(parts, output_dir)
     same_folder, hooked = _same_folder_and_any_hooks(parts, output_dir, bool(pre_hooks))  # the one exchange
     writes_shared_files = parts.writes_shared_files or not same_folder
@@ -258,7 +258,7 @@ def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_seri
     save = _BackgroundSave(parts, output_dir, root, parts.project_configuration.total_limit, writes_shared_files,
                            _writer_node(parts), group, wait_limit().total_seconds())  # fmt: skip
     try:
-        if hooked:  # on every process when any has hooks: the staging folder is agreed at the call
+        if hooked or _written_at_call(parts):  # the staging folder is agreed at the call, on every process
             save.staged = _can_stage(output_dir, writes_shared_files)
             save.lock, save.staging = _prepare_and_agree(parts, output_dir, save.staged, writes_shared_files)
         else:
@@ -278,8 +278,8 @@ def _snapshot(parts: Checkpointable, folder: str | None, writes_shared_files: bo
               pre_hooks: list[Callable]) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:  # fmt: skip
     """What an asynchronous save of this process writes, copied now: the shared files on their writer (FULL_STATE_DICT's
     gathered files with them), its own files, and its part of the sharded state (ShardedStates.stage). The pre-hooks
-    run first, with the staging folder `folder`."""
-    if folder is not None:  # agreed at the call, for the pre-hooks
+    run first, with the staging folder `folder`, and an engine's checkpoint is written there now."""
+    if folder is not None:  # agreed at the call: something writes into it now
         os.makedirs(folder, exist_ok=True)  # processes on other nodes' disks
     weights = _run_hooks(parts, folder, pre_hooks)
     models, optimizers = list(parts.models), _inner(parts.optimizers)
@@ -288,10 +288,18 @@ def _snapshot(parts: Checkpointable, folder: str | None, writes_shared_files: bo
         shards = parts.sharded.stage(models, optimizers, wait_limit())
     elif isinstance(parts.sharded, FullStates):
         gathered = parts.sharded.gather(models, optimizers)  # every process takes part; the main process gets them
+    elif parts.sharded is not None:  # made durable by the publish
+        parts.sharded.save(models, optimizers, folder)
     files = {}
     if writes_shared_files:
         files = snapshot.buffers.take({**gathered, **shared_files(parts, weights, safe_serialization)})
     return files, _own_files(parts), shards
+
+
+def _written_at_call(parts: Checkpointable) -> bool:
+    """Whether the state is written into the staging folder at the call: an engine's own checkpoint (DeepSpeed's),
+    which has no copy to hand over (the same on every process: one strategy)."""
+    return parts.sharded is not None and not isinstance(parts.sharded, (ShardedStates, FullStates))
 
 
 @dataclasses.dataclass
@@ -315,7 +323,7 @@ class _BackgroundSave:
     own: dict[str, Any] = dataclasses.field(default_factory=dict)
     shards: StagedShards | None = None
     staged: bool = False  # the writer stages beside the folder (else it writes in place)
-    staging: str | None = None  # prepared at the call when pre-hooks write into it, else by `run`
+    staging: str | None = None  # prepared at the call when something writes into it there, else by `run`
     lock: TargetLock | None = None  # the writer's, from staging to publishing
     failure: BaseException | None = None  # the call's, raised there
 
