@@ -41,10 +41,11 @@ class Staging:
     sources: list[torch.Tensor]  # the live tensors the copy's tensors came from (their local shards), in order
     targets: list[torch.Tensor]  # the copy's tensors (local shards), in the same order
     param_groups: list[tuple[list, torch.optim.Optimizer]]  # each copied tree's param groups, and their optimizer
+    on_cpu: bool  # every source is in CPU memory (the fingerprint holds their addresses, so their devices too)
 
     def refresh(self) -> list[tuple[str, Tree]]:
         """The trees with the live values: tensors copied into the kept copy, param groups' values taken anew."""
-        _copy_into(self.targets, self.sources)
+        _copy_into(self.targets, self.sources, self.on_cpu)
         for groups, optimizer in self.param_groups:
             for copied, live in zip(groups, optimizer.param_groups):
                 copied.update((key, cpu_copy(value)) for key, value in live.items() if key != "params")
@@ -57,17 +58,17 @@ class ShardStager:
     def __init__(self) -> None:
         self._staging: Staging | None = None
 
-    def stage(self, models: list[torch.nn.Module], optimizers: list[tuple[torch.nn.Module, torch.optim.Optimizer]],
+    def stage(self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
               build: Callable[[], list[tuple[str, Tree]]]) -> list[tuple[str, Tree]]:  # fmt: skip
-        """A CPU copy of the trees `build` returns for `models` and `optimizers` ((owner model, optimizer) pairs):
-        the kept copy refreshed when the live state has the fingerprint it was made from, else a new copy of
-        `build()`'s trees (kept for the next save when it can be refreshed)."""
-        fingerprint = _fingerprint(models, [optimizer for _, optimizer in optimizers])
+        """A CPU copy of the trees `build` returns for `models` and `optimizers`: the kept copy refreshed when the
+        live state has the fingerprint it was made from, else a new copy of `build()`'s trees (kept for the next
+        save when it can be refreshed)."""
+        fingerprint = _fingerprint(models, optimizers)
         if self._staging is not None and self._staging.fingerprint == fingerprint:
             return self._staging.refresh()
         trees = build()
         copied = [(name, cpu_copy(tree)) for name, tree in trees]
-        self._staging = _keepable(fingerprint, trees, copied, [optimizer for _, optimizer in optimizers])
+        self._staging = _keepable(fingerprint, trees, copied, optimizers)
         return copied
 
     def release(self) -> None:
@@ -101,7 +102,7 @@ def _keepable(fingerprint: tuple, trees: list[tuple[str, Tree]], copied: list[tu
                 targets.append(_local(copied_leaf))
             elif not isinstance(leaf, plain):
                 return None  # a value the fingerprint cannot vouch for
-    return Staging(fingerprint, copied, sources, targets, groups)
+    return Staging(fingerprint, copied, sources, targets, groups, all(s.device.type == "cpu" for s in sources))
 
 
 def _same_groups(groups: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -126,7 +127,7 @@ def _fingerprint(models: list[torch.nn.Module], optimizers: list[torch.optim.Opt
     Read from the modules' own tables: ~3x faster than named_parameters, which builds every name."""
     parts: list[Any] = []
     for model in models:
-        parts.append(tuple((id(module), key, id(tensor), _local(tensor).data_ptr()) for module in model.modules()
+        parts.append(tuple((id(module), key, id(tensor), _local(tensor).data_ptr()) for module in _modules(model)
                            for table in (module._parameters, module._buffers)
                            for key, tensor in table.items() if tensor is not None))  # fmt: skip
     for optimizer in optimizers:
@@ -134,6 +135,21 @@ def _fingerprint(models: list[torch.nn.Module], optimizers: list[torch.optim.Opt
         parts.append(tuple((id(param), tuple((key, _value_mark(value)) for key, value in state.items()))
                            for param, state in optimizer.state.items()))  # fmt: skip
     return tuple(parts)
+
+
+def _modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """`model.modules()`, in its order, without the name `named_modules` builds for each (~40% of its time)."""
+    found: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(reversed(module._modules.values()))
+    return found
 
 
 def _value_mark(value: Any) -> Any:
@@ -159,10 +175,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)
 
 
-def _copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copies each source into its target: one foreach call for CPU sources, per tensor for others (a device's
-    tensors into CPU memory)."""
-    if all(source.device.type == "cpu" for source in sources):
+def _copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor], on_cpu: bool) -> None:
+    """Copies each source into its target: one foreach call for CPU sources (`on_cpu`), per tensor for others (a
+    device's tensors into CPU memory)."""
+    if on_cpu:
         torch._foreach_copy_(targets, sources)
         return
     for target, source in zip(targets, sources):

@@ -79,16 +79,15 @@ class ShardedStates:
         process calls it at the same save (the first one makes the write's process group)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        owners = [(_owner(models, i, optimizer), optimizer) for i, optimizer in enumerate(optimizers)]
-
         def build() -> list[tuple[str, dict]]:
             states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
-            return states + [(optimizer_folder(i), {"optimizer": get_optimizer_state_dict(owner, optimizer)})
-                             for i, (owner, optimizer) in enumerate(owners)]  # fmt: skip
+            return states + [(optimizer_folder(i),
+                              {"optimizer": get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)})
+                             for i, optimizer in enumerate(optimizers)]  # fmt: skip
 
         # A plain CPU copy, made now, in the caller's thread (what dcp.async_save's default stager makes), into the
         # copy the previous save made when the state is the same (accel.checkpoint.shard_stager).
-        return StagedShards(shard_stager.stager.stage(models, owners, build), _write_group(timeout))
+        return StagedShards(shard_stager.stager.stage(models, optimizers, build), write_group(timeout))
 
     @staticmethod
     def load(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str) -> None:
@@ -129,9 +128,10 @@ class StagedShards:
 _write_group_of: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None  # (the default group, its gloo group)
 
 
-def _write_group(timeout: timedelta) -> dist.ProcessGroup | None:
-    """The gloo group that asynchronous sharded saves write through, made once per default process group (a
-    collective on it: every process asks at the same save)."""
+def write_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """The gloo group that asynchronous saves exchange and write sharded state through on the checkpoint worker
+    (training's collectives run on the default group meanwhile), made once per default process group with
+    `timeout` (a collective on it: every process asks at the same save); None without a process group."""
     global _write_group_of
     if not dist.is_initialized():
         return None

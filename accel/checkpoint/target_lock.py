@@ -1,12 +1,13 @@
 """One writer at a time per checkpoint folder: an advisory lock (flock) on a hidden file beside the folder.
 
-Two jobs (or two threads) saving into one folder would otherwise interleave their staging, publishing and
-cleanup, and could publish one job's model with the other's optimizer. A save takes the folder's lock before it
-stages anything and releases it once the checkpoint is published (an asynchronous save: on the worker, after its
-publish), so every checkpoint that appears is wholly one writer's. A second writer waits for the first, up to a
-deadline, then fails naming it (pid and host, recorded in the lock file). The lock dies with its process (flock),
-and the file is removed on release: nothing is left beside the folder. Holding the lock is also what makes the
-leftovers of dead writers safe to sweep (accel.checkpoint.publish.sweep_orphan_staging): nobody else is staging.
+Two jobs (or two threads) saving into one folder would otherwise interleave their staging, publishing and cleanup,
+and could publish one job's model with the other's optimizer. A save takes the folder's lock before it stages
+anything and releases it once the checkpoint is published (an asynchronous save does both on the worker: its call
+does not wait for another writer), so every checkpoint that appears is wholly one writer's. A second writer waits
+for the first, up to a deadline, then fails naming it (pid and host, recorded in the lock file). The lock dies with
+its process (flock), and the file is removed on release: nothing is left beside the folder. Holding the lock is also
+what makes the leftovers of dead writers safe to sweep (accel.checkpoint.publish.sweep_orphan_staging): nobody else
+is staging.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ What HF gets wrong and accel does not:
   - saves come in three modes (accel.checkpoint.background): by default the call returns once the files are
     complete and published from the page cache, as fast as HF's save, and durability (fsync, then the record
     `.accel-durability` rewritten to say so) follows in the background without changing any directory entry;
-    `durable_save` waits for it; `async_save` returns after an in-memory snapshot and writes in the background;
+    `durable_save` waits for it; `async_save` returns after an in-memory snapshot of what the process writes,
+    and its worker does the rest (the lock, the staging folder, the writes, the publish and every exchange between
+    the processes that they need: the call exchanges only its folder's name with the main process, and the
+    staging folder's when save_state pre-hooks write into it);
   - a replaced or rotated-out checkpoint is gone before the call returns (its blocks are freed in the background:
     that is the slow part of a removal);
   - with automatic_checkpoint_naming, old checkpoints are rotated out by checkpoint number (not string order),
@@ -49,14 +52,12 @@ What is saved comes from the Accelerator through one seam, `Accelerator.checkpoi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import os
 import random
 import re
 import shutil
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +94,7 @@ from accel.checkpoint.publish import (
     readable_folder,
 )
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, save_file
-from accel.checkpoint.sharded import FullStates, ShardedStates, StagedShards
+from accel.checkpoint.sharded import FullStates, ShardedStates, StagedShards, write_group
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
@@ -138,72 +139,44 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     """Writes the state of everything in `parts` into `output_dir` (see the module docstring), in one of the three
     save modes of accel.checkpoint.background.
 
-    Every process calls it (it synchronizes them three times: the staging folder exists, every file is in place,
-    the checkpoint is published); a failure on any process raises on all of them and publishes nothing. The
+    Every process calls it; a failure on any process fails the save on all of them and publishes nothing. The
     process that publishes holds the folder's lock (accel.checkpoint.target_lock) from staging to publishing, so a
-    second job saving into the same folder waits for it. With `mode.asynchronous`, the saving process snapshots
-    its files' contents and writes and publishes them in the background (holding the lock until then); the others
-    return once their own files are written. Sharded state (FSDP2's DCP folders) is copied by every process and
-    written by every process's worker in an asynchronous save, and the checkpoint is published once every process's
-    part is written; FULL_STATE_DICT's files are gathered before the call returns and written by the worker
-    (accel.checkpoint.sharded).
+    second job saving into the same folder waits for it. A synchronous save synchronizes the processes three times
+    (the staging folder exists, every file is in place, the checkpoint is published) and raises a failure on every
+    process. With `mode.asynchronous`, the call only copies what this process writes and hands the rest to its
+    checkpoint worker (`_BackgroundSave`: see `_save_in_background`).
     """
+    if mode.asynchronous:
+        return _save_in_background(parts, output_dir, safe_serialization, pre_hooks)
     config = parts.project_configuration
     root, output_dir = _target(parts, output_dir)
     # A process that names another folder than the main process's (each its own temporary folder, as HF's tests
     # do) writes a whole checkpoint there, so that its load_state finds one (and its staging folder is published).
     own_folder = not _same_folder_as_main(parts, output_dir)  # a collective: every process calls it
     writes_shared_files = parts.writes_shared_files or own_folder
-    staged = can_stage_beside(output_dir)
-    if not staged and writes_shared_files:
-        logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
-                       "not atomically", output_dir)  # fmt: skip
-    # An asynchronous save's worker starts writing once this call's last exchange is over, however it ends: until
-    # then it would only compete with the processes' agreeing for the CPU and the interpreter.
-    returned = threading.Event()
-    try:
-        failure = _write_and_hand_over(parts, output_dir, root, staged, writes_shared_files, safe_serialization,
-                                       pre_hooks, mode, returned)  # fmt: skip
-        _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
-    finally:
-        returned.set()
+    staged = _can_stage(output_dir, writes_shared_files)
+    failure = _write_and_publish(parts, output_dir, root, staged, writes_shared_files, safe_serialization,
+                                 pre_hooks, mode.durable)  # fmt: skip
+    _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
     config.iteration += 1
     return output_dir
 
 
-def _write_and_hand_over(parts: Checkpointable, output_dir: str, root: str | None, staged: bool,
-                         writes_shared_files: bool, safe_serialization: bool, pre_hooks: list[Callable],
-                         mode: SaveMode, returned: threading.Event) -> BaseException | None:  # fmt: skip
-    """save_state's work up to its last exchange: the staging folder (agreed by every process), this process's
-    files, then the publish, or with `mode.asynchronous` the job that writes and publishes in the background (it
-    waits for `returned`). A failure before the publish raises on every process; one of the publish or the job's
-    submission is returned, for every process to learn in the caller's last exchange."""
-    lock = staging = failure = None
+def _write_and_publish(parts: Checkpointable, output_dir: str, root: str | None, staged: bool,
+                       writes_shared_files: bool, safe_serialization: bool, pre_hooks: list[Callable],
+                       durable: bool) -> BaseException | None:  # fmt: skip
+    """A synchronous save's work up to its last exchange: the staging folder (agreed by every process), this
+    process's files, then the publish. A failure before the publish raises on every process; one of the publish
+    is returned, for every process to learn in the caller's last exchange."""
+    lock, staging = _prepare_and_agree(parts, output_dir, staged, writes_shared_files)
     try:
-        try:
-            background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises)
-            if writes_shared_files:
-                lock = TargetLock.acquire(output_dir, wait_limit().total_seconds())
-                staging = prepare_staging(output_dir, staged)
-        except Exception as error:  # noqa: BLE001 - reported on every process below
-            failure = error
-        staging = _agree_on_staging(parts, failure, output_dir, staging)  # it exists for every process
         cleanup = staging if staged and writes_shared_files else None
-        worker_writes = mode.asynchronous and (writes_shared_files or isinstance(parts.sharded, ShardedStates))
-        files, own, shards = _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks,
-                                              mode, worker_writes, cleanup)  # fmt: skip
+        _write_own_files(parts, staging, writes_shared_files, safe_serialization, pre_hooks, durable, cleanup)
+        if not writes_shared_files:
+            return None
         try:
-            # An asynchronous save is published durable (by the worker): its caller does not wait for the fsync.
-            finish = functools.partial(publish_and_rotate, staging if staged else None, output_dir, root,
-                                       parts.project_configuration.total_limit, mode.durable or mode.asynchronous)
-            if worker_writes:
-                job = functools.partial(_write_and_publish, staging, shards, own,
-                                        snapshot.buffers.take(files) if writes_shared_files else None,
-                                        finish if writes_shared_files else None, lock, cleanup, returned)  # fmt: skip
-                background.saves.submit(job, f"save_state into '{output_dir}'", asynchronous=True)
-                lock = None  # the worker releases it once published
-            elif writes_shared_files:
-                finish()
+            publish_and_rotate(staging if staged else None, output_dir, root,
+                               parts.project_configuration.total_limit, durable)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - reported on every process by the caller
             return error
         return None
@@ -212,78 +185,225 @@ def _write_and_hand_over(parts: Checkpointable, output_dir: str, root: str | Non
             lock.release()
 
 
+def _prepare_and_agree(parts: Checkpointable, output_dir: str, staged: bool, writes_shared_files: bool
+                       ) -> tuple[TargetLock | None, str]:  # fmt: skip
+    """A save's staging folder, made at the call: earlier asynchronous saves are joined, the writer takes the
+    folder's lock and prepares the folder, and every process learns it in one exchange (or every process raises).
+    Returns the lock, held by the writer (None elsewhere), and the folder."""
+    lock = staging = failure = None
+    try:
+        background.saves.join(asynchronous_only=True)  # an earlier asynchronous save is published (or raises)
+        if writes_shared_files:
+            lock = TargetLock.acquire(output_dir, wait_limit().total_seconds())
+            staging = prepare_staging(output_dir, staged)
+    except Exception as error:  # noqa: BLE001 - reported on every process below
+        failure = error
+    try:
+        return lock, _agree_on_staging(parts, failure, output_dir, _writer_node(parts), staging)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
 def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
-                     pre_hooks: list[Callable], mode: SaveMode, worker_writes: bool, cleanup: str | None
-                     ) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:  # fmt: skip
-    """Writes this process's files into `staging`, but those its worker writes when `worker_writes` (an
-    asynchronous save's), which are returned as they are: the shared files, this process's own (its RNG states)
-    and its sharded state, copied. Every process agrees on the outcome; on a failure anywhere `cleanup` is removed
-    and every process raises."""
-    files: dict[str, Any] = {}
-    own: dict[str, Any] = {}
-    shards = None
+                     pre_hooks: list[Callable], durable: bool, cleanup: str | None) -> None:  # fmt: skip
+    """Writes this process's files into `staging` (and the shared files, on their writer). Every process agrees on
+    the outcome; on a failure anywhere `cleanup` is removed and every process raises."""
     failure = None
     try:
         os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
-        # Sharded state (FSDP2) is written by every process through DCP; whole weights by the writer.
-        weights = [] if parts.sharded is not None else [parts.state_dict(model) for model in parts.models]
-        for hook in pre_hooks:  # (models, weights, folder): a hook may pop what it saves itself, HF-style
-            hook(list(parts.models), weights, staging)
-        gathered = {}  # FULL_STATE_DICT's files of an asynchronous save, on the main process (which writes them)
-        if isinstance(parts.sharded, ShardedStates) and mode.asynchronous:
-            shards = parts.sharded.stage(list(parts.models), _inner(parts.optimizers), wait_limit())
-        elif isinstance(parts.sharded, FullStates) and mode.asynchronous:
-            gathered = parts.sharded.gather(list(parts.models), _inner(parts.optimizers))
-        elif parts.sharded is not None:
-            parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging, durable=mode.durable)
+        weights = _run_hooks(parts, staging, pre_hooks)
+        if parts.sharded is not None:  # sharded state (FSDP2) is written by every process through DCP
+            parts.sharded.save(list(parts.models), _inner(parts.optimizers), staging, durable=durable)
         if writes_shared_files:
-            files = {**gathered, **shared_files(parts, weights, safe_serialization)}
-            if not mode.asynchronous:
-                write_files(staging, files, durable=mode.durable)
-        own = {rng_file(parts.process_index): rng_states(parts.step, parts.num_processes)}
-        if not worker_writes:
-            write_files(staging, own, durable=mode.durable)
+            write_files(staging, shared_files(parts, weights, safe_serialization), durable=durable)
+        write_files(staging, _own_files(parts), durable=durable)
     except Exception as error:  # noqa: BLE001
         failure = error
     _agree_or_raise(parts, failure, "writing", cleanup=cleanup)
-    return files, own, shards
 
 
-def _write_and_publish(staging: str, shards: StagedShards | None, own: dict[str, Any], files: dict[str, Any] | None,
-                       finish: Callable[[], None] | None, lock: TargetLock | None, cleanup: str | None,
-                       returned: threading.Event) -> None:  # fmt: skip
-    """An asynchronous save's work on a process's worker, once its caller `returned`: its own files and its part of
-    the sharded state (which returns once every process's part is written, so every process's own files are in
-    place too), then, on a process that writes the shared files, those and the publish; the staging folder goes if
-    any of it fails, and the folder's lock is released either way."""
+def _run_hooks(parts: Checkpointable, folder: str | None, pre_hooks: list[Callable]) -> list[dict]:
+    """The whole weights the writer saves (a state dict per model; none when the state is sharded), after the
+    pre-hooks ran with them and `folder`: a hook may pop what it saves itself, HF-style."""
+    weights = [] if parts.sharded is not None else [parts.state_dict(model) for model in parts.models]
+    for hook in pre_hooks:
+        hook(list(parts.models), weights, folder)
+    return weights
+
+
+def _own_files(parts: Checkpointable) -> dict[str, Any]:
+    """The files this process writes for itself: its RNG states."""
+    return {rng_file(parts.process_index): rng_states(parts.step, parts.num_processes)}
+
+
+# --- saving asynchronously ---------------------------------------------------------------------------------------
+
+
+def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_serialization: bool,
+                        pre_hooks: list[Callable]) -> str:  # fmt: skip
+    """save_state with `async_save`. The call does this process's work only: it names the folder, learns whether
+    it writes the shared files (the one exchange), joins this process's previous asynchronous save, copies what
+    this process writes (`_snapshot`) and hands the rest to its checkpoint worker (`_BackgroundSave`). When
+    something writes into the staging folder at the call (any process's pre-hooks, a DeepSpeed engine's
+    checkpoint), every process prepares and agrees on that folder first. A failure at the call raises there and
+    is handed over too, so that the other processes' workers learn it; theirs raise at the next join point."""
+    root, output_dir = _target(parts, output_dir)
+    same_folder, hooked = _same_folder_and_any_hooks(parts, output_dir, bool(pre_hooks))  # the one exchange
+    writes_shared_files = parts.writes_shared_files or not same_folder
+    # The workers exchange over a gloo group of their own (training's collectives run on the default group
+    # meanwhile), made at the first asynchronous save: every process asks for it at the same save.
+    group = write_group(wait_limit()) if parts.num_processes > 1 else None
+    save = _BackgroundSave(parts, output_dir, root, parts.project_configuration.total_limit, writes_shared_files,
+                           _writer_node(parts), group, wait_limit().total_seconds())  # fmt: skip
     try:
-        returned.wait()
-        write_files(staging, own, durable=True)  # published durable: the caller did not wait for the fsync
-        if shards is not None:
-            shards.write(staging)
-        if finish is not None:
-            write_files(staging, files, durable=False)
-            finish()
-    except BaseException:
-        if cleanup is not None:
-            discard(cleanup)
+        if hooked or _written_at_call(parts):  # the staging folder is agreed at the call, on every process
+            save.staged = _can_stage(output_dir, writes_shared_files)
+            save.lock, save.staging = _prepare_and_agree(parts, output_dir, save.staged, writes_shared_files)
+        else:
+            background.saves.join(asynchronous_only=True)  # the copies below reuse the previous save's memory
+        save.files, save.own, save.shards = _snapshot(parts, save.staging, writes_shared_files, safe_serialization,
+                                                      pre_hooks)  # fmt: skip
+    except BaseException as error:
+        save.failure = error
         raise
     finally:
-        if lock is not None:
-            lock.release()
+        background.saves.submit(save.run, f"save_state into '{output_dir}'", asynchronous=True)
+        parts.project_configuration.iteration += 1  # also when this call failed: the others' calls took the number
+    return output_dir
 
 
-def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str,
-                      staging: str | None) -> str:  # fmt: skip
+def _snapshot(parts: Checkpointable, folder: str | None, writes_shared_files: bool, safe_serialization: bool,
+              pre_hooks: list[Callable]) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:  # fmt: skip
+    """What an asynchronous save of this process writes, copied now: the shared files on their writer (FULL_STATE_DICT's
+    gathered files with them), its own files, and its part of the sharded state (ShardedStates.stage). The pre-hooks
+    run first, with the staging folder `folder`, and an engine's checkpoint is written there now."""
+    if folder is not None:  # agreed at the call: something writes into it now
+        os.makedirs(folder, exist_ok=True)  # processes on other nodes' disks
+    weights = _run_hooks(parts, folder, pre_hooks)
+    models, optimizers = list(parts.models), _inner(parts.optimizers)
+    shards, gathered = None, {}
+    if isinstance(parts.sharded, ShardedStates):
+        shards = parts.sharded.stage(models, optimizers, wait_limit())
+    elif isinstance(parts.sharded, FullStates):
+        gathered = parts.sharded.gather(models, optimizers)  # every process takes part; the main process gets them
+    elif parts.sharded is not None:  # made durable by the publish
+        parts.sharded.save(models, optimizers, folder)
+    files = {}
+    if writes_shared_files:
+        files = snapshot.buffers.take({**gathered, **shared_files(parts, weights, safe_serialization)})
+    return files, _own_files(parts), shards
+
+
+def _written_at_call(parts: Checkpointable) -> bool:
+    """Whether the state is written into the staging folder at the call: an engine's own checkpoint (DeepSpeed's),
+    which has no copy to hand over (the same on every process: one strategy)."""
+    return parts.sharded is not None and not isinstance(parts.sharded, (ShardedStates, FullStates))
+
+
+@dataclasses.dataclass
+class _BackgroundSave:
+    """An asynchronous save_state on the checkpoint worker (`run`): the writer takes the folder's lock and prepares
+    the staging folder, every process learns it, writes its files and its part of the sharded state, the writer
+    publishes, and every process learns each step's outcome, so that a failure anywhere raises at every process's
+    next join point, removes the staging folder and publishes nothing. Every process hands one over at every
+    asynchronous save, also when its call failed (`failure`: it only tells the others), so that the workers'
+    exchanges, over `group` and each bounded by its timeout, pair up."""
+
+    parts: Checkpointable
+    output_dir: str
+    root: str | None  # the checkpoints root with automatic naming (rotation)
+    total_limit: int | None
+    writes_shared_files: bool
+    node: int | None  # with save_on_each_node, this process's machine
+    group: dist.ProcessGroup | None  # the asynchronous saves' gloo group; None: one process
+    timeout_s: float  # the longest wait for the folder's lock
+    files: dict[str, Any] = dataclasses.field(default_factory=dict)  # the shared files' copy (on their writer)
+    own: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shards: StagedShards | None = None
+    staged: bool = False  # the writer stages beside the folder (else it writes in place)
+    staging: str | None = None  # prepared at the call when something writes into it there, else by `run`
+    lock: TargetLock | None = None  # the writer's, from staging to publishing
+    failure: BaseException | None = None  # the call's, raised there
+
+    def run(self) -> None:
+        try:
+            staging = self._agree_on_staging()
+            self._write(staging)
+            self._publish(staging)
+        except BaseException as error:
+            self._discard()  # a failure anywhere, or a lost peer: nothing is published (a published folder is gone)
+            if error is not self.failure:  # the call raised its own failure already
+                raise
+        finally:
+            self._release()
+
+    def _agree_on_staging(self) -> str:
+        """The staging folder, prepared by the writer and learnt by every process, with whether any failed so far
+        (then every process raises, and the writer removes its folder)."""
+        failure = self.failure
+        if failure is None and self.staging is None and self.writes_shared_files:
+            try:
+                self.lock = TargetLock.acquire(self.output_dir, self.timeout_s)
+                self.staged = _can_stage(self.output_dir, True)
+                self.staging = prepare_staging(self.output_dir, self.staged)
+            except Exception as error:  # noqa: BLE001 - reported on every process below
+                failure = error
+        return _agree_on_staging(self.parts, failure, self.output_dir, self.node, self.staging, self.group)
+
+    def _write(self, staging: str) -> None:
+        """This process's part of the sharded state (first: DCP's exchanges need every process), its own files and,
+        on the writer, the shared files; every process learns whether any failed (then all raise and the staging
+        folder goes)."""
+        failure = None
+        try:
+            if self.shards is not None:
+                self.shards.write(staging)
+            os.makedirs(staging, exist_ok=True)  # processes on other nodes' disks
+            write_files(staging, self.own, durable=True)  # published durable: the caller did not wait for the fsync
+            if self.writes_shared_files:
+                write_files(staging, self.files, durable=False)  # fsync'd by the publish
+        except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException is one; reported everywhere below
+            failure = error
+        _agree_or_raise(self.parts, failure, "writing", group=self.group)
+
+    def _publish(self, staging: str) -> None:
+        """The writer publishes (durable) and releases the lock; every process learns whether it failed."""
+        failure = None
+        if self.writes_shared_files:
+            try:
+                publish_and_rotate(staging if self.staged else None, self.output_dir, self.root, self.total_limit,
+                                   durable=True)  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - reported on every process below
+                failure = error
+                self._discard()  # before the lock goes
+            self._release()
+        _agree_or_raise(self.parts, failure, "publishing", group=self.group)
+
+    def _discard(self) -> None:
+        """Removes the writer's staging folder (not a folder written in place); once published, there is none."""
+        if self.staged and self.writes_shared_files and self.staging is not None:
+            discard(self.staging)
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
+
+# --- agreeing ----------------------------------------------------------------------------------------------------
+
+
+def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str, node: int | None,
+                      staging: str | None, group: dist.ProcessGroup | None = None) -> str:  # fmt: skip
     """The staging folder this process writes into: the one it created, else its writer's (the main process's,
-    or with save_on_each_node its node's), learnt in one exchange that also tells every process whether any
-    failed to prepare (then all raise)."""
-    node = _node_index(parts) if parts.project_configuration.save_on_each_node else None
+    or with save_on_each_node its `node`'s), learnt in one exchange (over `group`, else the default group) that
+    also tells every process whether any failed to prepare (then all raise)."""
     if parts.num_processes == 1:
         if failure is not None:
             raise failure
         return staging
-    reports = collectives.gather_object([(failure is not None, output_dir, node, staging)])
+    reports = _gather((failure is not None, output_dir, node, staging), group)
     if failure is not None:
         raise failure
     failed = [rank for rank, report in enumerate(reports) if report[0]]
@@ -296,6 +416,22 @@ def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, outp
             return writer_staging
     raise RuntimeError(f"save_state into '{output_dir}': no process writes the shared files for this one "
                        f"(process {parts.process_index}, node {node})")  # fmt: skip
+
+
+def _gather(report: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every process's `report`, in process order, gathered over `group` (the checkpoint worker's), else over the
+    default group (the caller's)."""
+    if group is None:
+        return collectives.gather_object([report])
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, report, group=group)
+    return reports
+
+
+def _writer_node(parts: Checkpointable) -> int | None:
+    """With save_on_each_node, the machine whose writer this process's files go with; else None (the main
+    process's)."""
+    return _node_index(parts) if parts.project_configuration.save_on_each_node else None
 
 
 def _node_index(parts: Checkpointable) -> int:
@@ -325,6 +461,16 @@ def _target(parts: Checkpointable, output_dir: str | None) -> tuple[str | None, 
     return None, output_dir
 
 
+def _can_stage(output_dir: str, writes_shared_files: bool) -> bool:
+    """Whether the save into `output_dir` is staged beside it (see publish.can_stage_beside); its writer warns
+    when it is not."""
+    staged = can_stage_beside(output_dir)
+    if not staged and writes_shared_files:
+        logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
+                       "not atomically", output_dir)  # fmt: skip
+    return staged
+
+
 def _same_folder_as_main(parts: Checkpointable, output_dir: str) -> bool:
     """Whether the main process saves into `output_dir` too (one broadcast of its path)."""
     if parts.num_processes == 1:
@@ -332,10 +478,20 @@ def _same_folder_as_main(parts: Checkpointable, output_dir: str) -> bool:
     return collectives.broadcast_object_list([output_dir])[0] == output_dir
 
 
-def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage: str, cleanup: str | None = None
-                    ) -> None:  # fmt: skip
-    """A barrier that also tells every process whether any failed, so all raise instead of some waiting forever."""
-    if not _any_failed(parts, failure):
+def _same_folder_and_any_hooks(parts: Checkpointable, output_dir: str, hooked: bool) -> tuple[bool, bool]:
+    """(whether the main process saves into `output_dir` too, whether any process has save_state pre-hooks), in
+    one exchange."""
+    if parts.num_processes == 1:
+        return True, hooked
+    reports = collectives.gather_object([(output_dir, hooked)])
+    return reports[0][0] == output_dir, any(hooks for _, hooks in reports)
+
+
+def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage: str, cleanup: str | None = None,
+                    group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    """A barrier (over `group`, else the default group) that also tells every process whether any failed, so all
+    raise instead of some waiting forever."""
+    if not _any_failed(parts, failure, group):
         return
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
@@ -344,13 +500,20 @@ def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage:
     raise RuntimeError(f"save_state failed on another process while {stage}; nothing was published")
 
 
-def _any_failed(parts: Checkpointable, failure: BaseException | None) -> bool:
-    """Whether `failure` happened here or on any other process (a collective: every process calls it; after the
-    process group was destroyed, as by a second end_training, only this process can say)."""
+def _any_failed(parts: Checkpointable, failure: BaseException | None, group: dist.ProcessGroup | None = None
+                ) -> bool:  # fmt: skip
+    """Whether `failure` happened here or on any other process (a collective over `group`, else the default group:
+    every process calls it; after the process group was destroyed, as by a second end_training, only this process
+    can say)."""
     failed = failure is not None
     if parts.num_processes > 1 and dist.is_initialized():
-        flag = torch.tensor([1 if failed else 0], device=parts.device)
-        failed = bool(collectives.reduce(flag, reduction="sum").item())
+        if group is None:
+            flag = torch.tensor([1 if failed else 0], device=parts.device)
+            failed = bool(collectives.reduce(flag, reduction="sum").item())
+        else:  # a gloo group: a CPU tensor
+            flag = torch.tensor([1 if failed else 0])
+            dist.all_reduce(flag, group=group)
+            failed = bool(flag.item())
     return failed
 
 

@@ -136,6 +136,24 @@ def test_save_model_waits_for_another_writer_of_its_folder(tmp_path, monkeypatch
     assert _leftovers(tmp_path) == [] and _leftovers(folder) == []
 
 
+def test_an_asynchronous_save_waits_for_another_writer_of_its_folder_in_the_background(tmp_path, monkeypatch):
+    """The folder's lock is the worker's to take: the call returns while another writer holds it, and the
+    checkpoint is published once that writer is done."""
+    monkeypatch.setenv("ACCEL_PROCESS_GROUP_TIMEOUT", "5")
+    folder = str(tmp_path / "ckpt")
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator, 5.0)
+    held = TargetLock.acquire(folder, timeout_s=1)
+    try:
+        accelerator.save_state(folder, async_save=True)  # waiting for the lock here would end in WriterBusyError
+        assert not os.path.exists(folder)
+    finally:
+        held.release()
+    accelerator.wait_for_checkpoint()
+    assert load_file(os.path.join(folder, "model.safetensors"))["weight"][0, 0].item() == 5.0
+    assert _leftovers(tmp_path) == [] and _leftovers(folder) == []
+
+
 JOB_SCRIPT = textwrap.dedent(
     """
     import sys, torch
@@ -247,6 +265,67 @@ def test_a_failed_asynchronous_save_raises_at_the_next_join_point_and_leaves_no_
     with pytest.raises(RuntimeError, match="No space left on device"):
         accelerator.wait_for_checkpoint()
     assert os.listdir(tmp_path) == []
+
+
+def _raised(call):
+    """(the exception's type name, its message) that `call()` raised, else None."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - what the test compares
+        return type(error).__name__, str(error)
+    return None
+
+
+def _fails_at_the_call_on_rank_one(folder, where):
+    """Rank 1's asynchronous save fails at its call: in a pre-hook only rank 1 has ("hook": every process agrees
+    on the staging folder at the call) or while it copies its state ("copy": nothing is agreed at the call).
+    Returns what each call and the next join raised, the checkpoint number the next save takes, what was left
+    beside the folder, the weights loaded after it, and those of a later asynchronous save (the workers'
+    exchanges still pair up)."""
+    accelerator = fresh_accelerator()
+    model, _ = prepared_linear(accelerator, 1.0)
+    accelerator.save_state(folder)  # the previous checkpoint
+    set_weights(model, 2.0)
+    real = training_state.rng_states
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    hook = None
+    if accelerator.process_index == 1 and where == "hook":
+        hook = accelerator.register_save_state_pre_hook(no_space)
+    if accelerator.process_index == 1 and where == "copy":
+        training_state.rng_states = no_space
+    try:
+        at_call = _raised(lambda: accelerator.save_state(folder, async_save=True))
+    finally:
+        training_state.rng_states = real
+        if hook is not None:
+            hook.remove()
+    iteration = accelerator.project_configuration.iteration  # the same on every process (automatic naming)
+    at_join = _raised(accelerator.wait_for_checkpoint)
+    leftovers = _leftovers(os.path.dirname(folder))
+    accelerator.load_state(folder)
+    loaded = weight_value(model)
+    set_weights(model, 3.0)
+    accelerator.save_state(folder, async_save=True)
+    accelerator.wait_for_checkpoint()
+    set_weights(model, 0.0)
+    accelerator.load_state(folder)
+    return at_call, at_join, iteration, leftovers, loaded, weight_value(model)
+
+
+@pytest.mark.parametrize("where", ["hook", "copy"])
+def test_a_failure_at_one_process_call_fails_the_asynchronous_save_everywhere(tmp_path, where):
+    """The failing call raises; the others return, and every process raises at the next join point; nothing is
+    published and the staging folder is removed."""
+    folder = str(tmp_path / "ckpt")
+    results = run_on_ranks(_fails_at_the_call_on_rank_one, 2, folder, where, timeout=120)
+    (call_0, join_0, *rest_0), (call_1, join_1, *rest_1) = results
+    assert call_0 is None and call_1 == ("OSError", "[Errno 28] No space left on device")
+    assert join_0[0] == "RuntimeError" and "failed on process 1" in join_0[1], join_0
+    assert join_1[0] == "RuntimeError" and "another process" in join_1[1], join_1
+    assert rest_0 == rest_1 == [2, [], 1.0, 3.0]
 
 
 EXIT_SCRIPT = textwrap.dedent(

@@ -35,7 +35,7 @@ def step(model, optimizer, seed):
 
 
 def stage(stager, model, optimizer, build):
-    return stager.stage([model], [(model, optimizer)], build)
+    return stager.stage([model], [optimizer], build)
 
 
 def assert_same_tree(staged, expected):

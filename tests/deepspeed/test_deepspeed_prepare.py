@@ -504,10 +504,12 @@ def test_accelerator_backward_passes_sync_gradients(dist_env, new_accelerator):
 # --- save_state / load_state ---------------------------------------------------------------------------------------
 
 
-def test_save_state_writes_hfs_layout_and_load_state_restores_it(dist_env, new_accelerator, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["default", "async"])
+def test_save_state_writes_hfs_layout_and_load_state_restores_it(dist_env, new_accelerator, tmp_path, async_save):
     """save_state writes the engine's checkpoint as HF does (`pytorch_model/` and DeepSpeed's `latest` naming it,
     zero_to_fp32.py, a scheduler the engine does not drive in scheduler.bin); load_state into a fresh engine
-    restores weights, optimizer state and scheduler, so the next steps' losses equal an uninterrupted run's."""
+    restores weights, optimizer state and scheduler, so the next steps' losses equal an uninterrupted run's. An
+    asynchronous save writes the engine's checkpoint at the call (it has no copy to hand over), the rest after."""
 
     def run(seed):
         plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1, gradient_clipping=1.0)
@@ -532,8 +534,9 @@ def test_save_state_writes_hfs_layout_and_load_state_restores_it(dist_env, new_a
 
     accelerator, model, optimizer, scheduler = run(seed=0)
     steps(accelerator, model, optimizer, scheduler, 3)
-    accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.save_state(str(tmp_path / "ckpt"), async_save=async_save)
     straight = steps(accelerator, model, optimizer, scheduler, 3)
+    accelerator.wait_for_checkpoint()
     listing = set(os.listdir(tmp_path / "ckpt"))
     assert {"pytorch_model", "latest", "zero_to_fp32.py", "scheduler.bin", "random_states_0.pkl"} <= listing, listing
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "pytorch_model"

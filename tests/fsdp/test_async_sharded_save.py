@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 from spawn_pool import RankFailed, run_on_ranks
@@ -276,6 +277,7 @@ SURVIVOR_SCRIPT = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     from accel.accelerator import Accelerator
     from accel.backends.fsdp import FullyShardedDataParallelPlugin
+    from accel.checkpoint import training_state
     accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -285,7 +287,10 @@ SURVIVOR_SCRIPT = textwrap.dedent(
         if accelerator.process_index == 1:
             os._exit(9)  # killed in the middle of the asynchronous save
         return real(self, plan, planner)
-    dcp.FileSystemWriter.write_data = dies
+    if sys.argv[2] == "write":  # in its worker, writing its shards
+        dcp.FileSystemWriter.write_data = dies
+    elif accelerator.process_index == 1:  # at its call, before it handed the save to its worker
+        training_state.rng_states = lambda *args: os._exit(9)
     accelerator.save_state(sys.argv[1], async_save=True)
     started = time.monotonic()
     try:
@@ -298,12 +303,15 @@ SURVIVOR_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_survivor_of_a_process_killed_mid_asynchronous_save_raises_within_the_deadline(tmp_path):
+@pytest.mark.parametrize("dies_in", ["write", "call"])
+def test_the_survivor_of_a_process_killed_mid_asynchronous_save_raises_within_the_deadline(tmp_path, dies_in):
+    """Rank 1 dies writing its shards, or at its call (rank 0's worker then waits for it to agree on the staging
+    folder): rank 0 raises at its next join, the staging folder and the lock file are gone."""
     script = tmp_path / "job.py"
     script.write_text(SURVIVOR_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    outputs, jobs = two_processes(script, out / "ckpt", extra_env={"ACCEL_PROCESS_GROUP_TIMEOUT": "10"})
+    outputs, jobs = two_processes(script, out / "ckpt", dies_in, extra_env={"ACCEL_PROCESS_GROUP_TIMEOUT": "10"})
     assert jobs[1].returncode == 9
     assert "raised after" in outputs[0][0], outputs[0]
     assert float(outputs[0][0].split("raised after ")[1].split(" s")[0]) < 60
