@@ -256,10 +256,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         return False
 
 
+class ShardedWriteError(RuntimeError):
+    """A DCP folder could not be written; the message names it and what failed on which process."""
+
+
 def _dcp_save(state: dict, path: str, durable: bool, group: dist.ProcessGroup | None = None) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=durable), process_group=group)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=durable), process_group=group)
+    except CheckpointException as error:
+        # DCP's exception is a BaseException: `except Exception` (the save's agreement on a failure, users' code)
+        # would let it past, and a failed synchronous save would leave its staging folder behind.
+        raise ShardedWriteError(f"writing the sharded checkpoint {path} failed: {error}") from error
 
 
 def _model_file(index: int) -> str:

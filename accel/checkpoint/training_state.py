@@ -364,7 +364,7 @@ class _BackgroundSave:
             write_files(staging, self.own, durable=True)  # published durable: the caller did not wait for the fsync
             if self.writes_shared_files:
                 write_files(staging, self.files, durable=False)  # fsync'd by the publish
-        except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException is one; reported everywhere below
+        except BaseException as error:  # noqa: BLE001 - reported everywhere below
             failure = error
         _agree_or_raise(self.parts, failure, "writing", group=self.group)
 

@@ -1,4 +1,4 @@
-"""save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5): the DCP folders are copied at
+"""save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5), and what a failed write leaves: the DCP folders are copied at
 the call and written in the background through a gloo group of their own; the checkpoint is published only once
 every process's part is written, and resumes as a synchronous save's does. With FULL_STATE_DICT the full state is
 gathered at the call and the main process's worker writes its files."""
@@ -155,7 +155,7 @@ def test_the_checkpoint_is_published_only_after_every_process_wrote_its_shards(t
     assert results == [(False, True, True), (False, True, True)]
 
 
-def _failing_write(folder):
+def _failing_write(folder, async_save=True):
     accelerator = fresh_accelerator()
     model, optimizer = prepared(accelerator)
     accelerator.save_state(folder)  # the previous checkpoint
@@ -170,8 +170,8 @@ def _failing_write(folder):
 
     dist.checkpoint.FileSystemWriter.write_data = no_space
     try:
-        accelerator.save_state(folder, async_save=True)
         try:
+            accelerator.save_state(folder, async_save=async_save)
             accelerator.wait_for_checkpoint()
             raised = None
         except RuntimeError as error:
@@ -191,6 +191,16 @@ def test_a_failed_background_write_of_one_process_raises_on_every_process_and_pu
         assert listing == ["ckpt"]  # the staging folder is gone
     assert "No space left on device" in results[1][0]
     assert results[0][1]  # the previous checkpoint is the one loaded
+
+
+def test_a_failed_synchronous_sharded_write_raises_on_every_process_and_leaves_no_staging_folder(tmp_path):
+    # DCP raises a BaseException (CheckpointException); the synchronous save's agreement must still see it.
+    results = run_on_ranks(_failing_write, 2, str(tmp_path / "ckpt"), False, timeout=120)
+    for raised, unchanged, listing in results:
+        assert raised is not None and ("No space left on device" in raised or "another process" in raised), raised
+        assert listing == ["ckpt"]  # the staging folder is gone
+        assert unchanged  # the previous checkpoint is the one loaded
+    assert "No space left on device" in results[1][0]
 
 
 def _killed_mid_write(folder):
