@@ -1,7 +1,8 @@
-"""save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5), and what a failed write leaves: the DCP folders are copied at
+"""save_state(async_save=True) under FSDP2 with sharded state (issue 21, point 5): the DCP folders are copied at
 the call and written in the background through a gloo group of their own; the checkpoint is published only once
 every process's part is written, and resumes as a synchronous save's does. With FULL_STATE_DICT the full state is
-gathered at the call and the main process's worker writes its files."""
+gathered at the call and the main process's worker writes its files. A failed write, asynchronous or not, raises on
+every process and leaves the previous checkpoint."""
 
 import contextlib
 import os
