@@ -133,3 +133,38 @@ def _cloned(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_cloned(value) for value in tree)
     return tree
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2's wte and lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.out = torch.nn.Linear(3, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(self.embed(tokens))
+
+
+def test_a_tied_weight_is_copied_once_and_both_names_hold_the_refreshed_copy():
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    build, stager = Counted(model, optimizer), ShardStager()
+
+    def tied_step(seed):
+        torch.manual_seed(seed)
+        model(torch.randint(0, 5, (4,))).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    tied_step(1)
+    first = stage(stager, model, optimizer, build)[0][1]["model"]
+    assert first["embed.weight"] is first["out.weight"]  # one copy under both names
+    tied_step(2)
+    staged = stage(stager, model, optimizer, build)
+    assert build.builds == 1  # refreshed, not rebuilt
+    assert staged[0][1]["model"]["out.weight"] is staged[0][1]["model"]["embed.weight"]
+    assert_same_tree(staged, build())
