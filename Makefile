@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 bench-deepspeed cuda-check shm-check gpu-check gpu-docs ci clean
+.PHONY: setup train lint test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 bench-deepspeed cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -140,6 +140,11 @@ bench-deepspeed: setup
 	$(VENV)/bin/pytest benchmarks/bench_deepspeed.py $(BENCH_ARGS) --benchmark-json=build/bench-deepspeed.json
 	$(VENV)/bin/python benchmarks/report/deepspeed.py $(BENCH_OUT) build/bench-deepspeed.json
 
+# ruff (pyproject.toml's [tool.ruff]: line length 120): lint, and the formatter's check (`ruff format` formats).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 cuda-check:
 	tools/cuda_compile_check.sh
 
@@ -161,7 +166,7 @@ gpu-check:
 gpu-docs:
 	$(PYTHON) benchmarks/report/gpu.py $(BENCH_OUT) $(GPU_RESULTS)
 
-ci: test cuda-check shm-check
+ci: lint test cuda-check shm-check
 
 clean:
 	rm -rf $(VENV) $(PURE_VENV) build *.egg-info accel/_C*.so accel/_build_info.json

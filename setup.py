@@ -51,8 +51,12 @@ def cpu_isa_variants():
     variants = [("DEFAULT", [])]
     if platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32":
         variants.append(("AVX2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]))
-        variants.append(("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-                                    "-DCPU_CAPABILITY_AVX512"]))
+        variants.append(
+            (
+                "AVX512",
+                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX512"],
+            )
+        )
     return variants
 
 
@@ -160,9 +164,14 @@ def build_ext_class():
             objects = []
             for name, flags in getattr(ext, "accel_isa_variants", []):
                 objects += self.compiler.compile(
-                    VEC_SOURCES, output_dir=os.path.join(self.build_temp, f"isa-{name.lower()}"),
-                    macros=ext.define_macros, include_dirs=ext.include_dirs, debug=self.debug,
-                    extra_postargs=[*cxx, f"-DCPU_CAPABILITY=ACCEL_{name}", *flags], depends=ext.depends)
+                    VEC_SOURCES,
+                    output_dir=os.path.join(self.build_temp, f"isa-{name.lower()}"),
+                    macros=ext.define_macros,
+                    include_dirs=ext.include_dirs,
+                    debug=self.debug,
+                    extra_postargs=[*cxx, f"-DCPU_CAPABILITY=ACCEL_{name}", *flags],
+                    depends=ext.depends,
+                )
             return objects
 
         def write_build_info(self, error):
@@ -181,8 +190,10 @@ def build_ext_class():
 # Installed into site-packages: at every interpreter start, turns on `import accelerate` -> accel when the environment
 # asks for it (accel/accelerate_alias.py). With the switch off it costs two environment lookups.
 ALIAS_PTH = "accel_as_accelerate.pth"
-ALIAS_PTH_LINE = ('import os; ("ACCEL_AS_ACCELERATE" in os.environ or "ACCELERATE_AS_ACCELERATE" in os.environ) '
-                  'and __import__("accel.accelerate_alias").accelerate_alias.install_if_asked()\n')
+ALIAS_PTH_LINE = (
+    'import os; ("ACCEL_AS_ACCELERATE" in os.environ or "ACCELERATE_AS_ACCELERATE" in os.environ) '
+    'and __import__("accel.accelerate_alias").accelerate_alias.install_if_asked()\n'
+)
 
 
 def write_alias_pth(folder):

@@ -48,7 +48,8 @@ def diagnose_missing(info: dict) -> NativeStatus:
         return NativeStatus(False, "accel._C is missing although the build recorded success", info, _REBUILD)
     return NativeStatus(
         False,
-        "accel was installed without its native extension (ACCEL_BUILD_NATIVE=0, or torch was not importable at build time)",
+        "accel was installed without its native extension (ACCEL_BUILD_NATIVE=0, or torch was not importable at "
+        "build time)",
         info,
         _REBUILD,
     )

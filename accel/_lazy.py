@@ -11,8 +11,9 @@ import importlib.util
 from typing import Callable
 
 
-def lazy_names(package: str, names: dict[str, str], also: tuple[str, ...] = (), submodules: bool = False
-               ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:  # fmt: skip
+def lazy_names(
+    package: str, names: dict[str, str], also: tuple[str, ...] = (), submodules: bool = False
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """(`__getattr__`, `__dir__`) for `package`, whose public `names` live in the modules they map to.
 
     Args:

@@ -71,12 +71,17 @@ def install() -> None:
     """
     if installed():
         return
-    loaded = sorted(name for name, module in sys.modules.items()
-                    if _is_aliased(name) and not isinstance(module, _StandIn) and not _is_accel_module(module))  # fmt: skip
+    loaded = sorted(
+        name
+        for name, module in sys.modules.items()
+        if _is_aliased(name) and not isinstance(module, _StandIn) and not _is_accel_module(module)
+    )
     if loaded:
-        raise RuntimeError(f"HF Accelerate is imported already ({', '.join(loaded[:3])}): accel can stand in for "
-                           "`accelerate` only when switched on before anything imports it (restart, then call "
-                           "accel.as_accelerate() first, or set ACCEL_AS_ACCELERATE=1)")  # fmt: skip
+        raise RuntimeError(
+            f"HF Accelerate is imported already ({', '.join(loaded[:3])}): accel can stand in for "
+            "`accelerate` only when switched on before anything imports it (restart, then call "
+            "accel.as_accelerate() first, or set ACCEL_AS_ACCELERATE=1)"
+        )
     sys.meta_path.insert(0, AccelerateFinder())
     os.environ[ENV_VARIABLE] = "1"
 
@@ -92,7 +97,7 @@ def _is_accel_module(module: object) -> bool:
 
 def accel_name(name: str) -> str:
     """`accelerate.utils.operations` -> `accel.utils.operations`."""
-    return "accel" + name[len(_ALIASED):]
+    return "accel" + name[len(_ALIASED) :]
 
 
 class _StandIn(types.ModuleType):
@@ -124,8 +129,11 @@ class _AliasLoader(importlib.abc.Loader):
         except ModuleNotFoundError as error:
             if error.name != accel_name(name):
                 raise
-            raise ModuleNotFoundError(f"No module named '{name}': accel stands in for accelerate "
-                                      f"(ACCEL_AS_ACCELERATE) and has no {accel_name(name)}", name=name) from None
+            raise ModuleNotFoundError(
+                f"No module named '{name}': accel stands in for accelerate "
+                f"(ACCEL_AS_ACCELERATE) and has no {accel_name(name)}",
+                name=name,
+            ) from None
 
 
 def _stand_in() -> _StandIn:
@@ -143,8 +151,9 @@ class AccelerateFinder(importlib.abc.MetaPathFinder):
     """First on `sys.meta_path`: finds `accelerate[.X]` as accel's modules, and the `accelerate` distribution as
     accel standing in for HF Accelerate `STANDS_IN_FOR`."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None
-                  ) -> importlib.machinery.ModuleSpec | None:  # fmt: skip
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if not _is_aliased(fullname):
             return None
         if fullname != _ALIASED and importlib.util.find_spec(accel_name(fullname)) is None:
@@ -165,9 +174,11 @@ class StandInDistribution(importlib.metadata.Distribution):
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
             accel = importlib.import_module("accel")
-            return (f"Metadata-Version: 2.1\nName: {_ALIASED}\nVersion: {STANDS_IN_FOR}\n"
-                    f"Summary: accel {accel.__version__} standing in for HF Accelerate {STANDS_IN_FOR} "
-                    f"({ENV_VARIABLE}=1)\n")  # fmt: skip
+            return (
+                f"Metadata-Version: 2.1\nName: {_ALIASED}\nVersion: {STANDS_IN_FOR}\n"
+                f"Summary: accel {accel.__version__} standing in for HF Accelerate {STANDS_IN_FOR} "
+                f"({ENV_VARIABLE}=1)\n"
+            )
         if filename == "top_level.txt":
             return _ALIASED + "\n"
         return None

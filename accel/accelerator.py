@@ -22,14 +22,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from accel import collectives, data
-from accel.checkpoint import save_file
-from accel.checkpoint import training_state
-from accel.checkpoint.background import SaveMode
-from accel.checkpoint.model_io import save_model_files
-from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
-from accel.precision import precision_for
-from accel.precision.grads import Measured
-from accel.scheduler import AcceleratedScheduler
 from accel._env import get_setting
 from accel.backends import DDP_INSTEAD, deepspeed, megatron
 from accel.backends.checks import (
@@ -39,6 +31,13 @@ from accel.backends.checks import (
 )
 from accel.backends.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from accel.backends.parallelism import ParallelismConfig
+from accel.checkpoint import save_file, training_state
+from accel.checkpoint.background import SaveMode
+from accel.checkpoint.model_io import save_model_files
+from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
+from accel.precision import precision_for
+from accel.precision.grads import Measured
+from accel.scheduler import AcceleratedScheduler
 from accel.settings import (
     PROFILE_PATTERN_NAME,
     AutocastKwargs,
@@ -55,8 +54,7 @@ from accel.settings import (
     gradient_accumulation_steps_from_env,
 )
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
-from accel.strategies import ddp_sync
-from accel.strategies import SingleDeviceStrategy, StrategySettings, strategy_for
+from accel.strategies import SingleDeviceStrategy, StrategySettings, ddp_sync, strategy_for
 from accel.strategies.base import JointPreparation, Prepared, loss_per_step
 from accel.tracking.session import TrackerSession
 from accel.unsupported import refuse
@@ -77,9 +75,16 @@ PREPARED_MARK = "_is_accelerate_prepared"  # HF Accelerate's attribute name, so 
 # The setups whose models DDP wraps: torch's Join applies to them (HF: multi-GPU only).
 JOINABLE_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 # The distributed types HF Accelerate calls multi-device (accelerators, not CPUs).
-MULTI_DEVICE_TYPES = (DistributedType.MULTI_GPU, DistributedType.MULTI_MLU, DistributedType.MULTI_SDAA,
-                      DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
-                      DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON)  # fmt: skip
+MULTI_DEVICE_TYPES = (
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_SDAA,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_HPU,
+    DistributedType.MULTI_NEURON,
+)
 logger = logging.getLogger(__name__)
 
 
@@ -110,8 +115,11 @@ def checked_mixed_precision(mixed_precision: Any) -> str | None:
 def resolve_parallelism_config(config: ParallelismConfig | None, torch_tp_plugin: Any) -> ParallelismConfig | None:
     """The argument, else the deprecated `TorchTensorParallelPlugin`'s, else the environment's (as HF)."""
     if torch_tp_plugin is not None:
-        warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of "
-                      "Accelerate. Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning)  # fmt: skip
+        warnings.warn(
+            "`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of "
+            "Accelerate. Please use the `ParallelismConfig` with `tp_size` instead.",
+            FutureWarning,
+        )
     if config is not None:
         return config
     if torch_tp_plugin is not None:
@@ -180,8 +188,16 @@ class Accelerator:
         parallelism_config: ParallelismConfig | None = None,
     ):
         # Everything accel refuses is refused here, before any state exists: nothing is ever half set up.
-        refuse_unsupported_arguments(deepspeed_plugin, deepspeed_plugins, fsdp_plugin, megatron_lm_plugin,
-                                     torch_tp_plugin, parallelism_config, mixed_precision, kwargs_handlers)  # fmt: skip
+        refuse_unsupported_arguments(
+            deepspeed_plugin,
+            deepspeed_plugins,
+            fsdp_plugin,
+            megatron_lm_plugin,
+            torch_tp_plugin,
+            parallelism_config,
+            mixed_precision,
+            kwargs_handlers,
+        )
         refuse_unsupported_environment(mixed_precision_given=mixed_precision is not None)
         mixed_precision = checked_mixed_precision(mixed_precision)
         parallelism_config = resolve_parallelism_config(parallelism_config, torch_tp_plugin)
@@ -199,20 +215,31 @@ class Accelerator:
         if dynamo_plugin is None:
             dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
-        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, dynamo_plugin=dynamo_plugin,
-                                      deepspeed_plugin=_deepspeed_plugins(deepspeed_plugin, deepspeed_plugins),
-                                      fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
-                                      parallelism_config=parallelism_config, _from_accelerator=True,
-                                      **init_kwargs)  # fmt: skip
+        self.state = AcceleratorState(
+            mixed_precision=mixed_precision,
+            cpu=cpu,
+            dynamo_plugin=dynamo_plugin,
+            deepspeed_plugin=_deepspeed_plugins(deepspeed_plugin, deepspeed_plugins),
+            fsdp_plugin=fsdp_plugin,
+            torch_tp_plugin=torch_tp_plugin,
+            parallelism_config=parallelism_config,
+            _from_accelerator=True,
+            **init_kwargs,
+        )
         if self.parallelism_config is not None:
             self.parallelism_config._validate_accelerator(self)
         plugin = accumulation_plugin(gradient_accumulation_steps, gradient_accumulation_plugin)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
         autocast, scaler = self.autocast_handler, self.scaler_handler
-        self.precision = precision_for(self.state.mixed_precision, self.device, autocast.to_kwargs() if autocast else None,
-                                       scaler.to_kwargs() if scaler else None)  # fmt: skip
-        settings = StrategySettings(ddp_kwargs=self.ddp_handler, fsdp_plugin=self.state.fsdp_plugin,
-                                    mixed_precision=self.state.mixed_precision)  # fmt: skip
+        self.precision = precision_for(
+            self.state.mixed_precision,
+            self.device,
+            autocast.to_kwargs() if autocast else None,
+            scaler.to_kwargs() if scaler else None,
+        )
+        settings = StrategySettings(
+            ddp_kwargs=self.ddp_handler, fsdp_plugin=self.state.fsdp_plugin, mixed_precision=self.state.mixed_precision
+        )
         self.strategy = strategy_for(self.state, self.precision, settings)
         self.precision = self.strategy.precision  # an engine that owns mixed precision (DeepSpeed) gives its own
         self.native_amp = self.precision.name in ("fp16", "bf16")  # autocast runs (CPU included)
@@ -248,11 +275,11 @@ class Accelerator:
     process_index = property(lambda self: self.state.process_index)
     local_process_index = property(lambda self: self.state.local_process_index)
     is_main_process = property(lambda self: self.state.is_main_process, doc="True for one process only.")
-    is_local_main_process = property(lambda self: self.state.is_local_main_process,
-                                     doc="True for one process per machine.")  # fmt: skip
+    is_local_main_process = property(
+        lambda self: self.state.is_local_main_process, doc="True for one process per machine."
+    )
     is_last_process = property(lambda self: self.state.is_last_process)
-    use_distributed = property(lambda self: self.state.use_distributed,
-                               doc="Whether more than one process takes part.")  # fmt: skip
+    use_distributed = property(lambda self: self.state.use_distributed, doc="Whether more than one process takes part.")
     mixed_precision = property(lambda self: self.state.mixed_precision)
     scaler = property(lambda self: self.precision.scaler, doc="The fp16 gradient scaler (None otherwise).")
 
@@ -302,11 +329,13 @@ class Accelerator:
 
     # --- backends and parallelism accel does not run: HF's members, with accel's (constant) answers -------------
 
-    deepspeed_plugin = property(lambda self: self.state.deepspeed_plugin,
-                                doc="The active DeepSpeed plugin (None without DeepSpeed).")  # fmt: skip
-    deepspeed_engine_wrapped = property(lambda self: getattr(self.strategy, "engine_wrapper", None),
-                                        doc="The DeepSpeed engine behind `backward` (None before prepare, or without "
-                                            "DeepSpeed).")  # fmt: skip
+    deepspeed_plugin = property(
+        lambda self: self.state.deepspeed_plugin, doc="The active DeepSpeed plugin (None without DeepSpeed)."
+    )
+    deepspeed_engine_wrapped = property(
+        lambda self: getattr(self.strategy, "engine_wrapper", None),
+        doc="The DeepSpeed engine behind `backward` (None before prepare, or without DeepSpeed).",
+    )
 
     @property
     def deepspeed_config(self) -> dict | None:
@@ -317,10 +346,12 @@ class Accelerator:
 
     is_fsdp2 = property(lambda self: self.state.is_fsdp2, doc="Whether FSDP (always FSDP2 in accel) shards the models.")
     is_composable_parallelism_enabled = property(lambda self: self.is_fsdp2, doc="Whether FSDP2 runs.")
-    parallelism_config = property(lambda self: self.state.parallelism_config,
-                                  doc="The ParallelismConfig given (data parallelism only), or None.")  # fmt: skip
-    torch_device_mesh = property(lambda self: self.state.device_mesh,
-                                 doc="None: DDP, the only parallelism accel runs, needs no device mesh.")  # fmt: skip
+    parallelism_config = property(
+        lambda self: self.state.parallelism_config, doc="The ParallelismConfig given (data parallelism only), or None."
+    )
+    torch_device_mesh = property(
+        lambda self: self.state.device_mesh, doc="None: DDP, the only parallelism accel runs, needs no device mesh."
+    )
 
     @property
     def should_save_model(self) -> bool:
@@ -348,8 +379,12 @@ class Accelerator:
         return FP8BackendType(str(get_setting("FP8_BACKEND", "NO")).upper())
 
     @contextlib.contextmanager
-    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
-                               no_restore_buffers: set[torch.Tensor] | None = None):  # fmt: skip
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ):
         """HF's context-parallel block: without context parallelism (refused in accel, so always) it changes
         nothing, as in HF Accelerate, and says so once."""
         if not getattr(Accelerator, "_told_no_context_parallel", False):
@@ -396,8 +431,9 @@ class Accelerator:
         """Decorator: `function` runs on the process of local index `local_process_index` of each machine."""
         if isinstance(self, Accelerator) and local_process_index is not None and function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
-        return _run_only_where(self, function, "on_local_process",
-                               lambda state: state.local_process_index == local_process_index)  # fmt: skip
+        return _run_only_where(
+            self, function, "on_local_process", lambda state: state.local_process_index == local_process_index
+        )
 
     @contextlib.contextmanager
     def main_process_first(self):
@@ -441,10 +477,13 @@ class Accelerator:
         loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
         return JointPreparation(
             prepare_data_loader=lambda loader: self._prepare_one(loader, None, schedulers=False),
-            batch_sizes=[loader.batch_size for loader in loaders], gradient_accumulation_steps=self.gradient_accumulation_steps,
-            num_processes=self.num_processes, split_batches=self.split_batches,
-            step_scheduler_with_optimizer=self.step_scheduler_with_optimizer, dynamo_plugin=self.state.dynamo_plugin,
-        )  # fmt: skip
+            batch_sizes=[loader.batch_size for loader in loaders],
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_processes=self.num_processes,
+            split_batches=self.split_batches,
+            step_scheduler_with_optimizer=self.step_scheduler_with_optimizer,
+            dynamo_plugin=self.state.dynamo_plugin,
+        )
 
     def _register(self, prepared: Prepared) -> Any:
         """Keeps what a strategy prepared together (its models, optimizers and schedulers), marked as prepared."""
@@ -470,7 +509,9 @@ class Accelerator:
     def _prepare_new(self, obj: Any, device_placement: bool | None, schedulers: bool) -> Any:
         _refuse_backend_placeholder(obj)
         if schedulers:
-            is_scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(obj, AcceleratedScheduler)
+            is_scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
+                obj, AcceleratedScheduler
+            )
             return self.prepare_scheduler(obj) if is_scheduler else obj
         if isinstance(obj, torch.utils.data.DataLoader):
             return self.prepare_data_loader(obj, device_placement=device_placement)
@@ -480,7 +521,9 @@ class Accelerator:
             return self.prepare_optimizer(obj, device_placement=device_placement)
         return obj
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> torch.nn.Module:
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> torch.nn.Module:
         """Places, autocasts (bf16/fp16), wraps (DDP) and compiles (dynamo) a model."""
         placement = self.device_placement if device_placement is None else device_placement
         # The model as given, not its DDP / compile wrappers, as HF Accelerate keeps it: save_state writes its names
@@ -492,7 +535,9 @@ class Accelerator:
             return SingleDeviceStrategy(self.state, self.precision).setup_model(model, placement, plugin)
         return self.strategy.setup_model(model, placement, plugin)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
         placement = self.device_placement if device_placement is None else device_placement
         self.has_lomo_optimizer |= is_lomo_optimizer(optimizer)
         prepared = self.strategy.setup_optimizer(optimizer, placement)
@@ -502,12 +547,17 @@ class Accelerator:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         followed = [opt for opt in self._optimizers if opt.optimizer is scheduler.optimizer] or self._optimizers
         prepared = AcceleratedScheduler(
-            scheduler, followed, step_with_optimizer=self.step_scheduler_with_optimizer, split_batches=self.split_batches
+            scheduler,
+            followed,
+            step_with_optimizer=self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
         )
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None) -> Any:
+    def prepare_data_loader(
+        self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None
+    ) -> Any:
         config = self.dataloader_config
         prepared = data.prepare_data_loader(
             data_loader,
@@ -561,14 +611,18 @@ class Accelerator:
         """
         lomo_classes = lomo_optimizer_classes()
         if lomo_classes is None:
-            raise ImportError("lomo_backward needs the `lomo_optim` package (pip install lomo-optim) and an "
-                              "optimizer from it (Lomo or AdaLomo) passed to accelerator.prepare().")  # fmt: skip
+            raise ImportError(
+                "lomo_backward needs the `lomo_optim` package (pip install lomo-optim) and an "
+                "optimizer from it (Lomo or AdaLomo) passed to accelerator.prepare()."
+            )
         if learning_rate is None:
             raise ValueError("A learning rate must be passed in order to call backward pass with LOMO optimizers.")
         lomo = [opt.optimizer for opt in self._optimizers if isinstance(opt.optimizer, lomo_classes)]
         if not lomo:
-            raise ValueError("Backward pass not properly called on LOMO optimizers. Are you sure you passed a LOMO "
-                             "optimizer in accelerator.prepare()?")  # fmt: skip
+            raise ValueError(
+                "Backward pass not properly called on LOMO optimizers. Are you sure you passed a LOMO "
+                "optimizer in accelerator.prepare()?"
+            )
         for optimizer in lomo:
             optimizer.fused_backward(loss, learning_rate)
 
@@ -633,8 +687,10 @@ class Accelerator:
         """
         if self.distributed_type not in JOINABLE_TYPES:
             if self.distributed_type != DistributedType.NO:  # HF's warning, for setups whose models are not DDP's
-                warnings.warn("Joining uneven inputs is only supported for multi-GPU and multi-CPU (DDP) training, as "
-                              "a result `join_uneven_inputs` will have no effect.")  # fmt: skip
+                warnings.warn(
+                    "Joining uneven inputs is only supported for multi-GPU and multi-CPU (DDP) training, as "
+                    "a result `join_uneven_inputs` will have no effect."
+                )
             yield joinables
             return
         restore = data.override_even_batches(self._dataloaders, even_batches) if even_batches is not None else None
@@ -662,10 +718,14 @@ class Accelerator:
         return self.precision.unscale(self._inner_optimizers(optimizer))
 
     def _inner_optimizers(self, optimizer: Any = None) -> list[torch.optim.Optimizer]:
-        optimizers = self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        optimizers = (
+            self._optimizers if optimizer is None else optimizer if isinstance(optimizer, list) else [optimizer]
+        )
         return [getattr(opt, "optimizer", opt) for opt in optimizers]
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         """Unscales (fp16), then clips as `torch.nn.utils.clip_grad_norm_`; returns the total norm.
 
         With the native kernels and norm_type 2, the norm comes from the unscale's own pass over the gradients
@@ -725,9 +785,16 @@ class Accelerator:
         `unwrap=False` (a sharded model's is gathered)."""
         return self.strategy.model_state_dict(model, unwrap=unwrap)
 
-    def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True, *, async_save: bool | None = None,
-                   durable: bool | None = None) -> None:  # fmt: skip
+    def save_model(
+        self,
+        model: torch.nn.Module,
+        save_directory: str,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+        *,
+        async_save: bool | None = None,
+        durable: bool | None = None,
+    ) -> None:
         """Saves the weights in Hugging Face's layout (`model.safetensors`, or shards + index), on the main process.
 
         Shards are split as huggingface_hub splits them; tied weights are saved once; the files are written under
@@ -756,19 +823,32 @@ class Accelerator:
             ```
         """
         return training_state.Checkpointable(
-            models=self._models, optimizers=self._optimizers,
+            models=self._models,
+            optimizers=self._optimizers,
             schedulers=self.strategy.checkpointed_schedulers(self._schedulers),
-            dataloaders=self._dataloaders, custom_objects=self._custom_objects, scaler=self.scaler,
+            dataloaders=self._dataloaders,
+            custom_objects=self._custom_objects,
+            scaler=self.scaler,
             state_dict=functools.partial(self.get_state_dict, unwrap=False),
-            project_configuration=self.project_configuration, project_dir=self.project_dir,
-            writes_shared_files=self._saves_here(), process_index=self.process_index,
-            num_processes=self.num_processes, device=self.device, step=self.step,
+            project_configuration=self.project_configuration,
+            project_dir=self.project_dir,
+            writes_shared_files=self._saves_here(),
+            process_index=self.process_index,
+            num_processes=self.num_processes,
+            device=self.device,
+            step=self.step,
             sharded=self.strategy.sharded_states(),
-        )  # fmt: skip
+        )
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *,
-                   async_save: bool | None = None, durable: bool | None = None, **save_model_func_kwargs: Any
-                   ) -> str:  # fmt: skip
+    def save_state(
+        self,
+        output_dir: str | None = None,
+        safe_serialization: bool = True,
+        *,
+        async_save: bool | None = None,
+        durable: bool | None = None,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """Saves models, optimizers, schedulers, dataloaders, scaler, RNG states and registered objects into
         `output_dir` (or the next `checkpoints/checkpoint_N` with automatic naming), atomically; returns the folder.
         `async_save` / `durable`: the save mode (accel's; see save_model)."""
@@ -782,8 +862,9 @@ class Accelerator:
         (accel's; every process calls it; see accel.checkpoint.background)."""
         training_state.join_saves(self.checkpointable())
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
-                   ) -> str:  # fmt: skip
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> str:
         """Restores what `save_state` saved (default: the latest numbered checkpoint); returns the folder.
 
         `load_kwargs` go to `torch.load` (weights_only=True unless they say otherwise); `strict=False` lets the
@@ -798,11 +879,16 @@ class Accelerator:
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Adds objects with `state_dict` / `load_state_dict` to what save_state / load_state cover."""
-        invalid = [f"{i}: {type(obj).__name__}" for i, obj in enumerate(objects)
-                   if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))]  # fmt: skip
+        invalid = [
+            f"{i}: {type(obj).__name__}"
+            for i, obj in enumerate(objects)
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)))
+        ]
         if invalid:
-            raise ValueError("register_for_checkpointing needs objects with state_dict and load_state_dict; "
-                             f"these have not: {', '.join(invalid)}")  # fmt: skip
+            raise ValueError(
+                "register_for_checkpointing needs objects with state_dict and load_state_dict; "
+                f"these have not: {', '.join(invalid)}"
+            )
         self._custom_objects.extend(objects)
 
     def register_save_state_pre_hook(self, hook: Any) -> RemovableHandle:
@@ -817,8 +903,10 @@ class Accelerator:
         self._load_state_pre_hooks[handle.id] = hook
         return handle
 
-    save_iteration = property(lambda self: self.project_configuration.iteration,
-                              doc="The number the next automatically named checkpoint gets.")  # fmt: skip
+    save_iteration = property(
+        lambda self: self.project_configuration.iteration,
+        doc="The number the next automatically named checkpoint gets.",
+    )
 
     def free_memory(self, *objects: Any) -> tuple:
         """Drops the references this Accelerator holds (and returns `objects` as None; a DeepSpeed engine is
@@ -859,8 +947,9 @@ class Accelerator:
         if handler.output_trace_dir is None:
             return
         os.makedirs(handler.output_trace_dir, exist_ok=True)
-        profiler.export_chrome_trace(os.path.join(handler.output_trace_dir,
-                                                  PROFILE_PATTERN_NAME.format(suffix=self.process_index)))  # fmt: skip
+        profiler.export_chrome_trace(
+            os.path.join(handler.output_trace_dir, PROFILE_PATTERN_NAME.format(suffix=self.process_index))
+        )
         self.wait_for_everyone()
 
     def __deepcopy__(self, memo: dict) -> Accelerator:
@@ -870,10 +959,14 @@ class Accelerator:
 
     # --- experiment tracking: accel.tracking ---------------------------------------------------------------
 
-    trackers = property(lambda self: self._tracking.trackers,
-                        doc="The trackers running on this process (those `init_trackers` started here).")  # fmt: skip
-    log_with = property(lambda self: self._tracking.log_with,
-                        doc="What `log_with` asked for: LoggerTypes, registered names and tracker instances.")  # fmt: skip
+    trackers = property(
+        lambda self: self._tracking.trackers,
+        doc="The trackers running on this process (those `init_trackers` started here).",
+    )
+    log_with = property(
+        lambda self: self._tracking.log_with,
+        doc="What `log_with` asked for: LoggerTypes, registered names and tracker instances.",
+    )
 
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
         """Starts a run in every tracker of `log_with`, on the main process (and on every process for trackers
@@ -912,14 +1005,16 @@ class Accelerator:
                 self.state.destroy_process_group()
 
 
-def _run_only_where(owner: Any, function: Callable | None, name: str,
-                    selected: Callable[[PartialState], bool]) -> Callable:  # fmt: skip
+def _run_only_where(
+    owner: Any, function: Callable | None, name: str, selected: Callable[[PartialState], bool]
+) -> Callable:
     """`function` wrapped to run only on the processes `selected` picks (everywhere without distribution; None
     elsewhere), decided at each call. Used unbound in a class body, `owner` is the decorated method itself."""
     if function is None:
         if isinstance(owner, Accelerator) or not callable(owner):
-            raise ValueError(f"The `{name}` decorator must be called with a function on an instantiated "
-                             "`Accelerator` object.")  # fmt: skip
+            raise ValueError(
+                f"The `{name}` decorator must be called with a function on an instantiated `Accelerator` object."
+            )
         function = owner
 
     @functools.wraps(function)
@@ -936,12 +1031,17 @@ def _refuse_backend_placeholder(obj: Any) -> None:
     """DeepSpeed's and Megatron-LM's stand-ins for optimizers and schedulers only mean something to those engines
     (under DeepSpeed the strategy prepares them; they never get here)."""
     if isinstance(obj, (deepspeed.DummyOptim, deepspeed.DummyScheduler)):
-        raise ValueError(f"accelerator.prepare({type(obj).__name__}(...)): it stands for the optimizer or scheduler "
-                         "of a DeepSpeed config and needs DeepSpeed (`deepspeed_plugin=`, `accel launch "
-                         "--use_deepspeed`); without it, build a torch optimizer / scheduler")  # fmt: skip
+        raise ValueError(
+            f"accelerator.prepare({type(obj).__name__}(...)): it stands for the optimizer or scheduler "
+            "of a DeepSpeed config and needs DeepSpeed (`deepspeed_plugin=`, `accel launch "
+            "--use_deepspeed`); without it, build a torch optimizer / scheduler"
+        )
     if isinstance(obj, megatron.MegatronLMDummyScheduler):
-        raise refuse("Megatron-LM", f"accelerator.prepare({type(obj).__name__}(...))",
-                     DDP_INSTEAD + " Build a torch scheduler instead.")  # fmt: skip
+        raise refuse(
+            "Megatron-LM",
+            f"accelerator.prepare({type(obj).__name__}(...))",
+            DDP_INSTEAD + " Build a torch scheduler instead.",
+        )
 
 
 def _deepspeed_plugins(plugin: Any, plugins: Any) -> Any:
@@ -950,9 +1050,11 @@ def _deepspeed_plugins(plugin: Any, plugins: Any) -> Any:
     given = plugins if plugins is not None else plugin
     running = AcceleratorState._shared_state.get("distributed_type") == DistributedType.DEEPSPEED
     if given is not None and running and AcceleratorState().deepspeed_plugins is not None:
-        raise NotImplementedError("You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`. "
-                                  "Please make sure the first `Accelerator` is initialized with all the plugins you "
-                                  "want to use.")  # fmt: skip
+        raise NotImplementedError(
+            "You cannot pass in a `deepspeed_plugin` when creating a second `Accelerator`. "
+            "Please make sure the first `Accelerator` is initialized with all the plugins you "
+            "want to use."
+        )
     return AcceleratorState().deepspeed_plugins if given is None and running else given
 
 

@@ -25,8 +25,14 @@ from packaging.version import Version, parse
 from accel import _env
 from accel.environment import parse_flag_from_env, patch_environment
 
-STR_OPERATION_TO_FUNC = {">": operator.gt, ">=": operator.ge, "==": operator.eq, "!=": operator.ne,
-                         "<=": operator.le, "<": operator.lt}  # fmt: skip
+STR_OPERATION_TO_FUNC = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<=": operator.le,
+    "<": operator.lt,
+}
 # Minimum torch versions of profiler activities (ProfileKwargs), as HF Accelerate names them.
 XPU_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.4.0"
 MITA_PROFILING_AVAILABLE_PYTORCH_VERSION = "2.1.0"
@@ -500,10 +506,15 @@ def get_current_device_type() -> tuple[str, str]:
     Checked in HF Accelerate's order: MLU, SDAA, MUSA, NPU, HPU, XPU, Neuron; otherwise ("cuda", "MULTI_GPU"),
     whether or not a CUDA device is present (as in HF).
     """
-    accelerators = ((is_mlu_available, "mlu", "MULTI_MLU"), (is_sdaa_available, "sdaa", "MULTI_SDAA"),
-                    (is_musa_available, "musa", "MULTI_MUSA"), (is_npu_available, "npu", "MULTI_NPU"),
-                    (is_hpu_available, "hpu", "MULTI_HPU"), (is_xpu_available, "xpu", "MULTI_XPU"),
-                    (is_neuron_available, "neuron", "MULTI_NEURON"))  # fmt: skip
+    accelerators = (
+        (is_mlu_available, "mlu", "MULTI_MLU"),
+        (is_sdaa_available, "sdaa", "MULTI_SDAA"),
+        (is_musa_available, "musa", "MULTI_MUSA"),
+        (is_npu_available, "npu", "MULTI_NPU"),
+        (is_hpu_available, "hpu", "MULTI_HPU"),
+        (is_xpu_available, "xpu", "MULTI_XPU"),
+        (is_neuron_available, "neuron", "MULTI_NEURON"),
+    )
     for available, name, distributed_type in accelerators:
         if available():
             return name, distributed_type

@@ -1,8 +1,8 @@
 """`accelerate.checkpointing`'s functions: a training state saved from and loaded into lists of objects.
 
-`Accelerator.save_state` / `load_state` (accel.checkpoint.training_state) are what scripts call; these are the lower-level
-functions HF exposes, writing the same files (HF's layout: `model.safetensors`, `optimizer.bin`, `scheduler.bin`,
-`sampler.bin`, `dl_state_dict.bin` (stateful dataloaders), `scaler.pt`, `random_states_{rank}.pkl`,
+`Accelerator.save_state` / `load_state` (accel.checkpoint.training_state) are what scripts call; these are the
+lower-level functions HF exposes, writing the same files (HF's layout: `model.safetensors`, `optimizer.bin`,
+`scheduler.bin`, `sampler.bin`, `dl_state_dict.bin` (stateful dataloaders), `scaler.pt`, `random_states_{rank}.pkl`,
 `custom_checkpoint_{i}.pkl`, `_1`, `_2`, ... for further objects), so a folder written by either is read by the
 other. Differences from HF:
 
@@ -98,7 +98,9 @@ def save_accelerator_state(
 
 def _map_location(map_location: str | None) -> str | torch.device:
     if map_location not in (None, "cpu", "on_device"):
-        raise TypeError(f"Unsupported optimizer map location {map_location!r}: choose one of None, 'cpu' or 'on_device'")
+        raise TypeError(
+            f"Unsupported optimizer map location {map_location!r}: choose one of None, 'cpu' or 'on_device'"
+        )
     if map_location == "on_device":
         return PartialState().device
     return "cpu"
@@ -132,8 +134,10 @@ def load_accelerator_state(
     """
     strict = load_model_func_kwargs.pop("strict", True)
     if load_model_func_kwargs:
-        raise TypeError(f"load_accelerator_state: unknown model loading arguments {sorted(load_model_func_kwargs)}; "
-                        "only `strict` is supported")  # fmt: skip
+        raise TypeError(
+            f"load_accelerator_state: unknown model loading arguments {sorted(load_model_func_kwargs)}; "
+            "only `strict` is supported"
+        )
     location = _map_location(map_location)
     load_kwargs = dict(load_kwargs or {})
     input_dir = os.fspath(input_dir)

@@ -92,7 +92,7 @@ def _split(items: list, parts: int) -> list[list]:
     """`items` cut into `parts` consecutive runs whose lengths differ by at most one (longer runs first)."""
     size, extra = divmod(len(items), parts)
     bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [items[bounds[i]:bounds[i + 1]] for i in range(parts)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
 
 
 def _ranks_per_node(node_sizes: list[int], world_size: int) -> list[int]:
@@ -176,8 +176,9 @@ def _visible_gpu(local_process_index: int, gpus: list[list[str]]) -> list[str] |
     if local_process_index >= len(entries):
         return None
     entry = entries[local_process_index]
-    return next((row for row in gpus if entry == row[0] or (entry.startswith("GPU-") and row[1].startswith(entry))),
-                None)  # fmt: skip
+    return next(
+        (row for row in gpus if entry == row[0] or (entry.startswith("GPU-") and row[1].startswith(entry))), None
+    )
 
 
 def gpu_local_cpus(local_process_index: int, root: Path = SYSFS_PCI_DEVICES) -> set[int] | None:

@@ -29,10 +29,31 @@ _FALSE = ("n", "no", "f", "false", "off", "0")
 SETTING_PREFIXES = ("ACCEL_", "ACCELERATE_")
 _FORBIDDEN_IN_ENV_LINES = (";", "\n", "<", ">", " ")
 # The options of torch's launcher (torch.distributed.run), without dashes, as HF Accelerate lists them.
-TORCH_LAUNCH_PARAMS = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-                       "standalone", "max_restarts", "monitor_interval", "start_method", "role", "module", "m",
-                       "no_python", "run_path", "log_dir", "r", "redirects", "t", "tee", "node_rank", "master_addr",
-                       "master_port"]  # fmt: skip
+TORCH_LAUNCH_PARAMS = [
+    "nnodes",
+    "nproc_per_node",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "standalone",
+    "max_restarts",
+    "monitor_interval",
+    "start_method",
+    "role",
+    "module",
+    "m",
+    "no_python",
+    "run_path",
+    "log_dir",
+    "r",
+    "redirects",
+    "t",
+    "tee",
+    "node_rank",
+    "master_addr",
+    "master_port",
+]
 
 
 # --- reading settings --------------------------------------------------------------------------------------------

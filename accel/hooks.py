@@ -24,9 +24,23 @@ from accel.big_modeling.sizes import get_non_persistent_buffers, named_module_te
 from accel.pytree import find_device, send_to_device
 
 __all__ = [
-    "AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook", "ModelHook", "SequentialHook", "UserCpuOffloadHook",
-    "add_hook_to_module", "attach_align_device_hook", "attach_align_device_hook_on_blocks",
-    "attach_execution_device_hook", "attach_layerwise_casting_hooks", "remove_hook_from_module",
-    "remove_hook_from_submodules", "set_module_tensor_to_device",
-    "PrefixedDataset", "find_device", "get_non_persistent_buffers", "named_module_tensors", "send_to_device",
-]  # fmt: skip
+    "AlignDevicesHook",
+    "CpuOffload",
+    "LayerwiseCastingHook",
+    "ModelHook",
+    "SequentialHook",
+    "UserCpuOffloadHook",
+    "add_hook_to_module",
+    "attach_align_device_hook",
+    "attach_align_device_hook_on_blocks",
+    "attach_execution_device_hook",
+    "attach_layerwise_casting_hooks",
+    "remove_hook_from_module",
+    "remove_hook_from_submodules",
+    "set_module_tensor_to_device",
+    "PrefixedDataset",
+    "find_device",
+    "get_non_persistent_buffers",
+    "named_module_tensors",
+    "send_to_device",
+]

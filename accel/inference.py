@@ -25,8 +25,12 @@ _INSTEAD = (
 )
 
 
-def generate_device_map(model: nn.Module, num_processes: int = 1, no_split_module_classes: list[str] | None = None,
-                        max_memory: dict | None = None) -> dict:  # fmt: skip
+def generate_device_map(
+    model: nn.Module,
+    num_processes: int = 1,
+    no_split_module_classes: list[str] | None = None,
+    max_memory: dict | None = None,
+) -> dict:
     """A device map splitting `model` into `num_processes` contiguous stages of about equal size (stage i on device
     i), uncleaned (one entry per unsplit module), as HF computes the split points of `prepare_pippy`.
 
@@ -35,15 +39,17 @@ def generate_device_map(model: nn.Module, num_processes: int = 1, no_split_modul
     accel takes it in bytes). The first device keeps room for the largest layer (`infer_auto_device_map`).
     """
     if num_processes == 1:
-        return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
-                                     clean_result=False)  # fmt: skip
+        return infer_auto_device_map(
+            model, max_memory=max_memory, no_split_module_classes=no_split_module_classes, clean_result=False
+        )
     if max_memory is None:
         model_size, (largest_layer, _) = calculate_maximum_sizes(model)
         value, unit = convert_bytes((model_size + largest_layer) / num_processes).split(" ")
         share = f"{math.ceil(float(value)) * 1.1} {unit}" if unit != "bytes" else math.ceil(float(value) * 1.1)
         max_memory = dict.fromkeys(range(num_processes), share)
-    return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
-                                 clean_result=False)  # fmt: skip
+    return infer_auto_device_map(
+        model, max_memory=max_memory, no_split_module_classes=no_split_module_classes, clean_result=False
+    )
 
 
 def find_pippy_batch_size(args: tuple | None, kwargs: dict | None) -> int | None:
@@ -65,10 +71,15 @@ def pippy_forward(forward: Any, num_chunks: int, gather_output: bool, *args: Any
     raise refuse("Pipeline parallelism (PiPPy)", "accel.inference.pippy_forward(...)", _INSTEAD)
 
 
-def prepare_pippy(model: nn.Module, split_points: str | list[str] | None = "auto",
-                  no_split_module_classes: list[str] | None = None, example_args: tuple | None = (),
-                  example_kwargs: dict | None = None, num_chunks: int | None = None,
-                  gather_output: bool | None = False) -> nn.Module:  # fmt: skip
+def prepare_pippy(
+    model: nn.Module,
+    split_points: str | list[str] | None = "auto",
+    no_split_module_classes: list[str] | None = None,
+    example_args: tuple | None = (),
+    example_kwargs: dict | None = None,
+    num_chunks: int | None = None,
+    gather_output: bool | None = False,
+) -> nn.Module:
     """Wraps `model` for pipeline-parallel inference across processes: not supported by accel.
 
     Raises:

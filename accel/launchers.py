@@ -29,8 +29,13 @@ from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 from accel.environment import get_free_port, patch_environment
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
-__all__ = ["ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION", "PrepareForLaunch", "debug_launcher",
-           "notebook_launcher", "test_launch"]  # fmt: skip
+__all__ = [
+    "ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION",
+    "PrepareForLaunch",
+    "debug_launcher",
+    "notebook_launcher",
+    "test_launch",
+]
 
 # HF's constant: the torch version whose elastic LaunchConfig takes `log_line_prefix_template`. accel needs torch
 # >= 2.4, so notebook_launcher always passes it.
@@ -114,8 +119,9 @@ def _check_mixed_precision(mixed_precision: str) -> str:
     return value
 
 
-def _rendezvous(use_port: str | int, master_addr: str, num_nodes: int, rdzv_backend: str, rdzv_endpoint: str,
-                rdzv_id: str) -> tuple[str, str, str]:  # fmt: skip
+def _rendezvous(
+    use_port: str | int, master_addr: str, num_nodes: int, rdzv_backend: str, rdzv_endpoint: str, rdzv_id: str
+) -> tuple[str, str, str]:
     """(backend, endpoint, id) of the rendezvous.
 
     use_port="0" (one machine) lets the rendezvous store bind port 0 itself: the c10d rendezvous at
@@ -294,8 +300,9 @@ def notebook_launcher(
     if num_processes == 1 and num_nodes == 1:
         return _run_in_process(function, args, mixed_precision)
     _check_can_fork()
-    rdzv_backend, rdzv_endpoint, rdzv_id = _rendezvous(use_port, master_addr, num_nodes, rdzv_backend, rdzv_endpoint,
-                                                       rdzv_id)  # fmt: skip
+    rdzv_backend, rdzv_endpoint, rdzv_id = _rendezvous(
+        use_port, master_addr, num_nodes, rdzv_backend, rdzv_endpoint, rdzv_id
+    )
     child_env = {"ACCEL_MIXED_PRECISION": mixed_precision, "ACCEL_FORK_LAUNCHED": "1"}
     if gpus == 0:
         child_env["ACCEL_USE_CPU"] = "1"
@@ -378,9 +385,15 @@ def debug_launcher(function: Callable, args: tuple = (), num_processes: int = 2)
 # --- PrepareForLaunch --------------------------------------------------------------------------------------------
 
 # The distributed types whose processes find their rank in RANK / LOCAL_RANK (set here from the process index).
-_RANKED_TYPES = {DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.MULTI_MLU,
-                 DistributedType.MULTI_MUSA, DistributedType.MULTI_NPU, DistributedType.MULTI_XPU,
-                 DistributedType.MULTI_NEURON}  # fmt: skip
+_RANKED_TYPES = {
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_NEURON,
+}
 
 
 class PrepareForLaunch:
@@ -415,8 +428,9 @@ class PrepareForLaunch:
             world_size = int(os.environ["WORLD_SIZE"])
             store_path = os.environ.get("ACCEL_DEBUG_RDV_FILE") or os.environ["ACCELERATE_DEBUG_RDV_FILE"]
             wait_for_gloo_workers_at_exit()
-            dist.init_process_group("gloo", rank=index, world_size=world_size,
-                                    store=dist.FileStore(store_path, world_size))  # fmt: skip
+            dist.init_process_group(
+                "gloo", rank=index, world_size=world_size, store=dist.FileStore(store_path, world_size)
+            )
         elif self.distributed_type in _RANKED_TYPES:
             node_rank, per_node = int(os.environ.get("NODE_RANK", 0)), int(os.environ.get("NPROC", 1))
             os.environ.update(LOCAL_RANK=str(index), RANK=str(per_node * node_rank + index))

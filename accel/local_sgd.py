@@ -20,10 +20,17 @@ from accel import collectives
 from accel.state import DistributedType
 
 _RUNS_LOCAL_SGD = {
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.MULTI_XPU,
-    DistributedType.MULTI_MLU, DistributedType.MULTI_HPU, DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA,
-    DistributedType.MULTI_NPU, DistributedType.MULTI_NEURON,
-}  # fmt: skip
+    DistributedType.NO,
+    DistributedType.MULTI_CPU,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU,
+    DistributedType.MULTI_MLU,
+    DistributedType.MULTI_HPU,
+    DistributedType.MULTI_SDAA,
+    DistributedType.MULTI_MUSA,
+    DistributedType.MULTI_NPU,
+    DistributedType.MULTI_NEURON,
+}
 
 
 class LocalSGD:

@@ -62,8 +62,9 @@ def _pad_into_fake(src, dim, pad_value, pad_first, out):
     return None
 
 
-def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor,
-                   sq_norms: torch.Tensor) -> None:
+def unscale_grads_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor, sq_norms: torch.Tensor
+) -> None:
     """grads *= inv_scale, found_inf = 1 on inf/nan, sq_norms[i] = sum of squares of grads[i] after; one pass."""
     torch.ops.accel.unscale_grads_.default(grads, found_inf, inv_scale, sq_norms)
 
@@ -71,18 +72,26 @@ def unscale_grads_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale
 def _check_grads(op: str, grads: list[torch.Tensor], device: torch.device) -> None:
     for i, grad in enumerate(grads):
         torch._check(grad.device == device, lambda: f"{op}: grads[{i}] is on {grad.device}, expected {device}")
-        torch._check(grad.dtype in (torch.float32, torch.float16, torch.bfloat16),
-                     lambda: f"{op}: grads[{i}] is {grad.dtype}; the fused kernels take float32, float16, bfloat16")
+        torch._check(
+            grad.dtype in (torch.float32, torch.float16, torch.bfloat16),
+            lambda: f"{op}: grads[{i}] is {grad.dtype}; the fused kernels take float32, float16, bfloat16",
+        )
 
 
 @_fake("accel::unscale_grads_")
 def _unscale_grads_fake(grads, found_inf, inv_scale, sq_norms):
-    torch._check(found_inf.numel() == 1 and found_inf.dtype == torch.float32,
-                 lambda: "accel::unscale_grads_: found_inf must be a one-element float32 tensor")
-    torch._check(inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
-                 lambda: "accel::unscale_grads_: inv_scale must be a one-element float32 tensor")
-    torch._check(sq_norms.dtype == torch.float64 and sq_norms.shape == (len(grads),),
-                 lambda: "accel::unscale_grads_: sq_norms must be a float64 vector with one entry per grad")
+    torch._check(
+        found_inf.numel() == 1 and found_inf.dtype == torch.float32,
+        lambda: "accel::unscale_grads_: found_inf must be a one-element float32 tensor",
+    )
+    torch._check(
+        inv_scale.numel() == 1 and inv_scale.dtype == torch.float32,
+        lambda: "accel::unscale_grads_: inv_scale must be a one-element float32 tensor",
+    )
+    torch._check(
+        sq_norms.dtype == torch.float64 and sq_norms.shape == (len(grads),),
+        lambda: "accel::unscale_grads_: sq_norms must be a float64 vector with one entry per grad",
+    )
     _check_grads("accel::unscale_grads_", grads, found_inf.device)
     return None
 
@@ -95,8 +104,10 @@ def clip_grads_(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: f
 @_fake("accel::clip_grads_")
 def _clip_grads_fake(grads, total_norm, max_norm):
     if grads:
-        torch._check(total_norm.numel() == 1 and total_norm.dtype == torch.float32,
-                     lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor")
+        torch._check(
+            total_norm.numel() == 1 and total_norm.dtype == torch.float32,
+            lambda: "accel::clip_grads_: total_norm must be a one-element float32 tensor",
+        )
         _check_grads("accel::clip_grads_", grads, grads[0].device)
     return None
 
@@ -164,8 +175,9 @@ def _map_file_leased_fake(fd, size, path):
 # they are), and none is traceable (each call changes the process's groups).
 
 
-def shm_group_create(rank: int, world: int, token: str, slot_bytes: int, timeout_s: float,
-                     oversubscribed: bool = False) -> int:
+def shm_group_create(
+    rank: int, world: int, token: str, slot_bytes: int, timeout_s: float, oversubscribed: bool = False
+) -> int:
     """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm_transport).
 
     `oversubscribed`: more ranks on this host than CPUs, so waits sleep early instead of spinning.
@@ -202,11 +214,17 @@ def _collective_error(error: RuntimeError) -> Exception:
     message = str(error)
     if not message.startswith(_MISMATCH):
         return error
-    return DistributedOperationException(message[len(_MISMATCH):].split("\nException raised from", 1)[0])
+    return DistributedOperationException(message[len(_MISMATCH) :].split("\nException raised from", 1)[0])
 
 
-def shm_all_gather(group: int, leaves: list[torch.Tensor], pad_dim: int | None = None,
-                   pad_value: float | int | bool = 0, pad_first: bool = False, call: str = "gather") -> list[torch.Tensor]:
+def shm_all_gather(
+    group: int,
+    leaves: list[torch.Tensor],
+    pad_dim: int | None = None,
+    pad_value: float | int | bool = 0,
+    pad_first: bool = False,
+    call: str = "gather",
+) -> list[torch.Tensor]:
     """Every rank's leaves concatenated along dim 0 (padded along `pad_dim` first), in one rendezvous.
 
     `call` names the collective in the DistributedOperationException raised when ranks run different ones.
@@ -230,7 +248,9 @@ def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first, call):
     return outputs
 
 
-def shm_all_gather_bytes(group: int, data: torch.Tensor, call: str = "gather_object") -> tuple[torch.Tensor, torch.Tensor]:
+def shm_all_gather_bytes(
+    group: int, data: torch.Tensor, call: str = "gather_object"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's 1-d uint8 `data` concatenated in rank order, and each rank's length (int64)."""
     try:
         return torch.ops.accel.shm_all_gather_bytes.default(group, data, call)
@@ -244,8 +264,9 @@ def _shm_all_gather_bytes_fake(group, data, call):
     return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
 
 
-def shm_pad_across_processes(group: int, leaves: list[torch.Tensor], dim: int, pad_value: float | int | bool,
-                             pad_first: bool) -> tuple[list[torch.Tensor], list[int]]:
+def shm_pad_across_processes(
+    group: int, leaves: list[torch.Tensor], dim: int, pad_value: float | int | bool, pad_first: bool
+) -> tuple[list[torch.Tensor], list[int]]:
     """One exchange of shapes: the padded copies of the leaves smaller along `dim` than on some rank, and their
     indices in `leaves` (HF's pad_across_processes semantics; leaves without `dim` stay as they are)."""
     try:

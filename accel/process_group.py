@@ -2,8 +2,8 @@
 
 Below `accel.state` (whose `PartialState` starts or adopts the group and records what is resolved here) and below
 the collectives' transports (whose torch.distributed transport waits with `default_group_barrier`): both import this
-module, and it imports neither; it imports only the shared-memory process group it starts gloo groups with. Every wait is bounded by the group's timeout, so a process that never arrives makes the
-others raise instead of hanging.
+module, and it imports neither; it imports only the shared-memory process group it starts gloo groups with. Every
+wait is bounded by the group's timeout, so a process that never arrives makes the others raise instead of hanging.
 """
 
 from __future__ import annotations
@@ -128,4 +128,3 @@ def default_group_barrier() -> None:
     backend = dist.get_backend()
     device = device_for(True, "nccl" in backend, local_rank())
     barrier(backend, device, group_timeout(), debug=False)
-

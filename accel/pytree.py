@@ -88,6 +88,7 @@ def recursively_apply(
         recursively_apply(torch.Tensor.float, {"ids": torch.tensor([1]), "names": ["a"]})
         # {"ids": tensor([1.]), "names": ["a"]}
     """
+
     def apply(item):
         return recursively_apply(
             func, item, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
@@ -148,11 +149,17 @@ def _rebuild(data: Any, remaining: Iterator[torch.Tensor]) -> Any:
     # `recursively_apply(lambda _: next(remaining), data)` without its per-node keyword plumbing: every collective
     # returns through here.
     if isinstance(data, (tuple, list)):
-        return honor_type(data, [next(remaining) if isinstance(item, torch.Tensor) else _rebuild(item, remaining)
-                                 for item in data])  # fmt: skip
+        return honor_type(
+            data, [next(remaining) if isinstance(item, torch.Tensor) else _rebuild(item, remaining) for item in data]
+        )
     if isinstance(data, Mapping):
-        return _rebuild_mapping(data, {key: next(remaining) if isinstance(value, torch.Tensor)
-                                       else _rebuild(value, remaining) for key, value in data.items()})  # fmt: skip
+        return _rebuild_mapping(
+            data,
+            {
+                key: next(remaining) if isinstance(value, torch.Tensor) else _rebuild(value, remaining)
+                for key, value in data.items()
+            },
+        )
     if isinstance(data, torch.Tensor):
         return next(remaining)
     return data
@@ -190,10 +197,13 @@ def send_to_device(
     if isinstance(tensor, (tuple, list)):
         return honor_type(tensor, (send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
     if isinstance(tensor, Mapping):
-        return _rebuild_mapping(tensor, {
-            key: value if key in skip_keys else send_to_device(value, device, non_blocking, skip_keys)
-            for key, value in tensor.items()
-        })
+        return _rebuild_mapping(
+            tensor,
+            {
+                key: value if key in skip_keys else send_to_device(value, device, non_blocking, skip_keys)
+                for key, value in tensor.items()
+            },
+        )
     return tensor
 
 
@@ -273,6 +283,7 @@ def slice_tensors(
 
 def listify(data: Any) -> Any:
     """Every tensor turned into (nested) Python numbers on the CPU; bfloat16 goes through float32."""
+
     def to_list(tensor):
         tensor = tensor.detach().cpu()
         return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).tolist()
@@ -285,8 +296,9 @@ def _concatenate(data: list | tuple, dim: int, other_leaves: Callable[[list], An
     if isinstance(first, (tuple, list)):
         return honor_type(first, (_concatenate([d[i] for d in data], dim, other_leaves) for i in range(len(first))))
     if isinstance(first, Mapping):
-        return _rebuild_mapping(first, {key: _concatenate([d[key] for d in data], dim, other_leaves)
-                                        for key in first.keys()})  # fmt: skip
+        return _rebuild_mapping(
+            first, {key: _concatenate([d[key] for d in data], dim, other_leaves) for key in first.keys()}
+        )
     if isinstance(first, torch.Tensor):
         return torch.cat(list(data), dim=dim)
     return other_leaves(list(data))

@@ -220,7 +220,11 @@ class ProfileKwargs(KwargsHandler):
         available = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
         for name in ("xpu", "mtia", "hpu"):
             backend = getattr(torch, name, None)
-            if backend is not None and backend.is_available() and hasattr(torch.profiler.ProfilerActivity, name.upper()):
+            if (
+                backend is not None
+                and backend.is_available()
+                and hasattr(torch.profiler.ProfilerActivity, name.upper())
+            ):
                 available[name] = getattr(torch.profiler.ProfilerActivity, name.upper())
         if activity not in available:
             raise ValueError(f"Invalid profiler activity: {activity}. Must be one of {list(available)}.")

@@ -244,9 +244,11 @@ def check_one_task_per_node(environ: Mapping[str, str]) -> None:
     tasks_name, tasks = _read_int(environ, (STEP_TASKS,), 1)
     nodes_name, nodes = num_nodes(environ)
     if tasks != nodes:
-        raise SlurmError(f"{tasks_name}={tasks} with {nodes_name}={nodes}: `srun accel launch` starts the processes of "
-                         "one machine per task, so it needs one task per node (srun --ntasks-per-node=1); to start "
-                         "one task per process instead, run the script itself: srun python script.py")  # fmt: skip
+        raise SlurmError(
+            f"{tasks_name}={tasks} with {nodes_name}={nodes}: `srun accel launch` starts the processes of "
+            "one machine per task, so it needs one task per node (srun --ntasks-per-node=1); to start "
+            "one task per process instead, run the script itself: srun python script.py"
+        )
 
 
 # --- one srun task per process -------------------------------------------------------------------------------------

@@ -506,13 +506,18 @@ def _refuse_unrunnable_deepspeed(plugin: Any, device: torch.device) -> None:
     accelerator has no fp16 support), NVMe offload without DeepSpeed's async I/O op (libaio)."""
     config = plugin.deepspeed_config
     if device.type == "cpu" and config.get("fp16", {}).get("enabled", False) is True:
-        raise ValueError("DeepSpeed does not support fp16 on CPU processes (its CPU accelerator has no fp16 "
-                         "optimizer or loss scaler): use mixed_precision='bf16' (or 'no')")  # fmt: skip
+        raise ValueError(
+            "DeepSpeed does not support fp16 on CPU processes (its CPU accelerator has no fp16 "
+            "optimizer or loss scaler): use mixed_precision='bf16' (or 'no')"
+        )
     zero = config.get("zero_optimization", {})
     for part in ("offload_optimizer", "offload_param"):
         if (zero.get(part) or {}).get("device") == "nvme" and not _nvme_offload_available():
-            raise refuse("DeepSpeed NVMe offload", f"zero_optimization.{part}.device='nvme'",
-                         "offload to 'cpu' (or 'none'); NVMe offload needs libaio and DeepSpeed's async_io op")
+            raise refuse(
+                "DeepSpeed NVMe offload",
+                f"zero_optimization.{part}.device='nvme'",
+                "offload to 'cpu' (or 'none'); NVMe offload needs libaio and DeepSpeed's async_io op",
+            )
 
 
 def _nvme_offload_available() -> bool:
@@ -580,9 +585,14 @@ class AcceleratorState:
         self.__dict__ = self._shared_state
         cpu = cpu or get_flag("USE_CPU")
         if not self.initialized:
-            plugins = dict(deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin, torch_tp_plugin=torch_tp_plugin,
-                           megatron_lm_plugin=megatron_lm_plugin, parallelism_config=parallelism_config,
-                           mixed_precision=mixed_precision)  # fmt: skip
+            plugins = dict(
+                deepspeed_plugin=deepspeed_plugin,
+                fsdp_plugin=fsdp_plugin,
+                torch_tp_plugin=torch_tp_plugin,
+                megatron_lm_plugin=megatron_lm_plugin,
+                parallelism_config=parallelism_config,
+                mixed_precision=mixed_precision,
+            )
             _refuse_unsupported(plugins, mixed_precision_given=mixed_precision is not None)
             mixed_precision = _resolve_mixed_precision(mixed_precision)
             if not _from_accelerator:
@@ -637,11 +647,15 @@ class AcceleratorState:
         if plugin is None:
             return None
         if self.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError("FSDP and DeepSpeed cannot both run: pass one of `fsdp_plugin` and `deepspeed_plugin` "
-                             "(or set only one of ACCEL_USE_FSDP and ACCEL_USE_DEEPSPEED)")  # fmt: skip
+            raise ValueError(
+                "FSDP and DeepSpeed cannot both run: pass one of `fsdp_plugin` and `deepspeed_plugin` "
+                "(or set only one of ACCEL_USE_FSDP and ACCEL_USE_DEEPSPEED)"
+            )
         if self.distributed_type == DistributedType.NO:
-            warnings.warn("FSDP shards a model across processes and this job has one: training without it (launch "
-                          "with --num_processes 2 or more to shard)")  # fmt: skip
+            warnings.warn(
+                "FSDP shards a model across processes and this job has one: training without it (launch "
+                "with --num_processes 2 or more to shard)"
+            )
             return None
         # PartialState's too, as HF sets it: every later AcceleratorState() copies PartialState's attributes.
         self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
@@ -667,7 +681,7 @@ class AcceleratorState:
 
     @property
     def mixed_precision(self) -> str:
-        """"no", "fp16", "bf16" or "fp8"; under DeepSpeed, what the active plugin's config enables (as HF)."""
+        """ "no", "fp16", "bf16" or "fp8"; under DeepSpeed, what the active plugin's config enables (as HF)."""
         if self.distributed_type != DistributedType.DEEPSPEED:
             return self._mixed_precision
         config = self.deepspeed_plugin.deepspeed_config
@@ -703,8 +717,10 @@ class AcceleratorState:
 
     def _require_deepspeed(self) -> None:
         if self.distributed_type != DistributedType.DEEPSPEED:
-            raise ValueError("DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for "
-                             "`deepspeed` before calling this function.")  # fmt: skip
+            raise ValueError(
+                "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for "
+                "`deepspeed` before calling this function."
+            )
 
     def __repr__(self) -> str:
         text = repr(PartialState()) + f"\nMixed precision type: {self.mixed_precision}\n"

@@ -62,15 +62,22 @@ def test_all_reduce(benchmark, groups, name):
     _same_result(torch.randn(PAYLOADS[name] // 4), gloo)
     destination = torch.empty_like(tensor)
     rounds, calls = REPEATS[name]
-    runs = Interleaved({
-        "limit": lambda: destination.copy_(tensor),
-        "accel": lambda: dist.all_reduce(tensor),
-        "gloo": lambda: dist.all_reduce(tensor, group=gloo),
-    }, calls)  # fmt: skip
+    runs = Interleaved(
+        {
+            "limit": lambda: destination.copy_(tensor),
+            "accel": lambda: dist.all_reduce(tensor),
+            "gloo": lambda: dist.all_reduce(tensor, group=gloo),
+        },
+        calls,
+    )
     runs.round()  # warm-up (first touches of the slots and buffers), not recorded
     runs.times = {contender: [] for contender in runs.times}
     benchmark.group = f"all_reduce float32, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=rounds, iterations=1)
-    benchmark.extra_info.update(world_size=WORLD_SIZE, payload=name, calls_per_round=calls,
-                                **runs.summary("accel", ["gloo", "limit"]),
-                                per_rank_accel_median_s=gather_object([statistics.median(runs.times["accel"])]))
+    benchmark.extra_info.update(
+        world_size=WORLD_SIZE,
+        payload=name,
+        calls_per_round=calls,
+        **runs.summary("accel", ["gloo", "limit"]),
+        per_rank_accel_median_s=gather_object([statistics.median(runs.times["accel"])]),
+    )

@@ -63,8 +63,9 @@ def checkpoint(request):
     root = os.environ.get("ACCEL_BENCH_DIR") or os.path.join(os.path.dirname(__file__), "..", "build")
     os.makedirs(root, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="bench-big-model-", dir=root)
-    save_state_dict(make_model(request.param).state_dict(), folder, max_shard_size=CASES[request.param][4],
-                    progress=False)  # fmt: skip
+    save_state_dict(
+        make_model(request.param).state_dict(), folder, max_shard_size=CASES[request.param][4], progress=False
+    )
     yield request.param, folder
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -96,11 +97,13 @@ PEAK = textwrap.dedent(
 
 
 def peak_growth(library: str, case: str, folder: str) -> int:
-    script = PEAK.format(here=os.path.dirname(os.path.abspath(__file__)), library=library.removesuffix("_copy"),
-                         case=case, folder=folder)  # fmt: skip
+    script = PEAK.format(
+        here=os.path.dirname(os.path.abspath(__file__)), library=library.removesuffix("_copy"), case=case, folder=folder
+    )
     env = dict(os.environ, ACCEL_MAP_CHECKPOINTS="0" if library == "accel_copy" else "1")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True,
-                            env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True, env=env
+    )
     return int(result.stdout.strip().splitlines()[-1])
 
 
@@ -177,8 +180,10 @@ def test_load_checkpoint_and_dispatch(benchmark, checkpoint):
         stats["hf/accel_copy"] = statistics.median(h / c for h, c in zip(samples["hf"], samples["accel_copy"]))
     peaks = {f"peak_rss_growth_{name}": peak_growth(name, case, folder) for name in names if name != "read_limit"}
     benchmark.extra_info.update(case=case, bytes=loads.buffer.numel(), samples=samples, notice=notice, **stats, **peaks)
-    print(f"\n{case}: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
-                                   for k, v in stats.items()))  # fmt: skip
+    print(
+        f"\n{case}: "
+        + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items())
+    )
 
 
 # --- to GPU memory (issue 25) -----------------------------------------------------------------------------------
@@ -311,11 +316,25 @@ def test_load_checkpoint_and_dispatch_to_gpu(benchmark, gpu_checkpoint):
     benchmark.pedantic(one_round, rounds=GPU_ROUNDS, iterations=1)
     loads.loaded = None
     stats = {f"{name}_s": statistics.median(times) for name, times in samples.items()}
-    for slower, faster in (("hf", "accel"), ("hf_in_place", "accel_in_place"), ("read_limit", "accel"),
-                           ("h2d", "accel"), ("accel", "accel_in_place")):  # fmt: skip
+    for slower, faster in (
+        ("hf", "accel"),
+        ("hf_in_place", "accel_in_place"),
+        ("read_limit", "accel"),
+        ("h2d", "accel"),
+        ("accel", "accel_in_place"),
+    ):
         if slower in samples and faster in samples:
             stats[f"{slower}/{faster}"] = statistics.median(a / b for a, b in zip(samples[slower], samples[faster]))
-    benchmark.extra_info.update(case=f"cuda {GPU_GIB:g}GiB", device="cuda", gpu=torch.cuda.get_device_name(),
-                                bytes=loads.host.numel(), samples=samples, notice=notice, **stats)  # fmt: skip
-    print(f"\ncuda {GPU_GIB:g}GiB: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
-                                               for k, v in stats.items()))  # fmt: skip
+    benchmark.extra_info.update(
+        case=f"cuda {GPU_GIB:g}GiB",
+        device="cuda",
+        gpu=torch.cuda.get_device_name(),
+        bytes=loads.host.numel(),
+        samples=samples,
+        notice=notice,
+        **stats,
+    )
+    print(
+        f"\ncuda {GPU_GIB:g}GiB: "
+        + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items())
+    )

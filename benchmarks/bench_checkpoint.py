@@ -78,8 +78,9 @@ def hf_accelerate():
     return accelerate
 
 
-def interleaved(runs: dict[str, Callable[[], dict[str, float]]], rounds: int, first_round: int = 0
-                ) -> dict[str, list[float]]:  # fmt: skip
+def interleaved(
+    runs: dict[str, Callable[[], dict[str, float]]], rounds: int, first_round: int = 0
+) -> dict[str, list[float]]:
     """Every variant once per round, the order rotated by one each round; each run returns {sample name: s}."""
     names = list(runs)
     samples: dict[str, list[float]] = {}
@@ -114,8 +115,10 @@ def run_rounds(benchmark, group: str, runs: dict, ratios: tuple, **info) -> dict
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
     stats = summary(samples, ratios)
     benchmark.extra_info.update(samples=samples, **stats, **info)
-    print(f"\n{group}: " + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x"
-                                    for k, v in stats.items()))  # fmt: skip
+    print(
+        f"\n{group}: "
+        + ", ".join(f"{k}={v * 1e3:.1f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items())
+    )
     return stats
 
 
@@ -128,8 +131,9 @@ def settle() -> None:
     os.sync()
 
 
-def timed(call: Callable[[], None], name: str, until_durable: bool = False, fresh: str | None = None
-          ) -> dict[str, float]:  # fmt: skip
+def timed(
+    call: Callable[[], None], name: str, until_durable: bool = False, fresh: str | None = None
+) -> dict[str, float]:
     """Times `call` after `settle()` (and, with `fresh`, after removing that file: a new file is what a save
     writes, and truncating an old one costs extra), untimed."""
     if fresh is not None and os.path.exists(fresh):
@@ -167,14 +171,17 @@ def save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | None
     out = {name: os.path.join(folder, name) for name in ("accel", "async", "durable", "hf", "raw")}
     runs = {
         "accel": lambda: timed(lambda: accelerator.save_model(model, out["accel"], SHARD), "accel", True),
-        "accel_async": lambda: timed(lambda: accelerator.save_model(model, out["async"], SHARD, async_save=True),
-                                     "accel_async", True),  # fmt: skip
-        "accel_durable": lambda: timed(lambda: accelerator.save_model(model, out["durable"], SHARD, durable=True),
-                                       "accel_durable"),  # fmt: skip
+        "accel_async": lambda: timed(
+            lambda: accelerator.save_model(model, out["async"], SHARD, async_save=True), "accel_async", True
+        ),
+        "accel_durable": lambda: timed(
+            lambda: accelerator.save_model(model, out["durable"], SHARD, durable=True), "accel_durable"
+        ),
         "memcpy": lambda: timed(lambda: copy.copy_(source), "memcpy"),
         "raw_write": lambda: timed(lambda: raw_write(out["raw"], source, sync=False), "raw_write", fresh=out["raw"]),
-        "raw_write_fsync": lambda: timed(lambda: raw_write(out["raw"], source, sync=True), "raw_write_fsync",
-                                         fresh=out["raw"]),  # fmt: skip
+        "raw_write_fsync": lambda: timed(
+            lambda: raw_write(out["raw"], source, sync=True), "raw_write_fsync", fresh=out["raw"]
+        ),
     }
     accelerate = hf_accelerate()
     if accelerate is None:
@@ -184,8 +191,14 @@ def save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | None
     return runs, None
 
 
-SAVE_RATIOS = (("hf", "accel"), ("hf", "accel_async"), ("hf", "accel_durable"), ("raw_write_fsync", "accel_durable"),
-               ("raw_write", "accel"), ("memcpy", "accel_async"))  # fmt: skip
+SAVE_RATIOS = (
+    ("hf", "accel"),
+    ("hf", "accel_async"),
+    ("hf", "accel_durable"),
+    ("raw_write_fsync", "accel_durable"),
+    ("raw_write", "accel"),
+    ("memcpy", "accel_async"),
+)
 
 
 def test_save_model(benchmark, workdir):
@@ -232,8 +245,9 @@ def test_load_checkpoint_in_model(benchmark, workdir):
 
         runs["hf"] = lambda: measure(lambda: hf_load(model, folder, strict=True), "hf")
         notice = None
-    run_rounds(benchmark, "load 251MiB", runs, (("hf", "accel"), ("raw_read", "accel")), bytes=nbytes(model),
-               notice=notice)  # fmt: skip
+    run_rounds(
+        benchmark, "load 251MiB", runs, (("hf", "accel"), ("raw_read", "accel")), bytes=nbytes(model), notice=notice
+    )
 
 
 # --- from GPU memory (issue 25) ---------------------------------------------------------------------------------
@@ -254,7 +268,7 @@ def device_to_host(model: torch.nn.Module, host: torch.Tensor) -> None:
     offset = 0
     for tensor in model.state_dict().values():
         n = tensor.numel() * tensor.element_size()
-        host[offset:offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+        host[offset : offset + n].copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
         offset += n
     torch.cuda.synchronize()
 
@@ -275,18 +289,22 @@ def gpu_save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | 
         def run():
             torch.cuda.synchronize()  # the model's weights are ready, as after an optimizer step
             call()
+
         return run
 
     runs = {
         "accel": lambda: timed(synced(lambda: accelerator.save_model(model, out["accel"])), "accel", True),
-        "accel_async": lambda: timed(synced(lambda: accelerator.save_model(model, out["async"], async_save=True)),
-                                     "accel_async", True),  # fmt: skip
-        "accel_durable": lambda: timed(synced(lambda: accelerator.save_model(model, out["durable"], durable=True)),
-                                       "accel_durable"),  # fmt: skip
+        "accel_async": lambda: timed(
+            synced(lambda: accelerator.save_model(model, out["async"], async_save=True)), "accel_async", True
+        ),
+        "accel_durable": lambda: timed(
+            synced(lambda: accelerator.save_model(model, out["durable"], durable=True)), "accel_durable"
+        ),
         "d2h": lambda: timed(synced(lambda: device_to_host(model, host)), "d2h"),
         "raw_write": lambda: timed(lambda: raw_write(out["raw"], host, sync=False), "raw_write", fresh=out["raw"]),
-        "raw_write_fsync": lambda: timed(lambda: raw_write(out["raw"], host, sync=True), "raw_write_fsync",
-                                         fresh=out["raw"]),  # fmt: skip
+        "raw_write_fsync": lambda: timed(
+            lambda: raw_write(out["raw"], host, sync=True), "raw_write_fsync", fresh=out["raw"]
+        ),
     }
     accelerate = hf_accelerate()
     if accelerate is None:
@@ -298,8 +316,15 @@ def gpu_save_variants(model: torch.nn.Module, folder: str) -> tuple[dict, str | 
     return runs, None
 
 
-GPU_SAVE_RATIOS = (("hf", "accel"), ("hf", "accel_async"), ("hf", "accel_durable"), ("d2h", "accel"),
-                   ("raw_write", "accel"), ("raw_write_fsync", "accel_durable"), ("d2h", "accel_async"))  # fmt: skip
+GPU_SAVE_RATIOS = (
+    ("hf", "accel"),
+    ("hf", "accel_async"),
+    ("hf", "accel_durable"),
+    ("d2h", "accel"),
+    ("raw_write", "accel"),
+    ("raw_write_fsync", "accel_durable"),
+    ("d2h", "accel_async"),
+)
 
 
 @needs_cuda
@@ -307,7 +332,17 @@ def test_save_model_from_gpu(benchmark, workdir):
     model = make_gpu_model()
     runs, notice = gpu_save_variants(model, workdir)
     try:
-        run_rounds(benchmark, f"save_model cuda {GPU_GIB:g}GiB", runs, GPU_SAVE_RATIOS, bytes=nbytes(model), shards=1,
-                   device="cuda", gpu=torch.cuda.get_device_name(), filesystem=workdir, notice=notice)  # fmt: skip
+        run_rounds(
+            benchmark,
+            f"save_model cuda {GPU_GIB:g}GiB",
+            runs,
+            GPU_SAVE_RATIOS,
+            bytes=nbytes(model),
+            shards=1,
+            device="cuda",
+            gpu=torch.cuda.get_device_name(),
+            filesystem=workdir,
+            notice=notice,
+        )
     finally:
         settle()

@@ -34,8 +34,17 @@ STEPS, WARMUP = 30, 5
 CONTENDERS = ("accel_zero2", "raw_zero2", "accel_zero3", "raw_zero3", "accel_zero1", "accel_ddp", "accel_fsdp2")
 SPEED_GOAL = 1.5
 JOB_TIMEOUT_S = 600
-FSDP_FLAGS = ("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
-              "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--fsdp_cpu_ram_efficient_loading", "false")
+FSDP_FLAGS = (
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "GPT2Block",
+    "--fsdp_cpu_ram_efficient_loading",
+    "false",
+)
 
 
 def command(contender: str, out: Path) -> list[str]:
@@ -43,11 +52,42 @@ def command(contender: str, out: Path) -> list[str]:
     port = str(free_port())
     job = [str(HERE / "deepspeed_job.py"), "--steps", str(STEPS), "--warmup", str(WARMUP), "--out", str(out)]
     if contender.startswith("raw"):
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", port, *job, "--runner", "raw", "--stage", contender[-1]]  # fmt: skip
-    flags = {"accel_ddp": (), "accel_fsdp2": FSDP_FLAGS}.get(contender, ("--use_deepspeed", "--zero_stage", contender[-1]))
-    return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", "--main_process_ip",
-            "127.0.0.1", "--main_process_port", port, *flags, *job, "--runner", "accel"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            *job,
+            "--runner",
+            "raw",
+            "--stage",
+            contender[-1],
+        ]
+    flags = {"accel_ddp": (), "accel_fsdp2": FSDP_FLAGS}.get(
+        contender, ("--use_deepspeed", "--zero_stage", contender[-1])
+    )
+    return [
+        sys.executable,
+        "-m",
+        "accel",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+        *flags,
+        *job,
+        "--runner",
+        "accel",
+    ]
 
 
 def child_env() -> dict[str, str]:
@@ -61,8 +101,13 @@ def run(contender: str, workspace: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-RATIOS = ("accel_zero2/raw_zero2", "accel_zero3/raw_zero3", "accel_zero2/accel_ddp", "accel_zero3/accel_fsdp2",
-          "accel_zero1/accel_ddp")  # fmt: skip
+RATIOS = (
+    "accel_zero2/raw_zero2",
+    "accel_zero3/raw_zero3",
+    "accel_zero2/accel_ddp",
+    "accel_zero3/accel_fsdp2",
+    "accel_zero1/accel_ddp",
+)
 
 
 @pytest.mark.timeout(ROUNDS * len(CONTENDERS) * JOB_TIMEOUT_S + 60)  # past every job's own deadline
@@ -82,24 +127,46 @@ def test_deepspeed_training(benchmark, tmp_path):
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     first = {name: runs[0] for name, runs in reports.items()}
     strategies = {name: first[name][0]["strategy"] for name in CONTENDERS}
-    assert strategies["accel_zero2"] == "DEEPSPEED ZeRO-2" and strategies["accel_zero3"] == "DEEPSPEED ZeRO-3", strategies
+    assert strategies["accel_zero2"] == "DEEPSPEED ZeRO-2" and strategies["accel_zero3"] == "DEEPSPEED ZeRO-3", (
+        strategies
+    )
     backends = {name: first[name][0]["backend"] for name in CONTENDERS}
     assert backends["raw_zero2"] == "gloo" and backends["accel_zero2"] == "accel", backends
-    losses = {name: max(relative_difference(first[name][rank]["losses"], first["accel_ddp"][rank]["losses"])
-                        for rank in (0, 1)) for name in CONTENDERS}  # fmt: skip
+    losses = {
+        name: max(
+            relative_difference(first[name][rank]["losses"], first["accel_ddp"][rank]["losses"]) for rank in (0, 1)
+        )
+        for name in CONTENDERS
+    }
     assert max(losses.values()) < 1e-3, f"the losses differ from DDP's (relative): {losses}"
-    benchmark.extra_info.update({
-        "workload": "deepspeed training", "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "steps_per_s": rates,
-        "ratios": {key: per_round_ratio(rates[key.split("/")[0]], rates[key.split("/")[1]]) for key in RATIOS},
-        "speed_goal": SPEED_GOAL, "strategies": strategies, "backends": backends,
-        "cpu_ms_per_step": {name: [statistics.mean(rank["cpu_ms_per_step"] for rank in run) for run in runs]
-                            for name, runs in reports.items()},
-        "collective_ms_per_step": {name: [statistics.mean(rank["collective_ms_per_step"] for rank in run) for run in runs]
-                                   for name, runs in reports.items()},
-        "peak_rss_mib": {name: [statistics.median(run[rank]["peak_rss_bytes"] / 2**20 for run in runs)
-                                for rank in (0, 1)] for name, runs in reports.items()},
-        "optimizer_state_bytes": {name: [rank["optimizer_state_bytes"] for rank in first[name]] for name in CONTENDERS},
-        "parameter_bytes": {name: [rank["parameter_bytes"] for rank in first[name]] for name in CONTENDERS},
-        "max_relative_loss_difference": losses,
-        "losses": {name: first[name][0]["losses"] for name in ("accel_zero2", "raw_zero2", "accel_ddp")},
-    })  # fmt: skip
+    benchmark.extra_info.update(
+        {
+            "workload": "deepspeed training",
+            "steps": STEPS,
+            "warmup": WARMUP,
+            "rounds": ROUNDS,
+            "steps_per_s": rates,
+            "ratios": {key: per_round_ratio(rates[key.split("/")[0]], rates[key.split("/")[1]]) for key in RATIOS},
+            "speed_goal": SPEED_GOAL,
+            "strategies": strategies,
+            "backends": backends,
+            "cpu_ms_per_step": {
+                name: [statistics.mean(rank["cpu_ms_per_step"] for rank in run) for run in runs]
+                for name, runs in reports.items()
+            },
+            "collective_ms_per_step": {
+                name: [statistics.mean(rank["collective_ms_per_step"] for rank in run) for run in runs]
+                for name, runs in reports.items()
+            },
+            "peak_rss_mib": {
+                name: [statistics.median(run[rank]["peak_rss_bytes"] / 2**20 for run in runs) for rank in (0, 1)]
+                for name, runs in reports.items()
+            },
+            "optimizer_state_bytes": {
+                name: [rank["optimizer_state_bytes"] for rank in first[name]] for name in CONTENDERS
+            },
+            "parameter_bytes": {name: [rank["parameter_bytes"] for rank in first[name]] for name in CONTENDERS},
+            "max_relative_loss_difference": losses,
+            "losses": {name: first[name][0]["losses"] for name in ("accel_zero2", "raw_zero2", "accel_ddp")},
+        }
+    )

@@ -46,9 +46,19 @@ SPEED_GOAL, SAVE_GOAL, ASYNC_SAVE_GOAL = 1.5, 1.0, 1.5
 JOB_TIMEOUT_S = 600
 # accel launch's FSDP flags for the jobs: GPT-2's blocks are the units; HF's launch default
 # fsdp_cpu_ram_efficient_loading=true is not built in accel (refused), so it is turned off.
-FSDP_FLAGS = ("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
-              "--fsdp_transformer_layer_cls_to_wrap", "GPT2Block", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
-              "--fsdp_cpu_ram_efficient_loading", "false")  # fmt: skip
+FSDP_FLAGS = (
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "GPT2Block",
+    "--fsdp_state_dict_type",
+    "SHARDED_STATE_DICT",
+    "--fsdp_cpu_ram_efficient_loading",
+    "false",
+)
 
 
 def command(contender: str, job_args: list[str]) -> list[str]:
@@ -57,10 +67,33 @@ def command(contender: str, job_args: list[str]) -> list[str]:
     job = [str(HERE / "fsdp2_job.py"), *job_args]
     if contender.startswith("accel"):
         fsdp = FSDP_FLAGS if contender != "accel_ddp" else ()
-        return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", "--main_process_ip",
-                "127.0.0.1", "--main_process_port", port, *fsdp, *job]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", port, *job]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "accel",
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            *fsdp,
+            *job,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        port,
+        *job,
+    ]
 
 
 def child_env() -> dict[str, str]:
@@ -70,8 +103,16 @@ def child_env() -> dict[str, str]:
 def run_training(contender: str, workspace: Path) -> list[dict]:
     """One training job; both ranks' reports."""
     out = workspace / contender
-    job = ["--runner", "accel" if contender.startswith("accel") else "raw", "--steps", str(STEPS),
-           "--warmup", str(WARMUP), "--out", str(out)]  # fmt: skip
+    job = [
+        "--runner",
+        "accel" if contender.startswith("accel") else "raw",
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        str(WARMUP),
+        "--out",
+        str(out),
+    ]
     if contender.startswith("raw"):
         job += ["--group", contender.removeprefix("raw_")]
     launch(command(contender, job), child_env(), workspace, f"the {contender} job", JOB_TIMEOUT_S)
@@ -81,8 +122,18 @@ def run_training(contender: str, workspace: Path) -> list[dict]:
 def run_checkpoint(pair: str, width: int, workspace: Path) -> dict:
     """One checkpoint job (FSDP2 under accel) timing `pair`'s saves of a GPT-2 of `width`; its report."""
     out = workspace / f"checkpoint-{pair}-{width}"
-    job = ["--runner", "checkpoint", "--pair", pair, "--repeats", str(CHECKPOINT_REPEATS), "--width", str(width),
-           "--out", str(out)]  # fmt: skip
+    job = [
+        "--runner",
+        "checkpoint",
+        "--pair",
+        pair,
+        "--repeats",
+        str(CHECKPOINT_REPEATS),
+        "--width",
+        str(width),
+        "--out",
+        str(out),
+    ]
     os.sync()  # the earlier jobs' saves are on disk: their writeback does not land in this job's timings
     launch(command("accel_fsdp", job), child_env(), workspace, f"the {pair} checkpoint job", JOB_TIMEOUT_S)
     return json.loads((out / "checkpoint.json").read_text())
@@ -108,32 +159,57 @@ def test_fsdp2_training(benchmark, tmp_path):
     assert [first[name][0]["backend"] for name in CONTENDERS] == ["accel", "accel", "accel", "gloo"]
 
     def parity(a: str, b: str) -> float:
-        return max(relative_difference(first[a][rank]["losses"][:PARITY_STEPS], first[b][rank]["losses"][:PARITY_STEPS])
-                   for rank in (0, 1))  # fmt: skip
+        return max(
+            relative_difference(first[a][rank]["losses"][:PARITY_STEPS], first[b][rank]["losses"][:PARITY_STEPS])
+            for rank in (0, 1)
+        )
 
     pairs = ("accel_fsdp/accel_ddp", "raw_shm/raw_gloo", "accel_fsdp/raw_gloo")
     losses = {pair: parity(*pair.split("/")) for pair in pairs}
     assert max(losses.values()) < 1e-3, f"the losses differ (relative): {losses}"
-    benchmark.extra_info.update({
-        "workload": "fsdp2 training", "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "steps_per_s": rates,
-        "ratios": {"accel_fsdp/raw_gloo": per_round_ratio(rates["accel_fsdp"], rates["raw_gloo"]),
-                   "accel_fsdp/accel_ddp": per_round_ratio(rates["accel_fsdp"], rates["accel_ddp"]),
-                   "accel_fsdp/raw_shm": per_round_ratio(rates["accel_fsdp"], rates["raw_shm"]),
-                   "raw_shm/raw_gloo": per_round_ratio(rates["raw_shm"], rates["raw_gloo"])},
-        "speed_goal": SPEED_GOAL,
-        "cpu_ms_per_step": {name: [statistics.mean(rank["cpu_ms_per_step"] for rank in run) for run in runs]
-                            for name, runs in reports.items()},
-        "phase_ms": {name: {phase: statistics.median(run[0]["phase_ms"][phase] for run in runs)
-                            for phase in runs[0][0]["phase_ms"]} for name, runs in reports.items()},
-        "cpu_phase_ms": {name: {phase: statistics.median(rank["cpu_phase_ms"][phase] for run in runs for rank in run)
-                                for phase in runs[0][0]["cpu_phase_ms"]} for name, runs in reports.items()},
-        "peak_rss_mib": {name: [statistics.median(run[rank]["peak_rss_bytes"] / 2**20 for run in runs)
-                                for rank in (0, 1)] for name, runs in reports.items()},
-        "resident_bytes": {name: [rank["resident_bytes"] for rank in first[name]] for name in CONTENDERS},
-        "largest_unit_bytes": first["accel_fsdp"][0]["largest_unit_bytes"],
-        "parity_steps": PARITY_STEPS, "max_relative_loss_difference": losses,
-        "losses": {name: first[name][0]["losses"][:PARITY_STEPS] for name in ("accel_fsdp", "accel_ddp")},
-    })  # fmt: skip
+    benchmark.extra_info.update(
+        {
+            "workload": "fsdp2 training",
+            "steps": STEPS,
+            "warmup": WARMUP,
+            "rounds": ROUNDS,
+            "steps_per_s": rates,
+            "ratios": {
+                "accel_fsdp/raw_gloo": per_round_ratio(rates["accel_fsdp"], rates["raw_gloo"]),
+                "accel_fsdp/accel_ddp": per_round_ratio(rates["accel_fsdp"], rates["accel_ddp"]),
+                "accel_fsdp/raw_shm": per_round_ratio(rates["accel_fsdp"], rates["raw_shm"]),
+                "raw_shm/raw_gloo": per_round_ratio(rates["raw_shm"], rates["raw_gloo"]),
+            },
+            "speed_goal": SPEED_GOAL,
+            "cpu_ms_per_step": {
+                name: [statistics.mean(rank["cpu_ms_per_step"] for rank in run) for run in runs]
+                for name, runs in reports.items()
+            },
+            "phase_ms": {
+                name: {
+                    phase: statistics.median(run[0]["phase_ms"][phase] for run in runs)
+                    for phase in runs[0][0]["phase_ms"]
+                }
+                for name, runs in reports.items()
+            },
+            "cpu_phase_ms": {
+                name: {
+                    phase: statistics.median(rank["cpu_phase_ms"][phase] for run in runs for rank in run)
+                    for phase in runs[0][0]["cpu_phase_ms"]
+                }
+                for name, runs in reports.items()
+            },
+            "peak_rss_mib": {
+                name: [statistics.median(run[rank]["peak_rss_bytes"] / 2**20 for run in runs) for rank in (0, 1)]
+                for name, runs in reports.items()
+            },
+            "resident_bytes": {name: [rank["resident_bytes"] for rank in first[name]] for name in CONTENDERS},
+            "largest_unit_bytes": first["accel_fsdp"][0]["largest_unit_bytes"],
+            "parity_steps": PARITY_STEPS,
+            "max_relative_loss_difference": losses,
+            "losses": {name: first[name][0]["losses"][:PARITY_STEPS] for name in ("accel_fsdp", "accel_ddp")},
+        }
+    )
 
 
 def _save_record(benchmark, pair: str, workspace: Path, width: int = TESTS_WIDTH) -> dict:
@@ -141,15 +217,24 @@ def _save_record(benchmark, pair: str, workspace: Path, width: int = TESTS_WIDTH
     reference: the medians of every repeat's slowest-rank time and of the per-repeat ratios."""
     runs: list[dict] = []
     benchmark.group = "fsdp2, checkpoint saves, 2 processes"
-    benchmark.pedantic(lambda: runs.append(run_checkpoint(pair, width, workspace)), rounds=CHECKPOINT_LAUNCHES,
-                       iterations=1, warmup_rounds=0)  # fmt: skip
+    benchmark.pedantic(
+        lambda: runs.append(run_checkpoint(pair, width, workspace)),
+        rounds=CHECKPOINT_LAUNCHES,
+        iterations=1,
+        warmup_rounds=0,
+    )
     accel_name, *reference_names = list(runs[0]["times_s"])
     times = {name: [t for run in runs for t in run["times_s"][name]] for name in runs[0]["times_s"]}
     reference = times[reference_names[0]]
-    return {"accel": statistics.median(times[accel_name]), "reference": statistics.median(reference),
-            "ratio": per_round_ratio(times[accel_name], reference), "repeats": len(reference),
-            "shard_bytes": runs[0]["shard_bytes"], "times_s": times,
-            "async_writes_on_caller": any(run["async_writes_on_caller"] for run in runs)}  # fmt: skip
+    return {
+        "accel": statistics.median(times[accel_name]),
+        "reference": statistics.median(reference),
+        "ratio": per_round_ratio(times[accel_name], reference),
+        "repeats": len(reference),
+        "shard_bytes": runs[0]["shard_bytes"],
+        "times_s": times,
+        "async_writes_on_caller": any(run["async_writes_on_caller"] for run in runs),
+    }
 
 
 @pytest.mark.timeout(CHECKPOINT_LAUNCHES * JOB_TIMEOUT_S + 60)
@@ -157,12 +242,20 @@ def test_fsdp2_save_state_blocking(benchmark, tmp_path):
     pytest.importorskip("transformers")
     record = _save_record(benchmark, "sync", tmp_path)
     layout = record["times_s"]["dcp_save_hf_layout"]
-    benchmark.extra_info.update(measure="synchronous save_state blocking time", reference_name="torch dcp.save of the "
-                                "same model and optimizer state", goal=SAVE_GOAL, **record)  # fmt: skip
+    benchmark.extra_info.update(
+        measure="synchronous save_state blocking time",
+        reference_name="torch dcp.save of the same model and optimizer state",
+        goal=SAVE_GOAL,
+        **record,
+    )
     # What HF's layout itself costs: the same state as two DCP checkpoints (model, optimizer), as save_state writes.
-    benchmark.extra_info["also"] = [{"reference_name": "the same in HF's layout: two dcp.save (model, optimizer)",
-                                     "reference": statistics.median(layout),
-                                     "ratio": per_round_ratio(record["times_s"]["save_state"], layout)}]  # fmt: skip
+    benchmark.extra_info["also"] = [
+        {
+            "reference_name": "the same in HF's layout: two dcp.save (model, optimizer)",
+            "reference": statistics.median(layout),
+            "ratio": per_round_ratio(record["times_s"]["save_state"], layout),
+        }
+    ]
 
 
 @pytest.mark.timeout(CHECKPOINT_LAUNCHES * JOB_TIMEOUT_S + 60)
@@ -176,6 +269,10 @@ def test_fsdp2_async_save_state_blocking(benchmark, tmp_path, width):
     record = _save_record(benchmark, "async", tmp_path, width)
     size = f"{record['shard_bytes'] / 2**20:.1f} MiB a rank"
     measure = f"asynchronous save_state blocking time, GPT-2 of width {width} ({size})"
-    benchmark.extra_info.update(measure=measure, goal=ASYNC_SAVE_GOAL, synchronous=record["async_writes_on_caller"],
-                                reference_name="memcpy of the rank's shards (parameters and optimizer state)",
-                                **record)  # fmt: skip
+    benchmark.extra_info.update(
+        measure=measure,
+        goal=ASYNC_SAVE_GOAL,
+        synchronous=record["async_writes_on_caller"],
+        reference_name="memcpy of the rank's shards (parameters and optimizer state)",
+        **record,
+    )

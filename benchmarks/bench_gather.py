@@ -88,8 +88,12 @@ def timed(fn: Callable[[], object], calls: int) -> float:
 class Interleaved:
     """Times contenders round after round, alternating their order; the same calls on every rank."""
 
-    def __init__(self, contenders: dict[str, Callable[[], object]], calls: int,
-                 timer: Callable[[Callable[[], object], int], float] = timed):  # fmt: skip
+    def __init__(
+        self,
+        contenders: dict[str, Callable[[], object]],
+        calls: int,
+        timer: Callable[[Callable[[], object], int], float] = timed,
+    ):
         self.contenders, self.calls, self.timer = contenders, calls, timer
         self.times: dict[str, list[float]] = {name: [] for name in contenders}
         self.rounds = 0
@@ -141,20 +145,27 @@ def test_pad_then_gather(benchmark, state, name):
             return gather(pad_across_processes(tensor))
 
     rounds, calls = REPEATS[name]
-    runs = Interleaved({
-        "limit": lambda: torch.empty_like(source).copy_(source),
-        "accel": lambda: gather(pad_across_processes(tensor)),
-        "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
-        "fused": lambda: ops.shm_all_gather(handle, [tensor], 0, 0, False),
-        "reference": through_reference,
-    }, calls)  # fmt: skip
+    runs = Interleaved(
+        {
+            "limit": lambda: torch.empty_like(source).copy_(source),
+            "accel": lambda: gather(pad_across_processes(tensor)),
+            "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
+            "fused": lambda: ops.shm_all_gather(handle, [tensor], 0, 0, False),
+            "reference": through_reference,
+        },
+        calls,
+    )
     runs.round()  # warm-up (first-call costs of both libraries), not recorded
     runs.times = {contender: [] for contender in runs.times}
     benchmark.group = f"pad_across_processes + gather, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=rounds, iterations=1)
-    benchmark.extra_info.update(world_size=WORLD_SIZE, payload=name, calls_per_round=calls,
-                                **runs.summary("accel", ["hf", "fused", "reference", "limit"]),
-                                per_rank_accel_median_s=gather_object([statistics.median(runs.times["accel"])]))
+    benchmark.extra_info.update(
+        world_size=WORLD_SIZE,
+        payload=name,
+        calls_per_round=calls,
+        **runs.summary("accel", ["hf", "fused", "reference", "limit"]),
+        per_rank_accel_median_s=gather_object([statistics.median(runs.times["accel"])]),
+    )
 
 
 # --- a whole evaluation pass -------------------------------------------------------------------------------------
@@ -190,16 +201,23 @@ def test_gather_for_metrics_eval_pass(benchmark, state):
         with using_transport(TorchDistributedTransport()):
             return _eval_pass(our_loader, ours.gather_for_metrics)
 
-    runs = Interleaved({
-        "limit": lambda: _eval_pass(our_loader, no_gather),
-        "accel": lambda: _eval_pass(our_loader, ours.gather_for_metrics),
-        "hf": lambda: _eval_pass(their_loader, theirs.gather_for_metrics),
-        "reference": through_reference,
-    }, 1)  # fmt: skip
+    runs = Interleaved(
+        {
+            "limit": lambda: _eval_pass(our_loader, no_gather),
+            "accel": lambda: _eval_pass(our_loader, ours.gather_for_metrics),
+            "hf": lambda: _eval_pass(their_loader, theirs.gather_for_metrics),
+            "reference": through_reference,
+        },
+        1,
+    )
     benchmark.group = f"gather_for_metrics eval pass, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
-    benchmark.extra_info.update(world_size=WORLD_SIZE, rows=EVAL_ROWS, batch_size=EVAL_BATCH,
-                                **runs.summary("accel", ["hf", "reference", "limit"]))
+    benchmark.extra_info.update(
+        world_size=WORLD_SIZE,
+        rows=EVAL_ROWS,
+        batch_size=EVAL_BATCH,
+        **runs.summary("accel", ["hf", "reference", "limit"]),
+    )
 
 
 # --- an evaluation pass with a model (issue 23) ------------------------------------------------------------------
@@ -241,20 +259,29 @@ def test_eval_pass_with_model(benchmark, state):
     theirs_seen = _model_pass(their_model, their_loader, theirs.gather_for_metrics)
     assert all(torch.equal(a, b) for a, b in zip(seen, theirs_seen))
     assert torch.equal(seen[1], torch.arange(EVAL_ROWS))  # every sample once, in order
-    runs = Interleaved({
-        "limit": lambda: _model_pass(our_model, our_loader),
-        "accel": lambda: _model_pass(our_model, our_loader, ours.gather_for_metrics),
-        "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
-    }, 1)  # fmt: skip
+    runs = Interleaved(
+        {
+            "limit": lambda: _model_pass(our_model, our_loader),
+            "accel": lambda: _model_pass(our_model, our_loader, ours.gather_for_metrics),
+            "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
+        },
+        1,
+    )
     runs.round()  # warm-up, not recorded
     runs.times = {contender: [] for contender in runs.times}
     benchmark.group = f"evaluation pass with a model, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
     # What gathering adds per batch, from each round's pair (the same loader and model, interleaved).
     per_batch = [(a - f) / len(our_loader) for a, f in zip(runs.times["accel"], runs.times["limit"])]
-    benchmark.extra_info.update(world_size=WORLD_SIZE, payload="eval+mlp", rows=EVAL_ROWS, batch_size=EVAL_BATCH,
-                                batches=len(our_loader), gather_per_batch_s=statistics.median(per_batch),
-                                **runs.summary("accel", ["hf"]))  # fmt: skip
+    benchmark.extra_info.update(
+        world_size=WORLD_SIZE,
+        payload="eval+mlp",
+        rows=EVAL_ROWS,
+        batch_size=EVAL_BATCH,
+        batches=len(our_loader),
+        gather_per_batch_s=statistics.median(per_batch),
+        **runs.summary("accel", ["hf"]),
+    )
     benchmark.extra_info["accel/limit"] = runs.summary("limit", ["accel"])["accel/limit"]
 
 
@@ -285,14 +312,24 @@ def test_pad_then_gather_one_gpu(benchmark, name):
     ours, theirs = gather(pad_across_processes(tensor)), hf.utils.gather(hf.utils.pad_across_processes(tensor))
     assert ours.is_cuda and torch.equal(ours, theirs)
     _, calls = REPEATS[name]
-    runs = Interleaved({
-        "limit": lambda: torch.empty_like(tensor).copy_(tensor),
-        "accel": lambda: gather(pad_across_processes(tensor)),
-        "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
-    }, calls, timer=timed_on_gpu)  # fmt: skip
+    runs = Interleaved(
+        {
+            "limit": lambda: torch.empty_like(tensor).copy_(tensor),
+            "accel": lambda: gather(pad_across_processes(tensor)),
+            "hf": lambda: hf.utils.gather(hf.utils.pad_across_processes(tensor)),
+        },
+        calls,
+        timer=timed_on_gpu,
+    )
     runs.round()  # warm-up, not recorded
     runs.times = {contender: [] for contender in runs.times}
     benchmark.group = "pad_across_processes + gather, 1 GPU"
     benchmark.pedantic(runs.round, rounds=9, iterations=1)
-    benchmark.extra_info.update(world_size=1, device="cuda", gpu=torch.cuda.get_device_name(), payload=name,
-                                calls_per_round=calls, **runs.summary("accel", ["hf", "limit"]))  # fmt: skip
+    benchmark.extra_info.update(
+        world_size=1,
+        device="cuda",
+        gpu=torch.cuda.get_device_name(),
+        payload=name,
+        calls_per_round=calls,
+        **runs.summary("accel", ["hf", "limit"]),
+    )

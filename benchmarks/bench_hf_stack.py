@@ -39,15 +39,47 @@ JOB_TIMEOUT_S = 600
 
 def command(contender: str, task: str, out: Path) -> list[str]:
     """The launch of one 2-process job (loopback only)."""
-    job = [str(HERE / "hf_stack_job.py"), "--task", task, "--steps", str(STEPS), "--warmup", str(WARMUP),
-           "--out", str(out)]  # fmt: skip
+    job = [
+        str(HERE / "hf_stack_job.py"),
+        "--task",
+        task,
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        str(WARMUP),
+        "--out",
+        str(out),
+    ]
     job += ["--runner", "trainer"] if contender in ("accel", "hf") else ["--runner", "raw", "--group", contender[4:]]
     port = str(free_port())
     if contender == "accel":
-        return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", "--main_process_ip",
-                "127.0.0.1", "--main_process_port", port, "--as_accelerate", *job]  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", port, *job]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "accel",
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            "--as_accelerate",
+            *job,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        port,
+        *job,
+    ]
 
 
 def child_env(contender: str, home: Path) -> dict[str, str]:
@@ -61,11 +93,23 @@ def child_env(contender: str, home: Path) -> dict[str, str]:
 def run_wrappers(library: str, workspace: Path) -> dict:
     """hf_stack_wrappers.py on 2 processes (torchrun) with `library` ("accel" or "hf"); rank 0's report."""
     out = workspace / f"wrappers-{library}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(HERE / "hf_stack_wrappers.py"),
-               "--library", "accelerate" if library == "hf" else "accel", "--out", str(out)]  # fmt: skip
-    launch(command, child_env(library, workspace / "hf_home"), workspace, f"the {library} wrapper job",
-           JOB_TIMEOUT_S)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(HERE / "hf_stack_wrappers.py"),
+        "--library",
+        "accelerate" if library == "hf" else "accel",
+        "--out",
+        str(out),
+    ]
+    launch(command, child_env(library, workspace / "hf_home"), workspace, f"the {library} wrapper job", JOB_TIMEOUT_S)
     return json.loads(out.read_text())
 
 
@@ -73,11 +117,19 @@ def run_job(contender: str, task: str, workspace: Path) -> dict:
     """One job; rank 0's report with both ranks' peak RSS (`peak_rss_bytes`: [rank 0, rank 1]) and their mean CPU
     time per step."""
     out = workspace / f"{contender}-{task}"
-    launch(command(contender, task, out), child_env(contender, workspace / "hf_home"), workspace,
-           f"the {contender} {task} job", JOB_TIMEOUT_S)  # fmt: skip
+    launch(
+        command(contender, task, out),
+        child_env(contender, workspace / "hf_home"),
+        workspace,
+        f"the {contender} {task} job",
+        JOB_TIMEOUT_S,
+    )
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    return {**ranks[0], "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
-            "cpu_ms_per_step": statistics.mean(rank["cpu_ms_per_step"] for rank in ranks)}  # fmt: skip
+    return {
+        **ranks[0],
+        "peak_rss_bytes": [rank["peak_rss_bytes"] for rank in ranks],
+        "cpu_ms_per_step": statistics.mean(rank["cpu_ms_per_step"] for rank in ranks),
+    }
 
 
 @pytest.mark.timeout(ROUNDS * len(CONTENDERS) * JOB_TIMEOUT_S + 60)  # past every job's own deadline
@@ -102,20 +154,33 @@ def test_hf_stack_steps_per_second(benchmark, task, tmp_path):
     first = {name: runs[0] for name, runs in reports.items()}
     assert first["accel"]["library"] == "accel.accelerator", first["accel"]["library"]
     assert first["hf"]["library"] == "accelerate.accelerator", first["hf"]["library"]
-    loss_difference = {"accel/hf": relative_difference(first["accel"]["losses"], first["hf"]["losses"]),
-                       "raw_shm/raw_gloo": relative_difference(first["raw_shm"]["losses"],
-                                                                first["raw_gloo"]["losses"])}  # fmt: skip
+    loss_difference = {
+        "accel/hf": relative_difference(first["accel"]["losses"], first["hf"]["losses"]),
+        "raw_shm/raw_gloo": relative_difference(first["raw_shm"]["losses"], first["raw_gloo"]["losses"]),
+    }
     assert max(loss_difference.values()) < 1e-3, f"the losses differ (relative): {loss_difference}"
-    benchmark.extra_info.update({
-        "task": task, "steps": STEPS, "warmup": WARMUP, "rounds": ROUNDS, "steps_per_s": rates,
-        "median_steps_per_s": {name: statistics.median(values) for name, values in rates.items()},
-        "cpu_ms_per_step": {name: [run["cpu_ms_per_step"] for run in runs] for name, runs in reports.items()},
-        "phase_ms": {name: {phase: statistics.median(run["phase_ms"][phase] for run in runs)
-                            for phase in runs[0]["phase_ms"]} for name, runs in reports.items()},
-        "peak_rss_mib": {name: [statistics.median(run["peak_rss_bytes"][rank] / 2**20 for run in runs)
-                                for rank in (0, 1)] for name, runs in reports.items()},
-        "max_relative_loss_difference": loss_difference,
-    })  # fmt: skip
+    benchmark.extra_info.update(
+        {
+            "task": task,
+            "steps": STEPS,
+            "warmup": WARMUP,
+            "rounds": ROUNDS,
+            "steps_per_s": rates,
+            "median_steps_per_s": {name: statistics.median(values) for name, values in rates.items()},
+            "cpu_ms_per_step": {name: [run["cpu_ms_per_step"] for run in runs] for name, runs in reports.items()},
+            "phase_ms": {
+                name: {
+                    phase: statistics.median(run["phase_ms"][phase] for run in runs) for phase in runs[0]["phase_ms"]
+                }
+                for name, runs in reports.items()
+            },
+            "peak_rss_mib": {
+                name: [statistics.median(run["peak_rss_bytes"][rank] / 2**20 for run in runs) for rank in (0, 1)]
+                for name, runs in reports.items()
+            },
+            "max_relative_loss_difference": loss_difference,
+        }
+    )
 
 
 @pytest.mark.timeout(ROUNDS * 2 * JOB_TIMEOUT_S + 60)
@@ -134,6 +199,11 @@ def test_wrapper_cost_per_call(benchmark, tmp_path):
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     assert reports["accel"][0]["library"] == "accel.accelerator"
     assert reports["hf"][0]["library"] == "accelerate.accelerator"
-    calls = {library: {name: {side: [run["calls"][name][side] for run in runs] for side in ("wrapper_us", "torch_us")}
-                       for name in runs[0]["calls"]} for library, runs in reports.items()}  # fmt: skip
+    calls = {
+        library: {
+            name: {side: [run["calls"][name][side] for run in runs] for side in ("wrapper_us", "torch_us")}
+            for name in runs[0]["calls"]
+        }
+        for library, runs in reports.items()
+    }
     benchmark.extra_info.update({"wrappers": calls, "per_step": reports["accel"][0]["per_step"], "rounds": ROUNDS})

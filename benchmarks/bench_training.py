@@ -33,17 +33,39 @@ CONTENDERS = {
 }
 GOALS = {"mlp": 1.3, "gpt2": 1.3}
 # What a rank inherits from this process that would confuse a fresh launch.
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "TORCHELASTIC_RUN_ID", "GROUP_RANK")  # fmt: skip
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "GROUP_RANK",
+)
 
 
 def run_job(library: str, workload: str, extra_env: dict, out: Path) -> dict:
     """One 2-process training job; its rank 0's report."""
     env = {name: value for name, value in os.environ.items() if name not in _LAUNCH_VARIABLES}
     env.update(OMP_NUM_THREADS="1", **extra_env)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "training_job.py"), "--library", library, "--workload", workload,
-               "--steps", str(STEPS[workload]), "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "training_job.py"),
+        "--library",
+        library,
+        "--workload",
+        workload,
+        "--steps",
+        str(STEPS[workload]),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"{library} {workload} job failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return json.loads(out.read_text())
@@ -71,8 +93,11 @@ def test_training_steps_per_second(benchmark, workload, tmp_path):
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     first = names[0]
     assert reports[first]["shared_memory"] and not any(reports[n]["shared_memory"] for n in names[1:])
-    loss_difference = max(abs(a - b) / max(abs(b), 1e-12) for name in names[1:]
-                          for a, b in zip(reports[first]["losses"], reports[name]["losses"]))  # fmt: skip
+    loss_difference = max(
+        abs(a - b) / max(abs(b), 1e-12)
+        for name in names[1:]
+        for a, b in zip(reports[first]["losses"], reports[name]["losses"])
+    )
     assert loss_difference < 1e-3, f"the losses differ by {loss_difference:.2e} (relative)"
     info = {"workload": workload, "steps": STEPS[workload], "median_steps_per_s": {}}
     for name in names:

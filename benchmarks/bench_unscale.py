@@ -79,8 +79,10 @@ WARMUP_ROUNDS = 2
 needs_native = pytest.mark.skipif(not _ext.status().loaded, reason="native extension not loaded")
 CUDA_DTYPES = ("fp32", "fp16")  # torch's CUDA unscale has no bf16: HF cannot run it
 CUDA_ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "30"))
-needs_cuda_kernels = pytest.mark.skipif(not torch.cuda.is_available() or not _ext.native_for("unscale_grads_", "cuda"),
-                                        reason="needs a CUDA device and accel's CUDA kernels")  # fmt: skip
+needs_cuda_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _ext.native_for("unscale_grads_", "cuda"),
+    reason="needs a CUDA device and accel's CUDA kernels",
+)
 
 
 def synchronize(device: torch.device) -> None:
@@ -171,8 +173,9 @@ def hf_accelerator(loss_scaling: bool, dtype: torch.dtype, device: torch.device 
     return accelerator
 
 
-def timed(fn: Callable[[], object], setup: Callable[[], object], device: torch.device = torch.device("cpu")
-          ) -> Callable[[], float]:  # fmt: skip
+def timed(
+    fn: Callable[[], object], setup: Callable[[], object], device: torch.device = torch.device("cpu")
+) -> Callable[[], float]:
     def run() -> float:
         setup()
         synchronize(device)
@@ -211,8 +214,10 @@ def op_level_variants(sizes: list[int], values: torch.Tensor) -> dict[str, Calla
         storage.view(torch.int32 if storage.element_size() == 4 else torch.int16).bitwise_not_()
 
     restore = lambda: storage.copy_(pristine)  # noqa: E731
-    return {name: timed(fn, restore, device) for name, fn in (("op_accel", op_accel), ("op_torch", op_torch),
-                                                              ("limit", limit))}  # fmt: skip
+    return {
+        name: timed(fn, restore, device)
+        for name, fn in (("op_accel", op_accel), ("op_torch", op_torch), ("limit", limit))
+    }
 
 
 def variants(set_name: str, dtype: torch.dtype) -> tuple[dict[str, Callable[[], float]], int, str | None]:
@@ -221,9 +226,12 @@ def variants(set_name: str, dtype: torch.dtype) -> tuple[dict[str, Callable[[], 
     import accel
 
     sizes, values = gradient_values(set_name, dtype)
-    runs = {"accel": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values),
-            "accel_fallback": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values,
-                                           native=False)}  # fmt: skip
+    runs = {
+        "accel": TrainingStep(accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values),
+        "accel_fallback": TrainingStep(
+            accel.Accelerator(mixed_precision="fp16", cpu=True), sizes, values, native=False
+        ),
+    }
     try:
         import accelerate  # noqa: F401
     except ImportError:
@@ -278,10 +286,11 @@ def test_unscale_clip(benchmark, case):
     assert max(norms) < 1.01 * min(norms), f"the variants measured different norms: {norms}"
     assert min(norms) > MAX_NORM, "the clip must scale"
     stats = summary(samples)
-    benchmark.extra_info.update(set=set_name, dtype=dtype_name, bytes=nbytes, samples=samples, notice=notice,
-                                **stats)  # fmt: skip
-    print(f"\n{set_name}-{dtype_name}: " + ", ".join(
-        f"{k}={v * 1e3:.2f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items()))  # fmt: skip
+    benchmark.extra_info.update(set=set_name, dtype=dtype_name, bytes=nbytes, samples=samples, notice=notice, **stats)
+    print(
+        f"\n{set_name}-{dtype_name}: "
+        + ", ".join(f"{k}={v * 1e3:.2f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items())
+    )
 
 
 # --- on a GPU (issue 25) -----------------------------------------------------------------------------------------
@@ -312,8 +321,10 @@ def cuda_variants(set_name: str, dtype: torch.dtype) -> tuple[dict[str, Callable
     device = torch.device("cuda", torch.cuda.current_device())
     sizes, values = gradient_values(set_name, dtype)
     values = values.to(device)
-    runs = {"accel": TrainingStep(accel.Accelerator(mixed_precision="fp16"), sizes, values),
-            "accel_fallback": TrainingStep(accel.Accelerator(mixed_precision="fp16"), sizes, values, native=False)}
+    runs = {
+        "accel": TrainingStep(accel.Accelerator(mixed_precision="fp16"), sizes, values),
+        "accel_fallback": TrainingStep(accel.Accelerator(mixed_precision="fp16"), sizes, values, native=False),
+    }
     assert runs["accel"].accelerator.device.type == "cuda"
     try:
         import accelerate  # noqa: F401
@@ -344,7 +355,17 @@ def test_unscale_clip_cuda(benchmark, case):
     assert max(norms) < 1.01 * min(norms), f"the variants measured different norms: {norms}"
     assert min(norms) > MAX_NORM, "the clip must scale"
     stats = summary(samples, CUDA_RATIOS)
-    benchmark.extra_info.update(set=set_name, dtype=dtype_name, device="cuda", gpu=torch.cuda.get_device_name(),
-                                bytes=nbytes, samples=samples, notice=notice, **stats)  # fmt: skip
-    print(f"\ncuda {set_name}-{dtype_name}: " + ", ".join(
-        f"{k}={v * 1e3:.3f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items()))  # fmt: skip
+    benchmark.extra_info.update(
+        set=set_name,
+        dtype=dtype_name,
+        device="cuda",
+        gpu=torch.cuda.get_device_name(),
+        bytes=nbytes,
+        samples=samples,
+        notice=notice,
+        **stats,
+    )
+    print(
+        f"\ncuda {set_name}-{dtype_name}: "
+        + ", ".join(f"{k}={v * 1e3:.3f}ms" if k.endswith("_s") else f"{k}={v:.2f}x" for k, v in stats.items())
+    )

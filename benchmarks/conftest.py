@@ -22,5 +22,7 @@ def pytest_terminal_summary(terminalreporter, config):
         limit = next((b for b in benches if b.name.split("[")[0].endswith("limit")), None)
         if limit is None:
             continue
-        cells = ", ".join(f"{b.name.split('[')[0].removeprefix('test_')}: {b.stats.median / limit.stats.median:.2f}x" for b in benches)
+        cells = ", ".join(
+            f"{b.name.split('[')[0].removeprefix('test_')}: {b.stats.median / limit.stats.median:.2f}x" for b in benches
+        )
         terminalreporter.write_line(f"{group}: {cells}")

@@ -1,7 +1,8 @@
 """One rank of a job timed by bench_deepspeed.py: the GPT-2 of benchmarks/fsdp2_job.py trained on 2 CPU processes
 under accel's Accelerator (DeepSpeed ZeRO, DDP or FSDP2, as the launcher says), or under DeepSpeed used directly.
 
-    accel launch --cpu --num_processes 2 --use_deepspeed --zero_stage 2 benchmarks/deepspeed_job.py --runner accel --out r
+    accel launch --cpu --num_processes 2 --use_deepspeed --zero_stage 2 benchmarks/deepspeed_job.py \
+        --runner accel --out r
     accel launch --cpu --num_processes 2 benchmarks/deepspeed_job.py --runner accel --out r          # DDP
     torchrun --nproc_per_node 2 benchmarks/deepspeed_job.py --runner raw --stage 2 --out r
 
@@ -33,14 +34,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from fsdp2_job import BATCH, LEARNING_RATE, MAX_GRAD_NORM, gpt2, local, rank_batches
-
 
 # The collectives ZeRO calls through torch.distributed's Python functions (looked up at each call, or cached by
 # DeepSpeed's comm backend when it starts: so they are wrapped before anything starts).
-COLLECTIVES = ("all_reduce", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
-               "reduce_scatter", "all_to_all_single")  # fmt: skip
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "all_to_all_single",
+)
 collective_seconds = [0.0]
 
 
@@ -68,12 +75,17 @@ def interleaved_loader(world_size: int, steps: int) -> torch.utils.data.DataLoad
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(local(value).numel() * value.element_size() for state in optimizer.state.values()
-               for value in state.values() if torch.is_tensor(value) and value.dim() > 0)  # fmt: skip
+    return sum(
+        local(value).numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value) and value.dim() > 0
+    )
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:
     """The parameter bytes this rank holds: ZeRO-3's partition (`ds_tensor`), an FSDP shard, or the whole."""
+
     def held(p):
         tensor = getattr(p, "ds_tensor", None)
         tensor = local(p) if tensor is None else tensor
@@ -103,8 +115,9 @@ def accel_training(steps: int) -> tuple[list[float], list[float], dict]:
     accelerator = Accelerator(cpu=True)
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, interleaved_loader(accelerator.num_processes,
-                                                                                         steps))  # fmt: skip
+    model, optimizer, loader = accelerator.prepare(
+        model, optimizer, interleaved_loader(accelerator.num_processes, steps)
+    )
     losses, stamps = [], []
     for tokens in loader:
         stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
@@ -116,9 +129,12 @@ def accel_training(steps: int) -> tuple[list[float], list[float], dict]:
         losses.append(loss.item())
     stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
     module = getattr(model, "module", model)
-    facts = {"optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(optimizer)),
-             "parameter_bytes": parameter_bytes(module), "backend": gradient_backend(),
-             "strategy": "FSDP2" if accelerator.is_fsdp2 else str(accelerator.distributed_type).split(".")[-1]}
+    facts = {
+        "optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(optimizer)),
+        "parameter_bytes": parameter_bytes(module),
+        "backend": gradient_backend(),
+        "strategy": "FSDP2" if accelerator.is_fsdp2 else str(accelerator.distributed_type).split(".")[-1],
+    }
     if accelerator.deepspeed_plugin is not None:
         facts["strategy"] += f" ZeRO-{accelerator.deepspeed_plugin.zero_stage}"
     accelerator.end_training()
@@ -133,9 +149,14 @@ def raw_training(stage: int, steps: int) -> tuple[list[float], list[float], dict
     deepspeed.init_distributed(dist_backend="gloo")
     model = gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-              "gradient_clipping": MAX_GRAD_NORM, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 2**31}  # fmt: skip
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": MAX_GRAD_NORM,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31,
+    }
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses, stamps = [], []
     for tokens in rank_batches(dist.get_rank(), steps):
@@ -145,9 +166,12 @@ def raw_training(stage: int, steps: int) -> tuple[list[float], list[float], dict
         engine.step()
         losses.append(loss.item())
     stamps.append((time.perf_counter(), time.process_time(), collective_seconds[0]))
-    facts = {"optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(ds_optimizer)),
-             "parameter_bytes": parameter_bytes(engine.module), "backend": gradient_backend(),
-             "strategy": f"DeepSpeed ZeRO-{stage}"}  # fmt: skip
+    facts = {
+        "optimizer_state_bytes": optimizer_state_bytes(inner_optimizer(ds_optimizer)),
+        "parameter_bytes": parameter_bytes(engine.module),
+        "backend": gradient_backend(),
+        "strategy": f"DeepSpeed ZeRO-{stage}",
+    }
     dist.destroy_process_group()
     return losses, stamps, facts
 
@@ -167,8 +191,14 @@ def main() -> None:
     else:
         losses, stamps, facts = raw_training(args.stage, total)
     (wall_start, cpu_start, comm_start), (wall_end, cpu_end, comm_end) = stamps[args.warmup], stamps[-1]
-    report = {"steps_per_s": args.steps / (wall_end - wall_start), "cpu_ms_per_step": (cpu_end - cpu_start) / args.steps * 1e3,
-              "collective_ms_per_step": (comm_end - comm_start) / args.steps * 1e3, "losses": losses, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **facts}
+    report = {
+        "steps_per_s": args.steps / (wall_end - wall_start),
+        "cpu_ms_per_step": (cpu_end - cpu_start) / args.steps * 1e3,
+        "collective_ms_per_step": (comm_end - comm_start) / args.steps * 1e3,
+        "losses": losses,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **facts,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
 

@@ -60,8 +60,16 @@ def gpt2(width: int = WIDTH):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCABULARY, n_positions=SEQUENCE, n_embd=width, n_layer=LAYERS, n_head=HEADS,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=VOCABULARY,
+        n_positions=SEQUENCE,
+        n_embd=width,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -79,14 +87,21 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """The bytes of this rank's parameters, gradients and optimizer state (local shards only)."""
+
     def size(tensor):
         return local(tensor).numel() * local(tensor).element_size()
 
     parameters = list(model.parameters())
-    return {"parameters": sum(size(p) for p in parameters),
-            "gradients": sum(size(p.grad) for p in parameters if p.grad is not None),
-            "optimizer": sum(size(value) for state in optimizer.state.values() for value in state.values()
-                             if isinstance(value, torch.Tensor))}  # fmt: skip
+    return {
+        "parameters": sum(size(p) for p in parameters),
+        "gradients": sum(size(p.grad) for p in parameters if p.grad is not None),
+        "optimizer": sum(
+            size(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ),
+    }
 
 
 def largest_unit_bytes(model: torch.nn.Module) -> int:
@@ -127,12 +142,16 @@ class StepClock:
         assert len(timed) == steps, f"{len(timed)} timed steps"
 
         def phases(stamps):
-            return {name: statistics.median(step[i + 1] - step[i] for step in stamps) * 1e3
-                    for i, name in enumerate(PHASES)}  # fmt: skip
+            return {
+                name: statistics.median(step[i + 1] - step[i] for step in stamps) * 1e3 for i, name in enumerate(PHASES)
+            }
 
-        return {"steps_per_s": steps / (timed[-1][-1] - self.stamps[warmup - 1][-1]),
-                "cpu_ms_per_step": (cpu[-1][-1] - self.cpu_stamps[warmup - 1][-1]) / steps * 1e3,
-                "phase_ms": phases(timed), "cpu_phase_ms": phases(cpu)}  # fmt: skip
+        return {
+            "steps_per_s": steps / (timed[-1][-1] - self.stamps[warmup - 1][-1]),
+            "cpu_ms_per_step": (cpu[-1][-1] - self.cpu_stamps[warmup - 1][-1]) / steps * 1e3,
+            "phase_ms": phases(timed),
+            "cpu_phase_ms": phases(cpu),
+        }
 
 
 def accel_training(steps: int, clock: StepClock) -> tuple[list[float], dict]:
@@ -270,8 +289,12 @@ class Saves:
     def __init__(self, accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path):
         self.accelerator, self.model, self.optimizer, self.folder = accelerator, model, optimizer, folder
         self.shards = [local(p).detach() for p in model.parameters()]
-        self.shards += [local(value) for state in optimizer.state.values() for value in state.values()
-                        if isinstance(value, torch.Tensor)]  # fmt: skip
+        self.shards += [
+            local(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
         self.buffers = [torch.empty_like(shard) for shard in self.shards]
         self.writes = CallerWrites()
         self.async_on_caller = False
@@ -284,8 +307,10 @@ class Saves:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state = {"model": get_model_state_dict(self.model),
-                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}  # fmt: skip
+        state = {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        }
         dcp.save(state, checkpoint_id=str(self.folder / f"dcp{repeat}"))
 
     def dcp_save_hf_layout(self, repeat: int) -> None:
@@ -296,8 +321,10 @@ class Saves:
 
         folder = self.folder / f"layout{repeat}"
         dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=str(folder / "pytorch_model_fsdp_0"))
-        dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
-                 checkpoint_id=str(folder / "optimizer_0"))  # fmt: skip
+        dcp.save(
+            {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
+            checkpoint_id=str(folder / "optimizer_0"),
+        )
 
     def save_state_async(self, repeat: int) -> None:
         before = self.writes.count
@@ -345,8 +372,12 @@ def main() -> None:
         losses, facts = accel_training(total, clock)
     else:
         losses, facts = raw_training(args.group, total, clock)
-    report = {**clock.report(args.warmup, args.steps), **facts, "losses": losses,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+    report = {
+        **clock.report(args.warmup, args.steps),
+        **facts,
+        "losses": losses,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
 
 

@@ -45,8 +45,10 @@ def corpus(count: int = 3000, seed: int = 0) -> list[str]:
     """`count` texts of 2 to 6 sentences of made-up words, Zipf-distributed as words are."""
     rng = random.Random(seed)
     weights = [1 / (rank + 1) for rank in range(len(WORDS))]
-    return [" . ".join(" ".join(rng.choices(WORDS, weights, k=rng.randint(5, 12))) for _ in range(rng.randint(2, 6)))
-            for _ in range(count)]  # fmt: skip
+    return [
+        " . ".join(" ".join(rng.choices(WORDS, weights, k=rng.randint(5, 12))) for _ in range(rng.randint(2, 6)))
+        for _ in range(count)
+    ]
 
 
 def tokenizer():
@@ -58,8 +60,9 @@ def tokenizer():
     core = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.post_processor = processors.TemplateProcessing(single="$A [EOS]", special_tokens=[("[EOS]", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]",
-                                   eos_token="[EOS]")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]"
+    )
 
 
 def model(tok):
@@ -67,9 +70,16 @@ def model(tok):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=4,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=SEQUENCE,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -78,7 +88,7 @@ def packed_blocks(tok, texts: list[str]) -> list[dict]:
     ids = [token for text in texts for token in tok(text)["input_ids"]]
     blocks = []
     for start in range(0, len(ids) - SEQUENCE + 1, SEQUENCE):
-        chunk = torch.tensor(ids[start:start + SEQUENCE])
+        chunk = torch.tensor(ids[start : start + SEQUENCE])
         blocks.append({"input_ids": chunk, "attention_mask": torch.ones_like(chunk), "labels": chunk.clone()})
     return blocks
 
@@ -120,12 +130,14 @@ class StepClock:
         assert len(self.stamps) == warmup + steps and not self._open, f"{len(self.stamps)} steps stamped"
         ends = [step[-1] for step in self.stamps]
         phases = {name: [] for name in PHASES}
-        for previous, step in zip(ends[warmup - 1:], self.stamps[warmup:]):
+        for previous, step in zip(ends[warmup - 1 :], self.stamps[warmup:]):
             for name, start, end in zip(PHASES, [previous, *step[:-1]], step):
                 phases[name].append(end - start)
-        return {"steps_per_s": steps / (ends[-1] - ends[warmup - 1]),
-                "cpu_ms_per_step": (self.cpu_ends[-1] - self.cpu_ends[warmup - 1]) / steps * 1e3,
-                "phase_ms": {name: statistics.median(times) * 1e3 for name, times in phases.items()}}  # fmt: skip
+        return {
+            "steps_per_s": steps / (ends[-1] - ends[warmup - 1]),
+            "cpu_ms_per_step": (self.cpu_ends[-1] - self.cpu_ends[warmup - 1]) / steps * 1e3,
+            "phase_ms": {name: statistics.median(times) * 1e3 for name, times in phases.items()},
+        }
 
 
 def trainer_run(task: str, steps: int, out_dir: Path, clock: StepClock) -> tuple[list[float], str]:
@@ -134,20 +146,42 @@ def trainer_run(task: str, steps: int, out_dir: Path, clock: StepClock) -> tuple
 
     tok = tokenizer()
     texts = corpus()
-    common = dict(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=BATCH,
-                  learning_rate=LEARNING_RATE, max_grad_norm=MAX_GRAD_NORM, logging_steps=LOGGING_STEPS,
-                  save_strategy="no", eval_strategy="no", bf16=False, use_cpu=True, seed=0, report_to=[],
-                  disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    common = dict(
+        output_dir=str(out_dir),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LEARNING_RATE,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=LOGGING_STEPS,
+        save_strategy="no",
+        eval_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     if task == "sft":
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
         config = SFTConfig(max_length=SEQUENCE, gradient_checkpointing=False, **common)
-        trainer = SFTTrainer(model=model(tok), args=config, train_dataset=Dataset.from_dict({"text": texts}),
-                             processing_class=tok, callbacks=[clock])  # fmt: skip
+        trainer = SFTTrainer(
+            model=model(tok),
+            args=config,
+            train_dataset=Dataset.from_dict({"text": texts}),
+            processing_class=tok,
+            callbacks=[clock],
+        )
     else:
-        trainer = Trainer(model=model(tok), args=TrainingArguments(**common), train_dataset=packed_blocks(tok, texts),
-                          data_collator=default_data_collator, callbacks=[clock])  # fmt: skip
+        trainer = Trainer(
+            model=model(tok),
+            args=TrainingArguments(**common),
+            train_dataset=packed_blocks(tok, texts),
+            data_collator=default_data_collator,
+            callbacks=[clock],
+        )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return losses, type(trainer.accelerator).__module__
@@ -162,16 +196,19 @@ def raw_batches(task: str, tok, rank: int, world: int) -> list[dict]:
         examples = packed_blocks(tok, texts)
         order = torch.randperm(len(examples), generator=generator).tolist()
         mine = [examples[i] for i in order[rank::world]]
-        return [{key: torch.stack([e[key] for e in mine[i:i + BATCH]]) for key in mine[0]}
-                for i in range(0, len(mine) - BATCH + 1, BATCH)]  # fmt: skip
+        return [
+            {key: torch.stack([e[key] for e in mine[i : i + BATCH]]) for key in mine[0]}
+            for i in range(0, len(mine) - BATCH + 1, BATCH)
+        ]
     order = torch.randperm(len(texts), generator=generator).tolist()
     mine = [texts[i] for i in order[rank::world]]
     batches = []
     for i in range(0, len(mine) - BATCH + 1, BATCH):
-        encoded = tok(mine[i:i + BATCH], truncation=True, max_length=SEQUENCE, padding=True, return_tensors="pt")
+        encoded = tok(mine[i : i + BATCH], truncation=True, max_length=SEQUENCE, padding=True, return_tensors="pt")
         labels = encoded["input_ids"].masked_fill(encoded["attention_mask"] == 0, -100)
-        batches.append({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"],
-                        "labels": labels})  # fmt: skip
+        batches.append(
+            {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": labels}
+        )
     return batches
 
 
@@ -223,8 +260,12 @@ def main() -> None:
         losses, library = trainer_run(args.task, total, Path(args.out) / "trainer", clock)
     else:
         losses, library = raw_run(args.task, args.group, total, clock), f"torch DDP over {args.group}"
-    report = {**clock.report(args.warmup, args.steps), "losses": losses, "library": library,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+    report = {
+        **clock.report(args.warmup, args.steps),
+        "losses": losses,
+        "library": library,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(report))
 

@@ -19,16 +19,24 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import hf_stack_job as job
 import torch
 import torch.distributed as dist
 
-import hf_stack_job as job
-
 # How many times one optimizer step of the `Trainer` (no gradient accumulation) makes each call, and TRL's
 # `SFTTrainer` on top of it (its per-step metrics: 4 gather_for_metrics). transformers 5.25 / TRL 1.16.
-PER_STEP = {"lm": {"_set_sync_gradients": 1, "dataloader next": 1, "gather": 1, "backward": 1, "clip_grad_norm_": 1,
-                   "optimizer.step": 1, "optimizer_step_was_skipped": 1},
-            "sft": {"gather_for_metrics": 4}}  # fmt: skip
+PER_STEP = {
+    "lm": {
+        "_set_sync_gradients": 1,
+        "dataloader next": 1,
+        "gather": 1,
+        "backward": 1,
+        "clip_grad_norm_": 1,
+        "optimizer.step": 1,
+        "optimizer_step_was_skipped": 1,
+    },
+    "sft": {"gather_for_metrics": 4},
+}
 
 
 def per_call(call: Callable[[], object], calls: int) -> float:
@@ -94,14 +102,18 @@ def main() -> None:
         "_set_sync_gradients": (lambda: accelerator.gradient_state._set_sync_gradients(True), None),
         "dataloader next": (cycling(prepared_loader), cycling(loader)),
         "gather": (lambda: accelerator.gather(count), lambda: dist.all_gather_into_tensor(gathered, count.reshape(1))),
-        "gather_for_metrics": (lambda: accelerator.gather_for_metrics(count),
-                               lambda: dist.all_gather_into_tensor(gathered, count.reshape(1))),
+        "gather_for_metrics": (
+            lambda: accelerator.gather_for_metrics(count),
+            lambda: dist.all_gather_into_tensor(gathered, count.reshape(1)),
+        ),
         "backward": (lambda: accelerator.backward((leaf * 2).sum()), lambda: (leaf * 2).sum().backward()),
-        "clip_grad_norm_": (lambda: accelerator.clip_grad_norm_(model.parameters(), job.MAX_GRAD_NORM),
-                            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), job.MAX_GRAD_NORM)),
+        "clip_grad_norm_": (
+            lambda: accelerator.clip_grad_norm_(model.parameters(), job.MAX_GRAD_NORM),
+            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), job.MAX_GRAD_NORM),
+        ),
         "optimizer.step": (optimizer.step, optimizer.optimizer.step),
         "optimizer_step_was_skipped": (lambda: accelerator.optimizer_step_was_skipped, None),
-    }  # fmt: skip
+    }
     results = measure(pairs, args.calls, args.repeats)
     if dist.get_rank() == 0:
         report = {"library": type(accelerator).__module__, "calls": results, "per_step": PER_STEP}

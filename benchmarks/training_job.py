@@ -31,8 +31,13 @@ def mlp_setup(library, accelerator):
         targets = teacher(inputs)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=BATCH)
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-                                torch.nn.ReLU(), torch.nn.Linear(256, 1))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 1),
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -76,16 +81,18 @@ def fsdp2_setup(library, accelerator):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[layer for _ in range(4) for layer in (torch.nn.Linear(256, 256), torch.nn.ReLU())],
-                                torch.nn.Linear(256, 1))  # fmt: skip
+    model = torch.nn.Sequential(
+        *[layer for _ in range(4) for layer in (torch.nn.Linear(256, 256), torch.nn.ReLU())], torch.nn.Linear(256, 1)
+    )
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    batches = [(torch.randn(BATCH, 256, generator=generator), torch.randn(BATCH, 1, generator=generator))
-               for _ in range(64)]  # fmt: skip
+    batches = [
+        (torch.randn(BATCH, 256, generator=generator), torch.randn(BATCH, 1, generator=generator)) for _ in range(64)
+    ]
 
     def step(batch):
         loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
@@ -132,8 +139,9 @@ def main() -> None:
     backend = dist.group.WORLD._get_backend(torch.device("cpu")).name()
     if dist.get_rank() == 0:
         with open(args.out, "w") as file:
-            json.dump({"steps_per_s": args.steps / elapsed, "losses": losses, "shared_memory": backend == "accel"},
-                      file)  # fmt: skip
+            json.dump(
+                {"steps_per_s": args.steps / elapsed, "losses": losses, "shared_memory": backend == "accel"}, file
+            )
     accelerator.wait_for_everyone()
     dist.destroy_process_group()
 

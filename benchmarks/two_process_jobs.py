@@ -14,8 +14,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # What a job would inherit from this process that changes what it does: accel's, HF's and DeepSpeed's settings, a
 # launcher's rank variables, thread counts.
-_DROPPED = ("ACCEL_", "ACCELERATE_", "FSDP_", "DS_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-            "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
+_DROPPED = (
+    "ACCEL_",
+    "ACCELERATE_",
+    "FSDP_",
+    "DS_",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "OMP_NUM_THREADS",
+    "PYTEST_",
+)
 
 
 def free_port() -> int:
@@ -29,16 +43,22 @@ def job_env(**extra: str) -> dict[str, str]:
     """The same environment for every job: this one without the settings that change a job (`_DROPPED`), offline,
     one thread per rank, this checkout's accel first on the path; `extra` on top."""
     env = {name: value for name, value in os.environ.items() if not name.startswith(_DROPPED)}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **extra)
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **extra,
+    )
     return env
 
 
 def launch(command: list[str], env: dict[str, str], cwd: Path, what: str, timeout_s: float) -> None:
     """Runs one launch in a session of its own; fails with its output when it fails or outlives `timeout_s`
     (then it is ended with all its ranks)."""
-    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:  # fmt: skip
+    with subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -54,7 +54,9 @@ def main():
     torch.manual_seed(1)  # every process builds the same initial weights
     features = 16
     train_loader = DataLoader(make_dataset(args.samples, features, seed=0), batch_size=args.batch_size, shuffle=True)
-    eval_loader = DataLoader(make_dataset(1001, features, seed=0), batch_size=args.batch_size)  # 1001: uneven on purpose
+    eval_loader = DataLoader(
+        make_dataset(1001, features, seed=0), batch_size=args.batch_size
+    )  # 1001: uneven on purpose
     model = torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     compute_dtypes = set()  # what the first layer computes in: float16 under fp16 autocast, on the CPU too
     model[0].register_forward_hook(lambda module, inputs, output: compute_dtypes.add(output.dtype))
@@ -64,8 +66,10 @@ def main():
         model, optimizer, train_loader, eval_loader, scheduler
     )
 
-    accelerator.print(f"training on {accelerator.num_processes} process(es) ({accelerator.distributed_type}), "
-                      f"mixed precision {accelerator.mixed_precision}, {len(train_loader.dataset)} samples")  # fmt: skip
+    accelerator.print(
+        f"training on {accelerator.num_processes} process(es) ({accelerator.distributed_type}), "
+        f"mixed precision {accelerator.mixed_precision}, {len(train_loader.dataset)} samples"
+    )
     for epoch in range(args.epochs):
         model.train()
         total, batches, skipped = 0.0, 0, 0
@@ -84,8 +88,10 @@ def main():
         eval_mse, seen = evaluate(accelerator, model, eval_loader)
         accelerator.print(f"epoch {epoch}: loss {train_loss:.4f}, eval mse {eval_mse:.4f} over {seen} samples")
         if accelerator.scaler is not None:  # fp16: the loss scale, and the steps skipped for inf/nan gradients
-            accelerator.print(f"  loss scale {accelerator.scaler.get_scale():g}, {skipped} step(s) skipped, "
-                              f"first layer computes in {sorted(map(str, compute_dtypes))}")  # fmt: skip
+            accelerator.print(
+                f"  loss scale {accelerator.scaler.get_scale():g}, {skipped} step(s) skipped, "
+                f"first layer computes in {sorted(map(str, compute_dtypes))}"
+            )
     accelerator.print(f"final loss {train_loss:.4f}")
     accelerator.end_training()
 

@@ -13,10 +13,10 @@ import os
 
 import psutil
 import pytest
+import spawn_pool
 import torch
 import torch.distributed as dist
 
-import spawn_pool
 from accel import _ext
 from accel.state import AcceleratorState, GradientState, PartialState
 
@@ -26,9 +26,16 @@ SHM_DIR = "/dev/shm"
 _IGNORED_ENV = {"PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID"}
 # Process-wide settings torch (inductor, opcheck) and DeepSpeed's import export once and keep for the process: not
 # a test's leak.
-_TORCH_SET_ONCE = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TORCH_WARM_POOL", "KMP_DUPLICATE_LIB_OK",
-                   "CUBLAS_WORKSPACE_CONFIG", "KMP_INIT_AT_FORK",  # the last: Intel OpenMP, on a GPU image
-                   "PYTORCH_NVML_BASED_CUDA_CHECK")  # set by `import deepspeed`
+_TORCH_SET_ONCE = (
+    "TORCHINDUCTOR_",
+    "_TORCHINDUCTOR_",
+    "TRITON_",
+    "TORCH_WARM_POOL",
+    "KMP_DUPLICATE_LIB_OK",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "KMP_INIT_AT_FORK",  # the last: Intel OpenMP, on a GPU image
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+)  # set by `import deepspeed`
 
 
 def _missing(marker: str) -> str | None:

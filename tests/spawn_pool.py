@@ -136,7 +136,9 @@ class _Pool:
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()
             proc = context.Process(
-                target=_worker_main, args=(child_end, os.getpid()), daemon=True,
+                target=_worker_main,
+                args=(child_end, os.getpid()),
+                daemon=True,
                 name=f"accel-test-rank{rank}-of{self.world_size}",
             )
             proc.start()
@@ -248,8 +250,13 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 60, **kwargs) -> l
         RanksTimedOut: not every rank finished within `timeout` seconds; the pool is killed.
     """
     pickle.dumps((fn, args, kwargs))  # an unpicklable fn or argument fails here, with pickle's own message
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
 
     def task_for_rank(rank: int) -> bytes:
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))

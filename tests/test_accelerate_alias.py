@@ -39,8 +39,9 @@ REPORT = textwrap.dedent(
 def run_python(code, env_extra=None, args=(), cwd=None):
     env = {k: v for k, v in os.environ.items() if k not in ("ACCEL_AS_ACCELERATE", "ACCELERATE_AS_ACCELERATE")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=180,
-                          cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=180, cwd=cwd
+    )
 
 
 def report_of(done):
@@ -81,16 +82,18 @@ def test_hf_accelerates_code_never_runs_even_where_it_comes_first_on_the_path(tm
 
 
 def test_off_by_default():
-    done = run_python("import sys, accel.accelerate_alias as a; import accelerate; "
-                      "print(a.installed(), accelerate.__file__)")  # fmt: skip
+    done = run_python(
+        "import sys, accel.accelerate_alias as a; import accelerate; print(a.installed(), accelerate.__file__)"
+    )
     assert done.returncode == 0, done.stderr
     installed, path = done.stdout.split()
     assert installed == "False" and os.sep + "accelerate" + os.sep in path  # HF's own, untouched
 
 
 def test_switching_on_after_hf_accelerate_was_imported_is_refused():
-    done = run_python("import accelerate, accel\ntry:\n    accel.as_accelerate()\nexcept RuntimeError as e:\n"
-                      "    print('refused:', e)")  # fmt: skip
+    done = run_python(
+        "import accelerate, accel\ntry:\n    accel.as_accelerate()\nexcept RuntimeError as e:\n    print('refused:', e)"
+    )
     assert "refused: HF Accelerate is imported already (accelerate" in done.stdout, done.stderr
 
 
@@ -153,9 +156,19 @@ def test_every_rank_and_its_spawned_workers_are_served(tmp_path, how):
 
 
 def test_accel_env_says_whether_it_is_on():
-    off = subprocess.run([sys.executable, "-m", "accel", "env"], capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k != "ACCEL_AS_ACCELERATE"})  # fmt: skip
-    on = subprocess.run([sys.executable, "-m", "accel", "env"], capture_output=True, text=True, timeout=120,
-                        env=dict(os.environ, ACCEL_AS_ACCELERATE="1"))  # fmt: skip
+    off = subprocess.run(
+        [sys.executable, "-m", "accel", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "ACCEL_AS_ACCELERATE"},
+    )
+    on = subprocess.run(
+        [sys.executable, "-m", "accel", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, ACCEL_AS_ACCELERATE="1"),
+    )
     assert "- accel as accelerate: off" in off.stdout
     assert "- accel as accelerate: on: `import accelerate` resolves to accel (accel " in on.stdout

@@ -1,6 +1,7 @@
 """The Accelerator facade: prepare, backward, accumulate, and DDP training equal to one process."""
 
 import collections
+
 import pytest
 import torch
 from spawn_pool import run_on_ranks
@@ -25,8 +26,9 @@ def global_batches(count=6, size=8):
 
 def _train(mixed_precision, accumulation):
     """Each rank trains on its slice of every global batch (split_batches=True: the scheduler steps once)."""
-    accelerator = Accelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=accumulation,
-                              split_batches=True)  # fmt: skip
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision, gradient_accumulation_steps=accumulation, split_batches=True
+    )
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -101,8 +103,11 @@ def test_optimizer_zero_grad_reads_the_signature_once_and_passes_set_to_none_whe
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     reads = []
     signature = inspect.signature
-    monkeypatch.setattr(inspect, "signature", lambda function, *args, **kwargs: reads.append(function)
-                        or signature(function, *args, **kwargs))  # fmt: skip
+    monkeypatch.setattr(
+        inspect,
+        "signature",
+        lambda function, *args, **kwargs: reads.append(function) or signature(function, *args, **kwargs),
+    )
     for _ in range(3):
         model(torch.ones(1, 8)).sum().backward()
         optimizer.zero_grad()
@@ -123,8 +128,12 @@ def test_prepare_returns_wrappers_in_the_order_given():
     optimizer = torch.optim.Adam(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     prepared_scheduler, prepared_optimizer, prepared_model = accelerator.prepare(scheduler, optimizer, model)
-    assert isinstance(prepared_optimizer, AcceleratedOptimizer) and isinstance(prepared_optimizer, torch.optim.Optimizer)
-    assert isinstance(prepared_scheduler, AcceleratedScheduler) and prepared_scheduler.optimizers == [prepared_optimizer]
+    assert isinstance(prepared_optimizer, AcceleratedOptimizer) and isinstance(
+        prepared_optimizer, torch.optim.Optimizer
+    )
+    assert isinstance(prepared_scheduler, AcceleratedScheduler) and prepared_scheduler.optimizers == [
+        prepared_optimizer
+    ]
     assert prepared_model is model and accelerator.prepare(model) is model
 
 
@@ -335,8 +344,12 @@ def test_dynamo_settings_come_from_the_launcher_env(monkeypatch):
     monkeypatch.setenv("ACCEL_DYNAMO_MODE", "reduce-overhead")
     monkeypatch.setenv("ACCEL_DYNAMO_USE_FULLGRAPH", "true")
     plugin = TorchDynamoPlugin()
-    assert plugin.enabled and plugin.compile_kwargs() == {"backend": "eager", "fullgraph": True, "dynamic": None,
-                                                          "mode": "reduce-overhead"}  # fmt: skip
+    assert plugin.enabled and plugin.compile_kwargs() == {
+        "backend": "eager",
+        "fullgraph": True,
+        "dynamic": None,
+        "mode": "reduce-overhead",
+    }
 
 
 def test_get_logger_logs_on_the_main_process_with_hf_rank_prefix(caplog):
@@ -352,7 +365,11 @@ def test_get_logger_logs_on_the_main_process_with_hf_rank_prefix(caplog):
         logger.warning_once("careful")
         logger.warning_once("careful")
     assert [r.getMessage() for r in caplog.records] == [
-        "[RANK 0] only once", "[RANK 0] from every process here", "[RANK 0] in order", "[RANK 0] careful"]
+        "[RANK 0] only once",
+        "[RANK 0] from every process here",
+        "[RANK 0] in order",
+        "[RANK 0] careful",
+    ]
     assert {r.funcName for r in caplog.records} == {"test_get_logger_logs_on_the_main_process_with_hf_rank_prefix"}
     assert caplog.records[-1].lineno == line  # warning_once names its caller's line
     assert accelerator.is_main_process
@@ -389,7 +406,8 @@ def test_get_logger_prefixes_each_rank_as_hf_does():
     """HF Accelerate's MultiProcessAdapter writes `[RANK n] ` before every message, so ranks can be told apart."""
     assert run_on_ranks(_log_from_every_rank, 2) == [
         ["[RANK 0] main only", "[RANK 0] every rank", "[RANK 0] in turn"],
-        ["[RANK 1] every rank", "[RANK 1] in turn"]]
+        ["[RANK 1] every rank", "[RANK 1] in turn"],
+    ]
 
 
 def test_save_writes_on_the_main_process(tmp_path):
@@ -421,9 +439,26 @@ def test_example_trains_on_every_gpu(tmp_path):
 
     example = Path(__file__).resolve().parent.parent / "examples" / "train.py"
     count = torch.cuda.device_count()
-    result = subprocess.run([sys.executable, "-m", "accel", "launch", "--multi_gpu", "--num_processes", str(count),
-                             "--mixed_precision", "bf16", str(example), "--epochs", "2"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel",
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(count),
+            "--mixed_precision",
+            "bf16",
+            str(example),
+            "--epochs",
+            "2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     assert f"training on {count} process(es) (DistributedType.MULTI_GPU)" in result.stdout  # even alone, as HF
     assert "over 1001 samples" in result.stdout
@@ -523,6 +558,7 @@ def _native_calls_per_collective():
     accelerator.gather(torch.zeros(1))
     calls = []
     for name in ("shm_all_gather", "shm_all_gather_bytes", "shm_pad_across_processes"):
+
         def recorded(group, data, *args, _name=name, _op=getattr(ops, name), **kwargs):
             calls.append((_name, len(data) if isinstance(data, list) else 1))
             return _op(group, data, *args, **kwargs)
@@ -530,9 +566,11 @@ def _native_calls_per_collective():
         setattr(ops, name, recorded)
     outputs = {"logits": torch.ones(rank + 2, 3), "labels": (torch.arange(rank + 2), [torch.tensor(1.0)])}
     per_call = []
-    for collective in (lambda: accelerator.gather_for_metrics(outputs),
-                       lambda: accelerator.gather(accelerator.pad_across_processes(torch.ones(rank + 1))),
-                       lambda: accelerator.gather_for_metrics([f"rank {rank}"])):  # fmt: skip
+    for collective in (
+        lambda: accelerator.gather_for_metrics(outputs),
+        lambda: accelerator.gather(accelerator.pad_across_processes(torch.ones(rank + 1))),
+        lambda: accelerator.gather_for_metrics([f"rank {rank}"]),
+    ):
         collective()
         per_call.append(list(calls))
         calls.clear()
@@ -542,6 +580,8 @@ def _native_calls_per_collective():
 @pytest.mark.native
 def test_each_public_gather_is_one_native_call_per_call_for_all_its_leaves():
     for per_call in run_on_ranks(_native_calls_per_collective, 2):
-        assert per_call == [[("shm_all_gather", 3)],
-                            [("shm_pad_across_processes", 1), ("shm_all_gather", 1)],
-                            [("shm_all_gather_bytes", 1)]]  # fmt: skip
+        assert per_call == [
+            [("shm_all_gather", 3)],
+            [("shm_pad_across_processes", 1), ("shm_all_gather", 1)],
+            [("shm_all_gather_bytes", 1)],
+        ]

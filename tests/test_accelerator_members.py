@@ -30,9 +30,21 @@ from accel.state import AcceleratorState, DistributedType, GradientState, Partia
 
 
 def test_process_members_are_methods_of_the_class():
-    for name in ("on_main_process", "on_local_main_process", "on_last_process", "on_process", "on_local_process",
-                 "wait_for_everyone", "print", "main_process_first", "local_main_process_first",
-                 "split_between_processes", "trigger_sync_in_backward", "join_uneven_inputs", "profile"):  # fmt: skip
+    for name in (
+        "on_main_process",
+        "on_local_main_process",
+        "on_last_process",
+        "on_process",
+        "on_local_process",
+        "wait_for_everyone",
+        "print",
+        "main_process_first",
+        "local_main_process_first",
+        "split_between_processes",
+        "trigger_sync_in_backward",
+        "join_uneven_inputs",
+        "profile",
+    ):
         assert callable(getattr(Accelerator, name)), name
 
 
@@ -61,10 +73,24 @@ def _decorated_calls():
 
 def test_process_decorators_on_two_ranks():
     first, second = run_on_ranks(_decorated_calls, 2)
-    assert first == {"main": "main", "local_main": "local", "last": None, "process_1": None, "local_1": None,
-                     "method": "main", "shard": ["a", "b"]}  # fmt: skip
-    assert second == {"main": None, "local_main": None, "last": "last", "process_1": "one", "local_1": "one",
-                      "method": None, "shard": ["c", "c"]}  # fmt: skip
+    assert first == {
+        "main": "main",
+        "local_main": "local",
+        "last": None,
+        "process_1": None,
+        "local_1": None,
+        "method": "main",
+        "shard": ["a", "b"],
+    }
+    assert second == {
+        "main": None,
+        "local_main": None,
+        "last": "last",
+        "process_1": "one",
+        "local_1": "one",
+        "method": None,
+        "shard": ["c", "c"],
+    }
 
 
 def test_decorators_run_everywhere_in_one_process_and_need_a_function():
@@ -75,8 +101,13 @@ def test_decorators_run_everywhere_in_one_process_and_need_a_function():
 
 
 def test_handler_attributes():
-    handlers = [DistributedDataParallelKwargs(bucket_cap_mb=10), GradScalerKwargs(init_scale=8.0), AutocastKwargs(),
-                InitProcessGroupKwargs(), ProfileKwargs(record_shapes=True)]  # fmt: skip
+    handlers = [
+        DistributedDataParallelKwargs(bucket_cap_mb=10),
+        GradScalerKwargs(init_scale=8.0),
+        AutocastKwargs(),
+        InitProcessGroupKwargs(),
+        ProfileKwargs(record_shapes=True),
+    ]
     accelerator = Accelerator(kwargs_handlers=handlers, mixed_precision="fp16")
     attributes = ("ddp_handler", "scaler_handler", "autocast_handler", "init_handler", "profile_handler")
     assert [getattr(accelerator, name) for name in attributes] == handlers
@@ -101,13 +132,19 @@ def test_arguments_are_checked_as_hf():
 def test_properties_single_process(monkeypatch):
     config = DataLoaderConfiguration(dispatch_batches=False, use_seedable_sampler=True, non_blocking=True)
     accelerator = Accelerator(dataloader_config=config)
-    assert (accelerator.dispatch_batches, accelerator.use_seedable_sampler, accelerator.non_blocking,
-            accelerator.use_stateful_dataloader) == (False, True, True, False)  # fmt: skip
+    assert (
+        accelerator.dispatch_batches,
+        accelerator.use_seedable_sampler,
+        accelerator.non_blocking,
+        accelerator.use_stateful_dataloader,
+    ) == (False, True, True, False)
     accelerator.even_batches = False
     assert accelerator.dataloader_config.even_batches is False and config.even_batches is True  # a copy
     accelerator.sync_gradients = False
     assert GradientState().sync_gradients is False
-    assert not accelerator.multi_device and not accelerator.is_fsdp2 and not accelerator.is_composable_parallelism_enabled
+    assert (
+        not accelerator.multi_device and not accelerator.is_fsdp2 and not accelerator.is_composable_parallelism_enabled
+    )
     assert accelerator.deepspeed_plugin is None and accelerator.parallelism_config is None
     assert accelerator.torch_device_mesh is None and accelerator.should_save_model
     assert accelerator.fp8_backend is FP8BackendType.NO
@@ -132,8 +169,14 @@ def test_verify_device_map():
 
 def _ranks():
     accelerator = Accelerator()
-    return (accelerator.data_parallel_rank, accelerator.data_parallel_shard_rank, accelerator.tensor_parallel_rank,
-            accelerator.pipeline_parallel_rank, accelerator.context_parallel_rank, accelerator.multi_device)  # fmt: skip
+    return (
+        accelerator.data_parallel_rank,
+        accelerator.data_parallel_shard_rank,
+        accelerator.tensor_parallel_rank,
+        accelerator.pipeline_parallel_rank,
+        accelerator.context_parallel_rank,
+        accelerator.multi_device,
+    )
 
 
 def test_parallel_ranks_under_ddp():

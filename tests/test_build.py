@@ -28,7 +28,9 @@ def broken_source_tree(tmp_path: Path) -> Path:
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(ROOT / "csrc", tree / "csrc")
-    shutil.copytree(ROOT / "accel", tree / "accel", ignore=shutil.ignore_patterns("*.so", "_build_info.json", "__pycache__"))
+    shutil.copytree(
+        ROOT / "accel", tree / "accel", ignore=shutil.ignore_patterns("*.so", "_build_info.json", "__pycache__")
+    )
     kernel = tree / "csrc" / "cpu" / "pad_into.cpp"
     kernel.write_text(kernel.read_text().replace("namespace accel {", "namespace accel { deliberate_compile_error;", 1))
     return tree
@@ -36,7 +38,18 @@ def broken_source_tree(tmp_path: Path) -> Path:
 
 def build_wheel(tree: Path, out: Path, **env) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_BUILD")} | env
-    command = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", str(tree), "-w", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-build-isolation",
+        "--no-deps",
+        "-q",
+        str(tree),
+        "-w",
+        str(out),
+    ]
     return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=600)
 
 

@@ -39,16 +39,27 @@ def test_round_trip_restores_every_object_and_the_random_states(tmp_path, safe_s
     model, optimizer, scheduler, scaler = training_objects(1)
     random.seed(7)
     torch.manual_seed(7)
-    folder = save_accelerator_state(tmp_path / "ckpt", [model.state_dict()], [optimizer], [scheduler], [], 0, 42,
-                                    scaler=scaler, safe_serialization=safe_serialization)  # fmt: skip
+    folder = save_accelerator_state(
+        tmp_path / "ckpt",
+        [model.state_dict()],
+        [optimizer],
+        [scheduler],
+        [],
+        0,
+        42,
+        scaler=scaler,
+        safe_serialization=safe_serialization,
+    )
     expected_draws = (random.random(), torch.rand(3))
     model_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    assert sorted(os.listdir(folder)) == sorted([model_name, "optimizer.bin", "scheduler.bin", "scaler.pt",
-                                                 "random_states_0.pkl"])  # fmt: skip
+    assert sorted(os.listdir(folder)) == sorted(
+        [model_name, "optimizer.bin", "scheduler.bin", "scaler.pt", "random_states_0.pkl"]
+    )
 
     other, other_optimizer, other_scheduler, other_scaler = training_objects(2)
-    overrides = load_accelerator_state(folder, [other], [other_optimizer], [other_scheduler], [], 0,
-                                       scaler=other_scaler)  # fmt: skip
+    overrides = load_accelerator_state(
+        folder, [other], [other_optimizer], [other_scheduler], [], 0, scaler=other_scaler
+    )
     assert overrides == {"step": 42}
     for name, tensor in model.state_dict().items():
         assert torch.equal(other.state_dict()[name], tensor)
@@ -64,7 +75,9 @@ def test_files_written_by_save_state_load_through_the_functions(tmp_path):
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.save_state(tmp_path / "ckpt")
     other, other_optimizer, other_scheduler, _ = training_objects(4)
-    load_accelerator_state(tmp_path / "ckpt", [other], [other_optimizer], [other_scheduler], [], 0, map_location="on_device")
+    load_accelerator_state(
+        tmp_path / "ckpt", [other], [other_optimizer], [other_scheduler], [], 0, map_location="on_device"
+    )
     assert torch.equal(other.weight, accelerator.unwrap_model(model).weight)
     assert other_scheduler.get_last_lr() == scheduler.get_last_lr()
 

@@ -84,7 +84,6 @@ def test_a_worker_that_stays_busy_ends_the_wait_at_its_deadline(monkeypatch):
     assert not gloo_workers.wait_for_gloo_workers(timeout_s=0.05)
 
 
-
 # --- every way accel starts a group waits for gloo at exit ---------------------------------------------------------
 
 # Runs of the killed-peer scenario per way of starting the group (`ACCEL_KILLED_PEER_EXIT_RUNS=50` for the issue's
@@ -147,15 +146,27 @@ SURVIVOR = """
 """
 
 _NATIVE = pytest.mark.native
-WAYS = [pytest.param("init_process_group", marks=_NATIVE), pytest.param("new_group", marks=_NATIVE),
-        "share_memory_in_default_group", "PartialState", "PartialState adopting"]  # fmt: skip
+WAYS = [
+    pytest.param("init_process_group", marks=_NATIVE),
+    pytest.param("new_group", marks=_NATIVE),
+    "share_memory_in_default_group",
+    "PartialState",
+    "PartialState adopting",
+]
 
 
 def _run_pair(script: Path, way: str) -> tuple[subprocess.CompletedProcess, int]:
     """Both ranks of one run: rank 0's outcome and rank 1's exit status."""
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), port, way], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, way],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         outputs = [rank.communicate(timeout=120) for rank in ranks]
     finally:

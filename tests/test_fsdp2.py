@@ -24,8 +24,9 @@ transformers = pytest.importorskip("transformers")
 def fresh_accelerator(fsdp=True, **kwargs):
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    plugin = FullyShardedDataParallelPlugin(**{"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap",
-                                               **(fsdp if isinstance(fsdp, dict) else {})})  # fmt: skip
+    plugin = FullyShardedDataParallelPlugin(
+        **{"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap", **(fsdp if isinstance(fsdp, dict) else {})}
+    )
     return Accelerator(fsdp_plugin=plugin if fsdp else None, **kwargs)
 
 
@@ -36,8 +37,9 @@ def grad_kernels_loaded():
 
 
 def tiny_gpt2(seed=0, **config):
-    config = transformers.GPT2Config(**{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32,
-                                        **config})  # fmt: skip
+    config = transformers.GPT2Config(
+        **{"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32, **config}
+    )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
 
@@ -97,8 +99,12 @@ def _fsdp_and_ddp(steps):
     units = [m for m in model.modules() if isinstance(m, block)]
     local = {name: p.to_local().numel() for name, p in model.named_parameters()}
     whole = {name: p.numel() for name, p in model.named_parameters()}
-    results["shards"] = (sum(local.values()), sum(whole.values()), all(isinstance(m, FSDPModule) for m in units),
-                         model.lm_head.weight is model.transformer.wte.weight)  # fmt: skip
+    results["shards"] = (
+        sum(local.values()),
+        sum(whole.values()),
+        all(isinstance(m, FSDPModule) for m in units),
+        model.lm_head.weight is model.transformer.wte.weight,
+    )
     return results
 
 
@@ -201,12 +207,23 @@ def test_cpu_offload_policy_trains_as_without():
 MESH_SETUPS = {
     # name: (FSDP plugin fields or False for DDP, ParallelismConfig sizes, LOCAL_WORLD_SIZE)
     "ddp": (False, None, None),
-    "no_shard": ({"fsdp_version": 1, "sharding_strategy": "NO_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
-                 None, None),
-    "hybrid": ({"fsdp_version": 1, "sharding_strategy": "HYBRID_SHARD", "state_dict_type": "SHARDED_STATE_DICT",
-                "cpu_ram_efficient_loading": True}, None, 2),  # the main process's weights sent into a 2-D mesh
+    "no_shard": (
+        {"fsdp_version": 1, "sharding_strategy": "NO_SHARD", "state_dict_type": "SHARDED_STATE_DICT"},
+        None,
+        None,
+    ),
+    "hybrid": (
+        {
+            "fsdp_version": 1,
+            "sharding_strategy": "HYBRID_SHARD",
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "cpu_ram_efficient_loading": True,
+        },
+        None,
+        2,
+    ),  # the main process's weights sent into a 2-D mesh
     "hsdp": ({"fsdp_version": 2}, {"dp_replicate_size": 2, "dp_shard_size": 2}, None),
-}  # fmt: skip
+}
 
 
 def _on_mesh(setups, steps, folder):
@@ -222,8 +239,13 @@ def _on_mesh(setups, steps, folder):
         model, optimizer = prepared(accelerator)
         losses, norms = train(accelerator, model, optimizer, batches(accelerator.process_index, steps))
         mesh = getattr(accelerator.strategy, "mesh", None)
-        groups = [] if mesh is None else [mesh.get_group(i)._get_backend(torch.device("cpu")).name()
-                                          for i in range(mesh.ndim) if mesh.size(i) > 1]  # fmt: skip
+        groups = (
+            []
+            if mesh is None
+            else [
+                mesh.get_group(i)._get_backend(torch.device("cpu")).name() for i in range(mesh.ndim) if mesh.size(i) > 1
+            ]
+        )
         local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
         resumed = None
         if folder is not None and setup != "ddp":
@@ -275,8 +297,12 @@ def fsdp_groups(model):
     """The model's FSDP parameter groups, each once (the modules of a unit, e.g. the tail's, share one state)."""
     from torch.distributed.fsdp import FSDPModule
 
-    groups = {id(group): group for module in model.modules() if isinstance(module, FSDPModule)
-              for group in module._get_fsdp_state()._fsdp_param_groups}  # fmt: skip
+    groups = {
+        id(group): group
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in module._get_fsdp_state()._fsdp_param_groups
+    }
     return list(groups.values())
 
 
@@ -319,8 +345,9 @@ def _bf16_policy():
         "groups' policies": {group.mp_policy for group in fsdp_groups(model)},
         "in the forward": in_forward,
         "masters": {(type(p).__name__, p.dtype) for p in model.parameters()},
-        "optimizer state": {t.dtype for state in optimizer.optimizer.state.values() for t in state.values()
-                            if t.dim() > 0},  # fmt: skip
+        "optimizer state": {
+            t.dtype for state in optimizer.optimizer.state.values() for t in state.values() if t.dim() > 0
+        },
         "losses": losses,
     }
 
@@ -379,8 +406,9 @@ def _ignored_module_runs():
     results = {}
     for setup in ("ddp", "fsdp", "fsdp, loaded from the main process"):
         efficient = setup.endswith("process")
-        accelerator = fresh_accelerator(setup != "ddp" and {"ignored_modules": "transformer.wpe",
-                                                            "cpu_ram_efficient_loading": efficient})  # fmt: skip
+        accelerator = fresh_accelerator(
+            setup != "ddp" and {"ignored_modules": "transformer.wpe", "cpu_ram_efficient_loading": efficient}
+        )
         with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
             model = tiny_gpt2()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -460,7 +488,9 @@ def test_cpu_ram_efficient_loading_keeps_the_full_weights_on_the_main_process_on
     for rank, result in enumerate(run_on_ranks(_ram_efficient_and_plain, 2, timeout=180)):
         weights_mib = result["MiB"]
         (efficient_growth, efficient_tied, *efficient_run), (plain_growth, plain_tied, *plain_run) = (
-            result[True], result[False])
+            result[True],
+            result[False],
+        )
         assert efficient_tied and plain_tied
         # The same losses, clip norms and full weights (on the main process), bit for bit.
         torch.testing.assert_close(efficient_run, plain_run, rtol=0, atol=0)
@@ -490,8 +520,9 @@ def _buffers_loaded_from_the_main_process():
 
     results = {}
     for efficient in (False, True):
-        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "auto_wrap_policy": "size_based_wrap",
-                                         "min_num_params": 100})  # fmt: skip
+        accelerator = fresh_accelerator(
+            {"cpu_ram_efficient_loading": efficient, "auto_wrap_policy": "size_based_wrap", "min_num_params": 100}
+        )
         torch.manual_seed(0)
         if efficient and not accelerator.is_main_process:
             with init_empty_weights():
@@ -544,8 +575,9 @@ def _loaded_from_the_main_process_with_checkpointing_and_bf16():
 
     results = {}
     for efficient in (False, True):
-        accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient, "activation_checkpointing": True},
-                                        mixed_precision="bf16")  # fmt: skip
+        accelerator = fresh_accelerator(
+            {"cpu_ram_efficient_loading": efficient, "activation_checkpointing": True}, mixed_precision="bf16"
+        )
         with init_empty_weights() if efficient and not accelerator.is_main_process else contextlib.nullcontext():
             model = tiny_gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).to(torch.bfloat16)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -580,8 +612,11 @@ def _optimizer_steps_on_local_shards(name):
     model = tiny_gpt2()
     model, optimizer = accelerator.prepare(model, factory(model.parameters(), **settings))
     stepped_types = []
-    optimizer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: stepped_types.append(
-        sorted({type(p).__name__ for group in opt.param_groups for p in group["params"]})))  # fmt: skip
+    optimizer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: stepped_types.append(
+            sorted({type(p).__name__ for group in opt.param_groups for p in group["params"]})
+        )
+    )
     reference, reference_optimizer = None, None
     same = []
     for tokens in batches(accelerator.process_index, 2):
@@ -596,8 +631,13 @@ def _optimizer_steps_on_local_shards(name):
         same.append(all(torch.equal(whole, param.full_tensor()) for whole, param in zip(reference, model.parameters())))
         optimizer.zero_grad()
     state = list(optimizer.optimizer.state.items())
-    layouts = all(isinstance(values[key], DTensor) and values[key].placements == param.placements
-                  and values[key].shape == param.shape for param, values in state for key in state_names)  # fmt: skip
+    layouts = all(
+        isinstance(values[key], DTensor)
+        and values[key].placements == param.placements
+        and values[key].shape == param.shape
+        for param, values in state
+        for key in state_names
+    )
     keys = all(any(key is param for param in model.parameters()) for key, _ in state)
     shard_grads = [p.to_local().grad for p in model.parameters() if p.to_local().grad is not None]
     return stepped_types, same, layouts and keys and len(state) == len(reference), len(shard_grads)
@@ -671,8 +711,12 @@ def _default_save_fsyncs(folder):
         accelerator.wait_for_checkpoint()
     finally:
         os.fsync = real
-    dcp_files = [os.path.join(root, name) for root, _, names in os.walk(published) for name in names
-                 if os.path.basename(root).startswith(("pytorch_model_fsdp_", "optimizer_"))]  # fmt: skip
+    dcp_files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(published)
+        for name in names
+        if os.path.basename(root).startswith(("pytorch_model_fsdp_", "optimizer_"))
+    ]
     return on_return, [path for path in dcp_files if path not in synced], len(dcp_files)
 
 
@@ -751,9 +795,13 @@ def test_save_model_writes_the_full_model_that_transformers_loads(tmp_path):
 def _refusals_and_translation():
     outcome = {}
     with warnings.catch_warnings(record=True):
-        accelerator = fresh_accelerator({"fsdp_version": 1, "sharding_strategy": "SHARD_GRAD_OP",
-                                         "auto_wrap_policy": "transformer_based_wrap"})  # fmt: skip
-    outcome["translated"] = (accelerator.strategy.plugin.fsdp_version, accelerator.strategy.plugin.reshard_after_forward)
+        accelerator = fresh_accelerator(
+            {"fsdp_version": 1, "sharding_strategy": "SHARD_GRAD_OP", "auto_wrap_policy": "transformer_based_wrap"}
+        )
+    outcome["translated"] = (
+        accelerator.strategy.plugin.fsdp_version,
+        accelerator.strategy.plugin.reshard_after_forward,
+    )
     try:
         fresh_accelerator({"fsdp_version": 1, "backward_prefetch": "BACKWARD_POST"})
     except UnsupportedFeatureError as error:

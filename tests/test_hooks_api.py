@@ -21,11 +21,20 @@ from accel.hooks import (
 from accel.unsupported import UnsupportedFeatureError
 
 HF_HOOKS_NAMES = [  # what `accelerate.hooks` defines (1.15)
-    "AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook", "ModelHook", "SequentialHook", "UserCpuOffloadHook",
-    "add_hook_to_module", "attach_align_device_hook", "attach_align_device_hook_on_blocks",
-    "attach_execution_device_hook", "remove_hook_from_module", "remove_hook_from_submodules",
+    "AlignDevicesHook",
+    "CpuOffload",
+    "LayerwiseCastingHook",
+    "ModelHook",
+    "SequentialHook",
+    "UserCpuOffloadHook",
+    "add_hook_to_module",
+    "attach_align_device_hook",
+    "attach_align_device_hook_on_blocks",
+    "attach_execution_device_hook",
+    "remove_hook_from_module",
+    "remove_hook_from_submodules",
     "set_module_tensor_to_device",
-]  # fmt: skip
+]
 
 
 def test_hf_hooks_names_resolve():
@@ -155,9 +164,12 @@ def test_attach_align_device_hook_on_blocks_offloads_only_the_blocks_asked():
     x = torch.randn(3, 4)
     expected = model(x)
     blocks = ["0", "1", "2", "3"]
-    attach_align_device_hook_on_blocks(model, execution_device=dict.fromkeys(blocks, "cpu"),
-                                       offload={"0": False, "1": False, "2": False, "3": True},
-                                       weights_map=dict(model.state_dict()))  # fmt: skip
+    attach_align_device_hook_on_blocks(
+        model,
+        execution_device=dict.fromkeys(blocks, "cpu"),
+        offload={"0": False, "1": False, "2": False, "3": True},
+        weights_map=dict(model.state_dict()),
+    )
     assert model[3].weight.device.type == "meta" and model[0].weight.device.type == "cpu"
     torch.testing.assert_close(model(x), expected)
 
@@ -235,7 +247,9 @@ def test_an_offloaded_tied_weight_brought_in_by_a_hook_is_released_after_its_for
     seen.clear()
     torch.testing.assert_close(layer(x), expected)
     weight, during = seen[0]
-    assert during[stored.data_ptr()] == {"cpu": weight}  # recorded for the other names of the group while the forward runs
+    assert during[stored.data_ptr()] == {
+        "cpu": weight
+    }  # recorded for the other names of the group while the forward runs
     assert tied[stored.data_ptr()] == {}  # and released after it
 
 

@@ -59,8 +59,13 @@ def imported_names(module: str, path: Path) -> set[str]:
             source = _absolute(module, is_package, node)
             names.add(source)
             names.update(f"{source}.{alias.name}" for alias in node.names if alias.name != "*")
-        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             names.add(node.args[0].value)
     return {name for name in names if name == "accel" or name.startswith("accel.")}
 
@@ -146,12 +151,18 @@ def test_graph_sees_lazy_imports_packages_and_import_module(tmp_path, monkeypatc
     (package / "sub" / "b.py").write_text("def f():\n    from .. import c\n")
     (package / "c.py").write_text(
         "import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import accel.d\n"
-        "def g():\n    return importlib.import_module('accel.sub.b')\n")  # fmt: skip
+        "def g():\n    return importlib.import_module('accel.sub.b')\n"
+    )
     (package / "d.py").write_text("")
     monkeypatch.setattr(f"{__name__}.ROOT", package)
     graph = import_graph()
-    assert graph == {"accel": set(), "accel.sub": {"accel.sub.b"}, "accel.sub.b": {"accel.c"},
-                     "accel.c": {"accel.sub", "accel.sub.b"}, "accel.d": set()}  # fmt: skip
+    assert graph == {
+        "accel": set(),
+        "accel.sub": {"accel.sub.b"},
+        "accel.sub.b": {"accel.c"},
+        "accel.c": {"accel.sub", "accel.sub.b"},
+        "accel.d": set(),
+    }
     assert strongly_connected(graph) == [{"accel.sub", "accel.sub.b", "accel.c"}]
 
 

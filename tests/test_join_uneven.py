@@ -82,7 +82,8 @@ def _train_uneven(length, even_batches_override):
 
 def test_join_uneven_inputs_trains_processes_with_different_batch_counts():
     (batches_0, even_0, joined_0, weights_0), (batches_1, even_1, joined_1, weights_1) = run_on_ranks(
-        _train_uneven, 2, 5, False)  # fmt: skip
+        _train_uneven, 2, 5, False
+    )
     assert (batches_0, batches_1) == (3, 2)  # 5 samples: one process has a batch more
     assert even_0 and even_1 and not joined_0 and not joined_1  # the loaders' settings are restored
     torch.testing.assert_close(weights_0, weights_1, atol=0, rtol=0)  # Join kept the replicas identical

@@ -174,7 +174,6 @@ def test_notebook_launcher_rejects_bad_arguments(kwargs, message):
         notebook_launcher(_fail_on_rank_1, **{"num_processes": 2, **kwargs})
 
 
-
 def _fail_first_attempt(out_dir: str) -> None:
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     if attempt == "0":
@@ -186,7 +185,12 @@ def _fail_first_attempt(out_dir: str) -> None:
 def test_notebook_launcher_restarts_failed_processes_up_to_max_restarts(tmp_path):
     """Through the c10d rendezvous (the other tests use the static one)."""
     notebook_launcher(
-        _fail_first_attempt, args=(str(tmp_path),), num_processes=2, use_port="0", max_restarts=1,
-        rdzv_backend="c10d", monitor_interval=0.05,
-    )  # fmt: skip
+        _fail_first_attempt,
+        args=(str(tmp_path),),
+        num_processes=2,
+        use_port="0",
+        max_restarts=1,
+        rdzv_backend="c10d",
+        monitor_interval=0.05,
+    )
     assert {r["total"] for r in _read_reports(tmp_path)} == {3}

@@ -56,8 +56,9 @@ def test_refuses_other_distributed_types_and_bad_step_counts():
         LocalSGD(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), torch.nn.Linear(1, 1), 2)
     with pytest.raises(ValueError, match="positive integer"):
         LocalSGD(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), torch.nn.Linear(1, 1), 0)
-    disabled = LocalSGD(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), torch.nn.Linear(1, 1), None,
-                        enabled=False)  # fmt: skip
+    disabled = LocalSGD(
+        SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), torch.nn.Linear(1, 1), None, enabled=False
+    )
     with disabled as local_sgd:
         local_sgd.step()
     assert local_sgd.num_steps == 1

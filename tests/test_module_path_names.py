@@ -92,23 +92,47 @@ def _network_args(model, batch=None, **fields):
     return {key: value for key, value in args.items() if before.get(key, "unset") != value}, caught
 
 
-BERT = dict(model_type="megatron-bert", num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
-            max_position_embeddings=64, num_labels=3, vocab_size=50)  # fmt: skip
+BERT = dict(
+    model_type="megatron-bert",
+    num_hidden_layers=2,
+    hidden_size=8,
+    num_attention_heads=2,
+    max_position_embeddings=64,
+    num_labels=3,
+    vocab_size=50,
+)
 
 
 def test_megatron_parsers_fill_the_network_size_arguments_as_hf_s():
     args, _ = _network_args(_model("MegatronBertForMaskedLM", **BERT))
-    assert args == {"seq_length": 64, "model_type_name": "bert", "num_layers": 2, "hidden_size": 8,
-                    "num_attention_heads": 2, "max_position_embeddings": 64, "pretraining_flag": True,
-                    "orig_vocab_size": 50, "model_return_dict": True, "num_labels": 3}  # fmt: skip
+    assert args == {
+        "seq_length": 64,
+        "model_type_name": "bert",
+        "num_layers": 2,
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 64,
+        "pretraining_flag": True,
+        "orig_vocab_size": 50,
+        "model_return_dict": True,
+        "num_labels": 3,
+    }
     gpt2 = _model("GPT2LMHeadModel", model_type="gpt2", n_layer=2, n_embd=8, n_head=2, n_positions=64, vocab_size=50)
     args, _ = _network_args(gpt2, {"input_ids": torch.zeros(2, 16)})
     assert args["seq_length"] == 16 and args["tokenizer_type"] == "GPT2BPETokenizer" and args["num_layers"] == 2
     t5 = _model("T5Model", model_type="t5", num_layers=2, d_model=8, num_heads=2, vocab_size=50)
     args, _ = _network_args(t5, {"input_ids": torch.zeros(2, 16), "labels": torch.zeros(2, 7)})
     assert (args["encoder_seq_length"], args["decoder_seq_length"], args["max_position_embeddings"]) == (16, 7, 1024)
-    llama = _model("LlamaForCausalLM", model_type="llama", num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
-                   max_position_embeddings=64, vocab_size=50, max_sequence_length=48)  # fmt: skip
+    llama = _model(
+        "LlamaForCausalLM",
+        model_type="llama",
+        num_hidden_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        vocab_size=50,
+        max_sequence_length=48,
+    )
     args, _ = _network_args(llama)
     assert args["seq_length"] == 48 and args["tokenizer_type"] == "Llama2Tokenizer" and args["model_type_name"] == "gpt"
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 from spawn_pool import run_on_ranks
+from test_accelerator import global_batches, make_model
 
 from accel.accelerator import Accelerator
 from accel.settings import GradScalerKwargs
 from accel.state import AcceleratorState, GradientState
-from test_accelerator import global_batches, make_model
 
 
 def _train(mixed_precision, steps=30, overflow_at=None, scaler_kwargs=None):
@@ -88,8 +88,9 @@ def _fp16_on_ranks(overflow_rank):
     from accel.state import PartialState
 
     overflow_at = 3 if PartialState().process_index == overflow_rank else None
-    _, skipped, scales, _, parameters = _train("fp16", steps=6, overflow_at=overflow_at,
-                                               scaler_kwargs=dict(init_scale=1024.0))  # fmt: skip
+    _, skipped, scales, _, parameters = _train(
+        "fp16", steps=6, overflow_at=overflow_at, scaler_kwargs=dict(init_scale=1024.0)
+    )
     return skipped, scales, parameters
 
 
@@ -205,16 +206,34 @@ def test_the_example_trains_in_fp16_under_accel_launch(tmp_path):
     from pathlib import Path
 
     example = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-    result = subprocess.run([sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2",
-                             "--mixed_precision", "fp16", str(example), "--epochs", "2", "--samples", "1024"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel",
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "fp16",
+            str(example),
+            "--epochs",
+            "2",
+            "--samples",
+            "1024",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mixed precision fp16" in result.stdout
     assert "first layer computes in ['torch.float16']" in result.stdout
     assert "loss scale 65536" in result.stdout
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in result.stdout.splitlines() if "eval mse" in line]
     assert len(losses) == 2 and losses[1] < losses[0]
-
 
 
 def _scaled_step(param_dtype, max_norm):
@@ -249,8 +268,9 @@ def test_clip_grad_norm_after_backward_matches_torchs_unscale_and_clip(param_dty
     reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in scaled]
     for param, grad in zip(reference, scaled):
         param.grad = grad.clone()
-    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in reference], torch.zeros(()),
-                                                     torch.tensor(1.0 / scale))  # fmt: skip
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [p.grad for p in reference], torch.zeros(()), torch.tensor(1.0 / scale)
+    )
     expected_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm)
     rtol = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-6}[param_dtype]
     torch.testing.assert_close(norm.float(), expected_norm.float(), rtol=rtol, atol=0)  # fp32 when fused
@@ -331,8 +351,9 @@ def test_a_gpu_training_step_matches_hf_accelerate(mixed_precision, overflow_at)
     assert ours["skipped"] == theirs["skipped"] == [step == overflow_at for step in range(8)]
     assert ours["scales"] == theirs["scales"]
     assert (ours["scales"][0] is not None) == (mixed_precision == "fp16")
-    torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-5, atol=0,
-                               equal_nan=True)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-5, atol=0, equal_nan=True
+    )
     for a, b in zip(ours["parameters"], theirs["parameters"]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert sum(ours["losses"][-2:]) < sum(ours["losses"][:2])  # it trained
@@ -385,5 +406,7 @@ def test_torchs_private_scaler_fields_are_read_in_one_module():
     import accel
     from accel.precision import scaler
 
-    readers = [path for path in Path(accel.__file__).parent.rglob("*.py") if "._per_optimizer_states" in path.read_text()]
+    readers = [
+        path for path in Path(accel.__file__).parent.rglob("*.py") if "._per_optimizer_states" in path.read_text()
+    ]
     assert readers == [Path(scaler.__file__)]

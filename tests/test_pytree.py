@@ -74,8 +74,9 @@ def test_recursively_apply_keeps_every_container_type_and_other_leaves():
 
 
 def test_recursively_apply_passes_arguments_and_selects_leaves_with_test_type():
-    result = recursively_apply(lambda x, a, b=0: x * a + b, [1, (2, 3.5), "s"], 10, b=1,
-                               test_type=lambda x: isinstance(x, int))
+    result = recursively_apply(
+        lambda x, a, b=0: x * a + b, [1, (2, 3.5), "s"], 10, b=1, test_type=lambda x: isinstance(x, int)
+    )
     assert result == [11, (21, 3.5), "s"]
 
 
@@ -115,8 +116,10 @@ def test_send_to_device_skip_keys_are_honoured_even_where_the_mapping_has_to():
 
 
 def test_concatenate_joins_matching_structures_leaf_by_leaf():
-    parts = [{"x": torch.zeros(2, 3), "p": Point(torch.ones(1), torch.ones(2, 1))},
-             {"x": torch.ones(1, 3), "p": Point(torch.zeros(2), torch.zeros(2, 1))}]
+    parts = [
+        {"x": torch.zeros(2, 3), "p": Point(torch.ones(1), torch.ones(2, 1))},
+        {"x": torch.ones(1, 3), "p": Point(torch.zeros(2), torch.zeros(2, 1))},
+    ]
     joined = concatenate(parts)
     assert joined["x"].shape == (3, 3) and joined["x"][2].eq(1).all()
     assert type(joined["p"]) is Point and joined["p"].x.tolist() == [1, 0, 0]

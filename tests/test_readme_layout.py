@@ -40,9 +40,23 @@ def test_every_path_the_map_names_exists():
 def test_the_map_names_every_top_level_module_and_folder():
     block = _layout_block()
     unnamed = []
-    folders = ("accel", "accel/data", "accel/collectives", "accel/checkpoint", "accel/big_modeling", "accel/cli",
-               "accel/strategies", "accel/precision", "csrc", "csrc/cpu", "benchmarks", "benchmarks/report", "tools",
-               "examples", "tests")
+    folders = (
+        "accel",
+        "accel/data",
+        "accel/collectives",
+        "accel/checkpoint",
+        "accel/big_modeling",
+        "accel/cli",
+        "accel/strategies",
+        "accel/precision",
+        "csrc",
+        "csrc/cpu",
+        "benchmarks",
+        "benchmarks/report",
+        "tools",
+        "examples",
+        "tests",
+    )
     for folder in folders:
         for name in _entries(folder):
             if name == "__init__.py" and folder != "accel":

@@ -104,32 +104,56 @@ def test_the_port_follows_the_job_id():
 
 def step(**variables: str) -> dict[str, str]:
     """What srun sets for task 3 of `srun -N2 --ntasks-per-node=2 python x.py` (node 1, its second task)."""
-    environ = {"SLURM_JOB_ID": "880042", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4",
-               "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_STEP_NODELIST": "gpu[07-08]",
-               "SLURM_JOB_NODELIST": "gpu[01-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
-               "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}  # fmt: skip
+    environ = {
+        "SLURM_JOB_ID": "880042",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_NODELIST": "gpu[01-08]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+    }
     environ.update(variables)
     return {name: value for name, value in environ.items() if value is not None}
 
 
 def test_an_srun_task_gets_its_rank_local_rank_world_and_rendezvous():
     assert slurm.task_environment(step()) == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "gpu07",  # the step's first node, not the allocation's
         "MASTER_PORT": str(15000 + 42),
-    }  # fmt: skip
+    }
 
 
 def test_uneven_nodes_get_their_own_local_world_size():
-    environ = step(SLURM_STEP_NUM_TASKS="7", SLURM_STEP_NUM_NODES="3", SLURM_STEP_NODELIST="n[1-3]",
-                   SLURM_STEP_TASKS_PER_NODE="3(x2),1", SLURM_NODEID="2", SLURM_PROCID="6", SLURM_LOCALID="0")
+    environ = step(
+        SLURM_STEP_NUM_TASKS="7",
+        SLURM_STEP_NUM_NODES="3",
+        SLURM_STEP_NODELIST="n[1-3]",
+        SLURM_STEP_TASKS_PER_NODE="3(x2),1",
+        SLURM_NODEID="2",
+        SLURM_PROCID="6",
+        SLURM_LOCALID="0",
+    )
     variables = slurm.task_environment(environ)
     assert (variables["RANK"], variables["WORLD_SIZE"], variables["LOCAL_WORLD_SIZE"]) == ("6", "7", "1")
 
 
 def test_the_allocations_variables_are_read_when_the_steps_are_missing():
-    environ = step(SLURM_STEP_NODELIST=None, SLURM_STEP_TASKS_PER_NODE=None, SLURM_STEP_NUM_NODES=None,
-                   SLURM_TASKS_PER_NODE="2(x2)")  # fmt: skip
+    environ = step(
+        SLURM_STEP_NODELIST=None,
+        SLURM_STEP_TASKS_PER_NODE=None,
+        SLURM_STEP_NUM_NODES=None,
+        SLURM_TASKS_PER_NODE="2(x2)",
+    )
     assert slurm.task_environment(environ)["MASTER_ADDR"] == "gpu01"
 
 
@@ -141,7 +165,9 @@ def test_a_given_master_address_and_port_are_kept():
 @pytest.mark.parametrize(
     "variables",
     [
-        {"RANK": "0"}, {"WORLD_SIZE": "4"}, {"LOCAL_RANK": "1"},  # torchrun / accel launch chose already
+        {"RANK": "0"},
+        {"WORLD_SIZE": "4"},
+        {"LOCAL_RANK": "1"},  # torchrun / accel launch chose already
         {"SLURM_STEP_NUM_TASKS": None},  # sbatch's batch script or salloc's shell: no srun step
         {"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1"},  # `srun --pty bash`: one task
     ],
@@ -182,10 +208,18 @@ def no_launcher(monkeypatch):
 
 def test_a_script_in_an_interactive_srun_shell_stays_one_process(no_launcher):
     # `srun --pty bash`, then `python x.py`: a step of one task.
-    for name, value in {"SLURM_JOB_ID": "51", "SLURM_JOB_NAME": "bash", "SLURM_STEP_NUM_TASKS": "1",
-                        "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
-                        "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "node01",
-                        "SLURM_STEP_TASKS_PER_NODE": "1"}.items():  # fmt: skip
+    for name, value in {
+        "SLURM_JOB_ID": "51",
+        "SLURM_JOB_NAME": "bash",
+        "SLURM_STEP_NUM_TASKS": "1",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_NODELIST": "node01",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+    }.items():
         no_launcher.setenv(name, value)
     state = PartialState(cpu=True)
     assert (state.distributed_type, state.num_processes, state.backend) == (DistributedType.NO, 1, None)
@@ -194,9 +228,16 @@ def test_a_script_in_an_interactive_srun_shell_stays_one_process(no_launcher):
 
 def test_a_script_run_straight_in_a_batch_script_stays_one_process(no_launcher):
     # `#SBATCH --ntasks=4`, then `python x.py` without srun: the batch script sees the allocation's tasks.
-    for name, value in {"SLURM_JOB_ID": "52", "SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-                        "SLURM_NODEID": "0", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[01-02]",
-                        "SLURM_TASKS_PER_NODE": "2(x2)"}.items():  # fmt: skip
+    for name, value in {
+        "SLURM_JOB_ID": "52",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+    }.items():
         no_launcher.setenv(name, value)
     state = PartialState(cpu=True)
     assert (state.distributed_type, state.num_processes) == (DistributedType.NO, 1)
@@ -244,15 +285,30 @@ def _free_job_id() -> str:
 
 
 def _task_env(procid: int, job_id: str) -> dict[str, str]:
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("ACCEL_", "ACCELERATE_", "SLURM_")) and name not in TORCH_VARIABLES}  # fmt: skip
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("ACCEL_", "ACCELERATE_", "SLURM_")) and name not in TORCH_VARIABLES
+    }
     if "ACCEL_DISABLE_NATIVE" in os.environ:  # keep the suite's native/fallback mode
         env["ACCEL_DISABLE_NATIVE"] = os.environ["ACCEL_DISABLE_NATIVE"]
-    env.update(SLURM_JOB_ID=job_id, SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="2",
-               SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1", SLURM_STEP_NODELIST="127.0.0.1",
-               SLURM_JOB_NODELIST="127.0.0.1", SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODEID="0",
-               SLURM_PROCID=str(procid), SLURM_LOCALID=str(procid), ACCEL_PROCESS_GROUP_TIMEOUT="60",
-               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")  # fmt: skip
+    env.update(
+        SLURM_JOB_ID=job_id,
+        SLURM_STEP_ID="0",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_NTASKS="2",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_NNODES="1",
+        SLURM_STEP_NODELIST="127.0.0.1",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_NODEID="0",
+        SLURM_PROCID=str(procid),
+        SLURM_LOCALID=str(procid),
+        ACCEL_PROCESS_GROUP_TIMEOUT="60",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+    )
     return env
 
 
@@ -261,9 +317,17 @@ def test_two_srun_tasks_without_a_launcher_form_one_job(tmp_path):
     script = tmp_path / "task.py"
     script.write_text(textwrap.dedent(_TASK_SCRIPT))
     job_id = _free_job_id()
-    tasks = [subprocess.Popen([sys.executable, str(script)], env=_task_env(procid, job_id), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for procid in range(2)]  # fmt: skip
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=_task_env(procid, job_id),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for procid in range(2)
+    ]
     try:
         outputs = [task.communicate(timeout=120) for task in tasks]
     finally:
@@ -274,5 +338,14 @@ def test_two_srun_tasks_without_a_launcher_form_one_job(tmp_path):
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     port = str(slurm.job_port({"SLURM_JOB_ID": job_id}))
     for procid, report in enumerate(reports):
-        assert report == {"type": "MULTI_CPU", "index": procid, "local": procid, "processes": 2, "sum": 3.0,
-                          "gathered": [0, 10], "addr": "127.0.0.1", "port": port, "local_world": "2"}  # fmt: skip
+        assert report == {
+            "type": "MULTI_CPU",
+            "index": procid,
+            "local": procid,
+            "processes": 2,
+            "sum": 3.0,
+            "gathered": [0, 10],
+            "addr": "127.0.0.1",
+            "port": port,
+            "local_world": "2",
+        }

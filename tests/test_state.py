@@ -20,11 +20,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from spawn_pool import run_on_ranks
 
 from accel import state as state_module
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState, is_initialized
 from accel.unsupported import UnsupportedFeatureError
-from spawn_pool import run_on_ranks
 
 WORLD_SIZES = [1, 2, 4]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -66,8 +66,11 @@ def _split_cases(length: int) -> dict[str, object]:
 def _expected_split(case: str, length: int, indices: list[int]):
     full = _split_cases(length)[case]
     if case == "dict":
-        return {"text": [full["text"][i] for i in indices], "ids": full["ids"][indices],
-                "nested": {"pair": tuple(full["nested"]["pair"][i] for i in indices)}}
+        return {
+            "text": [full["text"][i] for i in indices],
+            "ids": full["ids"][indices],
+            "nested": {"pair": tuple(full["nested"]["pair"][i] for i in indices)},
+        }
     if case == "tensor":
         return full[indices] if indices else full[:0]
     return type(full)(full[i] for i in indices)
@@ -233,8 +236,22 @@ def test_single_process_split_returns_inputs_unchanged():
 def test_distributed_type_is_a_json_friendly_str_enum():
     assert DistributedType.MULTI_CPU == "MULTI_CPU"
     assert json.dumps({"type": DistributedType.MULTI_GPU}) == '{"type": "MULTI_GPU"}'
-    expected = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU",
-                "MULTI_XPU", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM", "TP"}
+    expected = {
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_HPU",
+        "MULTI_XPU",
+        "DEEPSPEED",
+        "FSDP",
+        "XLA",
+        "MEGATRON_LM",
+        "TP",
+    }
     assert expected <= {member.value for member in DistributedType}
 
 
@@ -403,9 +420,16 @@ def _describe():
 def test_launched_cpu_processes_are_multi_cpu_without_cpu_flag(world_size):
     for rank, info in enumerate(run_on_ranks(_describe, world_size)):
         assert info == {
-            "type": DistributedType.MULTI_CPU, "backend": "gloo", "num_processes": world_size,
-            "process_index": rank, "local_process_index": rank, "main": rank == 0, "local_main": rank == 0,
-            "last": rank == world_size - 1, "use_distributed": world_size > 1, "device": "cpu",
+            "type": DistributedType.MULTI_CPU,
+            "backend": "gloo",
+            "num_processes": world_size,
+            "process_index": rank,
+            "local_process_index": rank,
+            "main": rank == 0,
+            "local_main": rank == 0,
+            "last": rank == world_size - 1,
+            "use_distributed": world_size > 1,
+            "device": "cpu",
             "group": world_size,
         }
 
@@ -495,7 +519,10 @@ def _decorated():
 
 def test_decorators_on_ranks():
     assert run_on_ranks(_decorated, 4) == [
-        ["main", "local_main", "process 0 (positional)"], ["process 1", "local 1"], [], ["last"],
+        ["main", "local_main", "process 0 (positional)"],
+        ["process 1", "local 1"],
+        [],
+        ["last"],
     ]
 
 
@@ -600,8 +627,15 @@ def _accelerator_state_on_rank():
     with state.main_process_first():
         pass
     state.wait_for_everyone()
-    return (state.mixed_precision, state.distributed_type, state.process_index, state.num_processes,
-            state.is_main_process, state.is_last_process, state.use_distributed)
+    return (
+        state.mixed_precision,
+        state.distributed_type,
+        state.process_index,
+        state.num_processes,
+        state.is_main_process,
+        state.is_last_process,
+        state.use_distributed,
+    )
 
 
 def test_accelerator_state_on_ranks(monkeypatch):

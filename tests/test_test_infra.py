@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-
 import spawn_pool
+import torch.distributed as dist
 from spawn_pool import RankFailed, RanksTimedOut, run_on_ranks
 
 
@@ -149,7 +148,7 @@ def _alive(pid: int) -> bool:
 
 # --- The autouse guards of tests/conftest.py, exercised in a separate pytest run -----------------------------------
 
-_LEAKY_TESTS = '''
+_LEAKY_TESTS = """
 import os, subprocess, sys
 import psutil
 import torch.distributed as dist
@@ -186,7 +185,7 @@ def test_state_set():
 
 def test_state_after():
     assert PartialState._shared_state == {}
-'''
+"""
 
 
 @pytest.mark.timeout(180)
@@ -197,12 +196,17 @@ def test_conftest_guards_fail_the_leaking_test_and_protect_the_next(tmp_path):
     (tmp_path / "test_leaks.py").write_text(_LEAKY_TESTS)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rE", "-p", "no:cacheprovider", "test_leaks.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=150,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
-    errors = {line.split(" - ")[0].split("::")[-1]: line for line in run.stdout.splitlines()
-              if line.startswith("ERROR ")}
-    assert set(errors) == {"test_env_leak", "test_process_group_leak", "test_child_leak", "test_shm_leak"}, \
+    errors = {
+        line.split(" - ")[0].split("::")[-1]: line for line in run.stdout.splitlines() if line.startswith("ERROR ")
+    }
+    assert set(errors) == {"test_env_leak", "test_process_group_leak", "test_child_leak", "test_shm_leak"}, (
         run.stdout + run.stderr
+    )
     assert "changed environment variables (+added -removed ~changed): +ACCEL_GUARD_LEAK" in run.stdout
     assert "left a torch.distributed process group initialized" in run.stdout
     assert "left child processes alive" in run.stdout and "time.sleep(60)" in run.stdout

@@ -33,18 +33,19 @@ from accel.test_utils import (
 from accel.test_utils.examples import compare_against_test, get_function_contents_by_name
 from accel.test_utils.testing import (
     AccelerateTestCase,
+    SubprocessCallException,
     TempDirTestCase,
     mockenv,
     mockenv_context,
-    SubprocessCallException,
     require_bnb,
     run_command,
 )
 
 
 def test_execute_subprocess_async_returns_the_output():
-    result = execute_subprocess_async([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
-                                      quiet=True, echo=False)  # fmt: skip
+    result = execute_subprocess_async(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], quiet=True, echo=False
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, ["out"], ["err"])
 
 
@@ -56,8 +57,10 @@ def test_execute_subprocess_async_raises_with_the_output_on_failure():
 
 
 def test_execute_subprocess_async_kills_a_command_past_its_timeout_with_its_children():
-    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
-              "time.sleep(60)']); print('child', child.pid, flush=True); time.sleep(60)")  # fmt: skip
+    script = (
+        "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)']); print('child', child.pid, flush=True); time.sleep(60)"
+    )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 2") as caught:
         execute_subprocess_async([sys.executable, "-c", script], timeout=2, quiet=True, echo=False)
@@ -77,7 +80,11 @@ def test_run_command():
 
 def test_launch_command_and_environment_helpers():
     assert get_launch_command(num_processes=2, cpu=True, debug=False, config_file=None) == [
-        "accel", "launch", "--num_processes=2", "--cpu"]  # fmt: skip
+        "accel",
+        "launch",
+        "--num_processes=2",
+        "--cpu",
+    ]
     assert DEFAULT_LAUNCH_COMMAND[:2] == ["accel", "launch"] and "--monitor_interval=0.1" in DEFAULT_LAUNCH_COMMAND
     assert torch_device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert path_in_accelerate_package("commands") == pathlib.Path(accel.__file__).parent / "commands"
@@ -158,8 +165,12 @@ def test_test_case_classes(tmp_path):
             PartialState()
 
     result = unittest.TestResult()
-    unittest.TestSuite([unittest.defaultTestLoader.loadTestsFromTestCase(Folder),
-                        unittest.defaultTestLoader.loadTestsFromTestCase(Reset)]).run(result)  # fmt: skip
+    unittest.TestSuite(
+        [
+            unittest.defaultTestLoader.loadTestsFromTestCase(Folder),
+            unittest.defaultTestLoader.loadTestsFromTestCase(Reset),
+        ]
+    ).run(result)
     assert result.errors == [] and result.failures == [] and result.testsRun == 3
     from accel.state import PartialState
 
@@ -168,14 +179,18 @@ def test_test_case_classes(tmp_path):
 
 def _script(training_lines, main_lines):
     indent = lambda lines: "".join(f"    {line}\n" for line in lines)  # noqa: E731
-    return (f"import os\ndef training_function(config, args):\n{indent(training_lines)}def main():\n{indent(main_lines)}"
-            'if __name__ == "__main__":\n    main()\n')  # fmt: skip
+    return (
+        f"import os\ndef training_function(config, args):\n{indent(training_lines)}def main():\n{indent(main_lines)}"
+        'if __name__ == "__main__":\n    main()\n'
+    )
 
 
 def test_compare_against_test_reports_what_the_complete_example_lacks(tmp_path, monkeypatch):
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "nlp_example.py").write_text(_script(["model = build()", "train(model)"], ["parse()"]))
-    feature = _script(["model = build()", "# a comment", "checkpoint(model)", "train(model)"], ["parse()", "parse_ckpt()"])
+    feature = _script(
+        ["model = build()", "# a comment", "checkpoint(model)", "train(model)"], ["parse()", "parse_ckpt()"]
+    )
     (tmp_path / "feature.py").write_text(feature)
     (tmp_path / "complete.py").write_text(_script(["model = build()", "train(model)"], ["parse()", "parse_ckpt()"]))
     monkeypatch.chdir(tmp_path)

@@ -46,7 +46,9 @@ def test_tiny_gpt2_trains_on_two_processes():
 
 
 def test_helpers_keep_batch_encoding_and_model_output_types():
-    encoding = transformers.BatchEncoding({"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)})
+    encoding = transformers.BatchEncoding(
+        {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)}
+    )
     moved = send_to_device(encoding, "meta")
     assert isinstance(moved, transformers.BatchEncoding) and moved["input_ids"].device.type == "meta"
     output = tiny_gpt2()(input_ids=torch.zeros(1, 4, dtype=torch.long))

@@ -40,12 +40,21 @@ def _refused(call, feature: str, asked_by: str) -> UnsupportedFeatureError:
     ("kwargs", "feature", "asked_by"),
     [
         (lambda: {"megatron_lm_plugin": megatron.MegatronLMPlugin()}, "Megatron-LM", "megatron_lm_plugin="),
-        (lambda: {"torch_tp_plugin": parallelism.TorchTensorParallelPlugin(tp_size=2)}, "tensor parallelism",
-         "torch_tp_plugin="),
-        (lambda: {"parallelism_config": parallelism.ParallelismConfig(tp_size=2)}, "tensor parallelism",
-         "parallelism_config=...) with tp_size=2"),
-        (lambda: {"parallelism_config": parallelism.ParallelismConfig(dp_shard_size=2)}, "sharded data parallelism",
-         "dp_shard_size=2"),  # without FSDP (with it: tests/test_fsdp2.py)
+        (
+            lambda: {"torch_tp_plugin": parallelism.TorchTensorParallelPlugin(tp_size=2)},
+            "tensor parallelism",
+            "torch_tp_plugin=",
+        ),
+        (
+            lambda: {"parallelism_config": parallelism.ParallelismConfig(tp_size=2)},
+            "tensor parallelism",
+            "parallelism_config=...) with tp_size=2",
+        ),
+        (
+            lambda: {"parallelism_config": parallelism.ParallelismConfig(dp_shard_size=2)},
+            "sharded data parallelism",
+            "dp_shard_size=2",
+        ),  # without FSDP (with it: tests/test_fsdp2.py)
         (lambda: {"parallelism_config": parallelism.ParallelismConfig(cp_size=2)}, "context parallelism", "cp_size=2"),
         (lambda: {"mixed_precision": "fp8"}, "FP8 training", "mixed_precision='fp8'"),
         (lambda: {"kwargs_handlers": [fp8.TERecipeKwargs()]}, "FP8 training", "kwargs_handlers=[TERecipeKwargs"),
@@ -96,8 +105,9 @@ def test_placeholders_of_other_engines_are_refused_by_prepare():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"DummyOptim\(\.\.\.\)\): it stands for the optimizer .* needs DeepSpeed"):
         accelerator.prepare(deepspeed.DummyOptim(model.parameters()))  # without DeepSpeed (with it: tests/deepspeed)
-    _refused(lambda: accelerator.prepare(megatron.MegatronLMDummyScheduler(None)), "Megatron-LM",
-             "MegatronLMDummyScheduler")  # fmt: skip
+    _refused(
+        lambda: accelerator.prepare(megatron.MegatronLMDummyScheduler(None)), "Megatron-LM", "MegatronLMDummyScheduler"
+    )
 
 
 def test_state_level_deepspeed_members_without_deepspeed_say_it_is_not_enabled():
@@ -143,7 +153,9 @@ def test_deepspeed_config_sources_and_auto_values(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1 vs arg gradient_accumulation_steps=2"):
         plugin.deepspeed_config_process(gradient_accumulation_steps=2)
     plugin.set_mixed_precision("bf16")
-    assert plugin.deepspeed_config["bf16"] == {"enabled": True} and plugin.deepspeed_config["fp16"] == {"enabled": False}
+    assert plugin.deepspeed_config["bf16"] == {"enabled": True} and plugin.deepspeed_config["fp16"] == {
+        "enabled": False
+    }
     with pytest.raises(ValueError, match="Please specify the ZeRO optimization config"):
         deepspeed.DeepSpeedPlugin(hf_ds_config={"train_batch_size": 8})
     with pytest.raises(ValueError, match="must be enabled manually"):
@@ -160,8 +172,9 @@ def test_fsdp_plugin_resolves_as_hf(monkeypatch):
     assert plugin.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
     assert plugin.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
     assert plugin.cpu_offload == CPUOffload(offload_params=True) and plugin.use_orig_params is False
-    version2 = fsdp.FullyShardedDataParallelPlugin(fsdp_version=2, sharding_strategy=None, mixed_precision_policy="bf16",
-                                                   auto_wrap_policy="size_based_wrap")  # fmt: skip
+    version2 = fsdp.FullyShardedDataParallelPlugin(
+        fsdp_version=2, sharding_strategy=None, mixed_precision_policy="bf16", auto_wrap_policy="size_based_wrap"
+    )
     assert version2.reshard_after_forward is True and version2.min_num_params == 0
     assert isinstance(version2.mixed_precision_policy, MixedPrecisionPolicy)
     assert version2.mixed_precision_policy.param_dtype is torch.bfloat16
@@ -193,8 +206,11 @@ def test_fp8_recipes_read_the_environment_and_validate(monkeypatch):
     monkeypatch.setenv("ACCELERATE_FP8_FORMAT", "e4m3")
     monkeypatch.setenv("ACCELERATE_FP8_OVERRIDE_DGRAD", "true")
     recipe = fp8.TERecipeKwargs()
-    assert (recipe.fp8_format, recipe.amax_history_len, recipe.override_linear_precision) == ("E4M3", 1024,
-                                                                                              (False, True, False))  # fmt: skip
+    assert (recipe.fp8_format, recipe.amax_history_len, recipe.override_linear_precision) == (
+        "E4M3",
+        1024,
+        (False, True, False),
+    )
     with pytest.raises(ValueError, match="fp8_format"):
         fp8.TERecipeKwargs(fp8_format="E9")
     with pytest.raises(ValueError, match="opt_level"):
@@ -339,8 +355,10 @@ def test_hf_module_paths_resolve():
 
 
 def test_import_accel_binds_utils_lazily():
-    code = ("import sys, accel; utils = accel.utils; assert 'torch' not in sys.modules, 'torch imported'; "
-            "accel.utils.gather; assert 'torch' in sys.modules")  # fmt: skip
+    code = (
+        "import sys, accel; utils = accel.utils; assert 'torch' not in sys.modules, 'torch imported'; "
+        "accel.utils.gather; assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -26,12 +26,21 @@ def nvcc_command(source: Path, output: Path) -> list[str]:
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(".", "")
     return [
         os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"),
-        "-c", str(source), "-o", str(output),
+        "-c",
+        str(source),
+        "-o",
+        str(output),
         *(f"-I{path}" for path in includes),
         *cpp_extension.COMMON_NVCC_FLAGS,
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=_C", "-DACCEL_WITH_CUDA=1",
-        "-std=c++20", "--compiler-options", "-fPIC", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-    ]  # fmt: skip
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-DTORCH_EXTENSION_NAME=_C",
+        "-DACCEL_WITH_CUDA=1",
+        "-std=c++20",
+        "--compiler-options",
+        "-fPIC",
+        "-O3",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+    ]
 
 
 def main() -> int:
@@ -43,7 +52,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for source in sources:
             start = time.perf_counter()
-            result = subprocess.run(nvcc_command(source, Path(tmp) / f"{source.stem}.o"), capture_output=True, text=True)
+            result = subprocess.run(
+                nvcc_command(source, Path(tmp) / f"{source.stem}.o"), capture_output=True, text=True
+            )
             status = "ok" if result.returncode == 0 else "FAILED"
             print(f"cuda compile check: {source.relative_to(ROOT)} {status} ({time.perf_counter() - start:.0f} s)")
             if result.returncode != 0:

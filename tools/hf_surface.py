@@ -28,10 +28,25 @@ import types
 from collections.abc import Callable
 
 MODULE_PATHS = [
-    "logging", "state", "data_loader", "hooks", "big_modeling", "utils", "utils.operations", "utils.dataclasses",
-    "utils.modeling", "utils.memory", "tracking", "local_sgd", "inference", "checkpointing", "test_utils",
-    "optimizer", "scheduler", "launchers",
-]  # fmt: skip
+    "logging",
+    "state",
+    "data_loader",
+    "hooks",
+    "big_modeling",
+    "utils",
+    "utils.operations",
+    "utils.dataclasses",
+    "utils.modeling",
+    "utils.memory",
+    "tracking",
+    "local_sgd",
+    "inference",
+    "checkpointing",
+    "test_utils",
+    "optimizer",
+    "scheduler",
+    "launchers",
+]
 SUBCOMMANDS = ["config", "env", "launch", "test", "estimate-memory", "merge-weights", "to-fsdp2", "tpu-config"]
 # Libraries built on HF Accelerate whose every use of an `accelerate` name is frozen (at the versions the test
 # set-up pins: the Makefile's TEST_DEPS).
@@ -40,13 +55,16 @@ LIBRARIES = ["transformers", "trl", "peft"]
 
 def top_level_names(accelerate) -> list[str]:
     tree = ast.parse(pathlib.Path(accelerate.__file__).read_text())
-    return sorted({alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                   for alias in node.names})  # fmt: skip
+    return sorted(
+        {alias.asname or alias.name for node in tree.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    )
 
 
 def utils_names() -> list[str]:
     utils = importlib.import_module("accelerate.utils")
-    return sorted(n for n in dir(utils) if not n.startswith("_") and not isinstance(getattr(utils, n), types.ModuleType))
+    return sorted(
+        n for n in dir(utils) if not n.startswith("_") and not isinstance(getattr(utils, n), types.ModuleType)
+    )
 
 
 def members(cls) -> list[str]:
@@ -60,7 +78,9 @@ def assigned_names(module: types.ModuleType) -> set[str]:
         return set()
     names = set()
     for node in ast.parse(pathlib.Path(source).read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         names.update(target.id for target in targets if isinstance(target, ast.Name))
     return names
 
@@ -80,8 +100,11 @@ def module_names(path: str) -> list[str]:
 def launch_options() -> list[str]:
     from accelerate.commands.launch import launch_command_parser
 
-    return sorted(max(action.option_strings, key=len) for action in launch_command_parser()._actions
-                  if action.option_strings and "--help" not in action.option_strings)  # fmt: skip
+    return sorted(
+        max(action.option_strings, key=len)
+        for action in launch_command_parser()._actions
+        if action.option_strings and "--help" not in action.option_strings
+    )
 
 
 def unconditional_imports(source: str) -> list[list]:
@@ -177,17 +200,23 @@ def library_references(package: str) -> dict:
 
 
 def imports_of(folder: pathlib.Path, root: pathlib.Path) -> dict[str, list]:
-    return {str(path.relative_to(root)): unconditional_imports(path.read_text()) for path in sorted(folder.rglob("*.py"))}
+    return {
+        str(path.relative_to(root)): unconditional_imports(path.read_text()) for path in sorted(folder.rglob("*.py"))
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=pathlib.Path, help="HF Accelerate's examples/ folder")
     parser.add_argument("--out", type=pathlib.Path, required=True)
-    parser.add_argument("--libraries", nargs="*", default=LIBRARIES,
-                        help="installed libraries whose uses of accelerate are frozen too")  # fmt: skip
-    parser.add_argument("--libraries-only", action="store_true",
-                        help="refreeze only what the libraries use (after upgrading one), keeping the rest of --out")
+    parser.add_argument(
+        "--libraries", nargs="*", default=LIBRARIES, help="installed libraries whose uses of accelerate are frozen too"
+    )
+    parser.add_argument(
+        "--libraries-only",
+        action="store_true",
+        help="refreeze only what the libraries use (after upgrading one), keeping the rest of --out",
+    )
     args = parser.parse_args()
     if args.libraries_only:
         surface = json.loads(args.out.read_text())

@@ -62,9 +62,13 @@ class BnbQuantizationConfig:
             raise ValueError("torch_dtype must be a torch.dtype")
 
     def _check_types(self) -> None:
-        checks = [("load_in_8bit", bool, "a boolean"), ("load_in_4bit", bool, "a boolean"),
-                  ("llm_int8_threshold", (int, float), "a float or an int"), ("bnb_4bit_quant_type", str, "a string"),
-                  ("bnb_4bit_use_double_quant", bool, "a boolean")]  # fmt: skip
+        checks = [
+            ("load_in_8bit", bool, "a boolean"),
+            ("load_in_4bit", bool, "a boolean"),
+            ("llm_int8_threshold", (int, float), "a float or an int"),
+            ("bnb_4bit_quant_type", str, "a string"),
+            ("bnb_4bit_use_double_quant", bool, "a boolean"),
+        ]
         for name, types, what in checks:
             if not isinstance(getattr(self, name), types):
                 raise ValueError(f"{name} must be {what}")
@@ -83,12 +87,22 @@ def has_4bit_bnb_layers(model: torch.nn.Module) -> bool:
     return linear4bit is not None and any(isinstance(module, linear4bit) for module in model.modules())
 
 
-def load_and_quantize_model(model: torch.nn.Module, bnb_quantization_config: BnbQuantizationConfig,
-                            weights_location: Any = None, device_map: Any = None, no_split_module_classes: Any = None,
-                            max_memory: Any = None, offload_folder: Any = None, offload_state_dict: bool = False):  # fmt: skip
+def load_and_quantize_model(
+    model: torch.nn.Module,
+    bnb_quantization_config: BnbQuantizationConfig,
+    weights_location: Any = None,
+    device_map: Any = None,
+    no_split_module_classes: Any = None,
+    max_memory: Any = None,
+    offload_folder: Any = None,
+    offload_state_dict: bool = False,
+):
     """Quantizing a model with bitsandbytes: refused."""
-    raise refuse("bitsandbytes quantization", "load_and_quantize_model(model, bnb_quantization_config)",
-                 "accel loads full-precision weights: use load_checkpoint_and_dispatch, and bf16/fp16 to save memory.")
+    raise refuse(
+        "bitsandbytes quantization",
+        "load_and_quantize_model(model, bnb_quantization_config)",
+        "accel loads full-precision weights: use load_checkpoint_and_dispatch, and bf16/fp16 to save memory.",
+    )
 
 
 __all__ = ["BnbQuantizationConfig", "has_4bit_bnb_layers", "load_and_quantize_model"]

@@ -25,16 +25,27 @@ def _set_variable(name: str) -> str:
     return next((prefix + name for prefix in ("ACCEL_", "ACCELERATE_") if prefix + name in os.environ), "ACCEL_" + name)
 
 
-def refuse_unsupported_arguments(deepspeed_plugin: Any = None, deepspeed_plugins: Any = None, fsdp_plugin: Any = None,
-                                 megatron_lm_plugin: Any = None, torch_tp_plugin: Any = None,
-                                 parallelism_config: ParallelismConfig | None = None, mixed_precision: Any = None,
-                                 kwargs_handlers: Any = None) -> None:  # fmt: skip
+def refuse_unsupported_arguments(
+    deepspeed_plugin: Any = None,
+    deepspeed_plugins: Any = None,
+    fsdp_plugin: Any = None,
+    megatron_lm_plugin: Any = None,
+    torch_tp_plugin: Any = None,
+    parallelism_config: ParallelismConfig | None = None,
+    mixed_precision: Any = None,
+    kwargs_handlers: Any = None,
+) -> None:
     """Raises `UnsupportedFeatureError` for the first argument that asks for a backend accel does not run."""
     if deepspeed_plugin is not None and deepspeed_plugins is not None:
         raise ValueError("You cannot pass in both `deepspeed_plugins` and `deepspeed_plugin`.")
-    plugins = [("torch_tp_plugin", torch_tp_plugin if getattr(torch_tp_plugin, "tp_size", 1) > 1 else None,
-                "tensor parallelism"),
-               ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM")]  # fmt: skip
+    plugins = [
+        (
+            "torch_tp_plugin",
+            torch_tp_plugin if getattr(torch_tp_plugin, "tp_size", 1) > 1 else None,
+            "tensor parallelism",
+        ),
+        ("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM"),
+    ]
     for argument, value, feature in plugins:
         if value is not None:
             raise refuse(feature, f"Accelerator({argument}={type(value).__name__}(...))", DDP_INSTEAD)
@@ -70,8 +81,9 @@ def parallelism_config_from_environment() -> ParallelismConfig | None:
     if not get_flag("USE_PARALLELISM_CONFIG"):
         return None
     config = ParallelismConfig()
-    refuse_unsupported_parallelism(config, f"the environment variable {_set_variable('USE_PARALLELISM_CONFIG')}",
-                                   sharded=get_flag("USE_FSDP"))  # fmt: skip
+    refuse_unsupported_parallelism(
+        config, f"the environment variable {_set_variable('USE_PARALLELISM_CONFIG')}", sharded=get_flag("USE_FSDP")
+    )
     return config
 
 

@@ -19,7 +19,6 @@ from typing import Any
 
 from accel._env import get_setting, parse_bool
 
-
 INSTALL = "pip install 'accel[deepspeed]' (or: pip install deepspeed)"
 
 
@@ -45,8 +44,10 @@ class HfDeepSpeedConfig:
     def set_stage_and_offload(self) -> None:
         """Reads the ZeRO stage and whether parameters or optimizer states are offloaded (cpu / nvme)."""
         self._stage = self.get_value("zero_optimization.stage", -1)
-        devices = {self.get_value("zero_optimization.offload_optimizer.device"),
-                   self.get_value("zero_optimization.offload_param.device")}  # fmt: skip
+        devices = {
+            self.get_value("zero_optimization.offload_optimizer.device"),
+            self.get_value("zero_optimization.offload_param.device"),
+        }
         self._offload = (self.is_zero2() or self.is_zero3()) and bool(devices & {"cpu", "nvme"})
 
     def find_config_node(self, ds_key_long: str) -> tuple[dict | None, str]:
@@ -105,8 +106,10 @@ def _load_config(source: str | dict) -> dict:
         except json.JSONDecodeError:
             return json.loads(base64.urlsafe_b64decode(source).decode("utf-8"))
     except (UnicodeDecodeError, AttributeError, TypeError, ValueError):
-        raise ValueError("Expected a string path to an existing deepspeed config, or a dictionary, or a base64 "
-                         f"encoded string. Received: {source}") from None
+        raise ValueError(
+            "Expected a string path to an existing deepspeed config, or a dictionary, or a base64 "
+            f"encoded string. Received: {source}"
+        ) from None
 
 
 # The plugin's fields and the config keys they fill.
@@ -121,9 +124,17 @@ _PLUGIN_TO_CONFIG = {
     "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 # Settings a config file's `deepspeed_config_file` replaces (HF refuses to mix them).
-_IGNORED_WITH_CONFIG_FILE = ["gradient_accumulation_steps", "gradient_clipping", "zero_stage",
-                             "offload_optimizer_device", "offload_param_device", "offload_param_nvme_path",
-                             "offload_optimizer_nvme_path", "zero3_save_16bit_model", "mixed_precision"]  # fmt: skip
+_IGNORED_WITH_CONFIG_FILE = [
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_stage",
+    "offload_optimizer_device",
+    "offload_param_device",
+    "offload_param_nvme_path",
+    "offload_optimizer_nvme_path",
+    "zero3_save_16bit_model",
+    "mixed_precision",
+]
 
 
 @dataclasses.dataclass
@@ -175,8 +186,12 @@ class DeepSpeedPlugin:
             self.gradient_clipping = clipping if clipping == "auto" else float(clipping)
         if self.zero_stage is None:
             self.zero_stage = int(get_setting("DEEPSPEED_ZERO_STAGE", "2"))
-        for name in ("offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
-                     "offload_param_nvme_path"):  # fmt: skip
+        for name in (
+            "offload_optimizer_device",
+            "offload_param_device",
+            "offload_optimizer_nvme_path",
+            "offload_param_nvme_path",
+        ):
             if getattr(self, name) is None:
                 setattr(self, name, get_setting(f"DEEPSPEED_{name.upper()}", "none"))
         if self.zero3_save_16bit_model is None:
@@ -194,7 +209,9 @@ class DeepSpeedPlugin:
         if "zero_optimization" not in config:
             raise ValueError("Please specify the ZeRO optimization config in the DeepSpeed config.")
         self._deepspeed_config_checks()
-        kwargs = {key: getattr(self, name) for name, key in _PLUGIN_TO_CONFIG.items() if getattr(self, name) is not None}
+        kwargs = {
+            key: getattr(self, name) for name, key in _PLUGIN_TO_CONFIG.items() if getattr(self, name) is not None
+        }
         for key in kwargs:
             self.fill_match(key, **kwargs, must_match=False)
         self.hf_ds_config.set_stage_and_offload()
@@ -234,7 +251,9 @@ class DeepSpeedPlugin:
         if not self.enable_msamp or "msamp" in self.deepspeed_config:
             return
         if self.zero_stage == 3:
-            raise NotImplementedError("MS-AMP is not supported for ZeRO Stage 3. Please use ZeRO Stage 0, 1, or 2 instead.")
+            raise NotImplementedError(
+                "MS-AMP is not supported for ZeRO Stage 3. Please use ZeRO Stage 0, 1, or 2 instead."
+            )
         if self.msamp_opt_level not in ("O1", "O2"):
             raise ValueError("Invalid optimization level for MS-AMP. Please use one of ['O1' or'O2'].")
         self.deepspeed_config["msamp"] = {"enabled": True, "opt_level": self.msamp_opt_level}
@@ -248,8 +267,10 @@ class DeepSpeedPlugin:
             return
         if node.get(key) == "auto":
             if ds_key_long not in kwargs:
-                raise ValueError(f"`{ds_key_long}` not found in kwargs. Please specify `{ds_key_long}` without `auto` "
-                                 "(set to correct value) in the DeepSpeed config file or pass it in kwargs.")
+                raise ValueError(
+                    f"`{ds_key_long}` not found in kwargs. Please specify `{ds_key_long}` without `auto` "
+                    "(set to correct value) in the DeepSpeed config file or pass it in kwargs."
+                )
             node[key] = kwargs[ds_key_long]
             return
         value = node.get(key)
@@ -262,8 +283,14 @@ class DeepSpeedPlugin:
     def get_value(self, ds_key_long: str, default: Any = None) -> Any:
         return self.hf_ds_config.get_value(ds_key_long, default)
 
-    def deepspeed_config_process(self, prefix: str = "", mismatches: list | None = None, config: dict | None = None,
-                                 must_match: bool = True, **kwargs) -> None:  # fmt: skip
+    def deepspeed_config_process(
+        self,
+        prefix: str = "",
+        mismatches: list | None = None,
+        config: dict | None = None,
+        must_match: bool = True,
+        **kwargs,
+    ) -> None:
         """Fills every "auto" value of the config from `kwargs`; a ValueError lists values that contradict them."""
         mismatches = [] if mismatches is None else mismatches
         for key, value in (self.deepspeed_config if config is None else config).items():
@@ -272,9 +299,11 @@ class DeepSpeedPlugin:
             else:
                 self.fill_match(prefix + key, mismatches, must_match=must_match, **kwargs)
         if mismatches and prefix == "":
-            raise ValueError("Please correct the following DeepSpeed config values that mismatch kwargs values:\n"
-                             + "\n".join(mismatches)
-                             + "\nThe easiest method is to set these DeepSpeed config values to 'auto'.")
+            raise ValueError(
+                "Please correct the following DeepSpeed config values that mismatch kwargs values:\n"
+                + "\n".join(mismatches)
+                + "\nThe easiest method is to set these DeepSpeed config values to 'auto'."
+            )
 
     def set_mixed_precision(self, mixed_precision: str) -> None:
         """Writes the fp16 / bf16 sections for `mixed_precision` (fp8 trains under bf16, as in HF)."""
@@ -288,8 +317,10 @@ class DeepSpeedPlugin:
         if mixed_precision != "no":
             other = "bf16" if mixed_precision == "fp16" else "fp16"
             if str(config.get(other, {}).get("enabled", "False")).lower() == "true":
-                raise ValueError(f"`--mixed_precision` arg cannot be set to `{mixed_precision}` when `{other}` is "
-                                 "set in the DeepSpeed config file.")
+                raise ValueError(
+                    f"`--mixed_precision` arg cannot be set to `{mixed_precision}` when `{other}` is "
+                    "set in the DeepSpeed config file."
+                )
         for dtype in ("fp16", "bf16"):
             config.setdefault(dtype, {"enabled": False})
         enabled = {"fp16.enabled": mixed_precision == "fp16", "bf16.enabled": mixed_precision in ("bf16", "fp8")}
@@ -334,8 +365,10 @@ class DeepSpeedPlugin:
         from accel.availability import is_transformers_available
 
         if self.zero3_init_flag and not is_transformers_available():
-            raise Exception("When `zero3_init_flag` is set, it requires Transformers to be installed. "
-                            "Please run `pip install transformers`.")  # fmt: skip
+            raise Exception(
+                "When `zero3_init_flag` is set, it requires Transformers to be installed. "
+                "Please run `pip install transformers`."
+            )
         if not is_transformers_available():
             return
         from transformers.integrations import HfDeepSpeedConfig as TransformersConfig
@@ -352,8 +385,8 @@ class DeepSpeedPlugin:
         self.dschf = TransformersConfig(config)  # transformers keeps only a weak reference
 
     def set_moe_leaf_modules(self, model: Any) -> None:
-        """Marks the model's MoE layer classes (`transformer_moe_cls_names`, or ACCEL(ERATE)_DEEPSPEED_MOE_LAYER_CLS_NAMES)
-        as ZeRO-3 leaf modules, as HF does."""
+        """Marks the model's MoE layer classes (`transformer_moe_cls_names`, or
+        ACCEL(ERATE)_DEEPSPEED_MOE_LAYER_CLS_NAMES) as ZeRO-3 leaf modules, as HF does."""
         if self.transformer_moe_cls_names is None:
             self.transformer_moe_cls_names = get_setting("DEEPSPEED_MOE_LAYER_CLS_NAMES")
         if self.transformer_moe_cls_names is None:
@@ -373,8 +406,10 @@ class DeepSpeedPlugin:
     def select(self, _from_accelerator_state: bool = False) -> None:
         """Makes this plugin the active one; only `AcceleratorState` may (`select_deepspeed_plugin`)."""
         if not _from_accelerator_state:
-            raise ValueError("A `DeepSpeedPlugin` object must be enabled manually by calling "
-                             "`AcceleratorState().select_deepspeed_plugin(plugin_key)`.")  # fmt: skip
+            raise ValueError(
+                "A `DeepSpeedPlugin` object must be enabled manually by calling "
+                "`AcceleratorState().select_deepspeed_plugin(plugin_key)`."
+            )
         self.set_deepspeed_weakref()
         self._set_selected(True)
 
@@ -391,7 +426,9 @@ class DeepSpeedPlugin:
 
     @selected.setter
     def selected(self, value: bool) -> None:
-        raise NotImplementedError("'enabled' can only be set through calling 'AcceleratorState().select_deepspeed_plugin(key)'.")
+        raise NotImplementedError(
+            "'enabled' can only be set through calling 'AcceleratorState().select_deepspeed_plugin(key)'."
+        )
 
 
 class DummyOptim:
@@ -422,8 +459,14 @@ class DummyScheduler:
         **kwargs: Other arguments.
     """
 
-    def __init__(self, optimizer: Any, total_num_steps: int | None = None, warmup_num_steps: int = 0,
-                 lr_scheduler_callable: Any = None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: Any,
+        total_num_steps: int | None = None,
+        warmup_num_steps: int = 0,
+        lr_scheduler_callable: Any = None,
+        **kwargs,
+    ):
         self.optimizer = optimizer
         self.total_num_steps = total_num_steps
         self.warmup_num_steps = warmup_num_steps
@@ -473,6 +516,11 @@ def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
 
 
 __all__ = [
-    "DeepSpeedPlugin", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
-    "map_pytorch_optim_to_deepspeed", "require_deepspeed",
-]  # fmt: skip
+    "DeepSpeedPlugin",
+    "DummyOptim",
+    "DummyScheduler",
+    "HfDeepSpeedConfig",
+    "get_active_deepspeed_plugin",
+    "map_pytorch_optim_to_deepspeed",
+    "require_deepspeed",
+]

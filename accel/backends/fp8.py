@@ -59,8 +59,9 @@ class AORecipeKwargs(KwargsHandler):
         if is_torchao_available():
             from torchao.float8 import Float8LinearConfig
 
-            self.config = Float8LinearConfig(pad_inner_dim=self.pad_inner_dim,
-                                             enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather)  # fmt: skip
+            self.config = Float8LinearConfig(
+                pad_inner_dim=self.pad_inner_dim, enable_fsdp_float8_all_gather=self.enable_fsdp_float8_all_gather
+            )
 
 
 @dataclasses.dataclass
@@ -87,13 +88,17 @@ class TERecipeKwargs(KwargsHandler):
         self.fp8_format = (self.fp8_format or os.environ.get(_ENV + "FORMAT", "HYBRID")).upper()
         if self.fp8_format not in _FORMATS:
             raise ValueError(f"`fp8_format` must be one of {' or '.join(_FORMATS)}.")
-        self.amax_compute_algo = (self.amax_compute_algo or os.environ.get(_ENV + "AMAX_COMPUTE_ALGO", "most_recent")).lower()
+        self.amax_compute_algo = (
+            self.amax_compute_algo or os.environ.get(_ENV + "AMAX_COMPUTE_ALGO", "most_recent")
+        ).lower()
         if self.amax_compute_algo not in _AMAX_ALGORITHMS:
             raise ValueError(f"`amax_compute_algo` must be one of {' or '.join(_AMAX_ALGORITHMS)}")
         if self.amax_history_len is None:
             self.amax_history_len = int(os.environ.get(_ENV + "AMAX_HISTORY_LEN", 1024))
         if self.override_linear_precision is None:
-            self.override_linear_precision = tuple(env_flag(_ENV + f"OVERRIDE_{gemm}") for gemm in ("FPROP", "DGRAD", "WGRAD"))
+            self.override_linear_precision = tuple(
+                env_flag(_ENV + f"OVERRIDE_{gemm}") for gemm in ("FPROP", "DGRAD", "WGRAD")
+            )
         if self.use_mxfp8_block_scaling is None:
             self.use_mxfp8_block_scaling = env_flag(_ENV + "USE_MXFP8_BLOCK_SCALING")
 
@@ -118,9 +123,11 @@ class FP8RecipeKwargs(TERecipeKwargs, MSAMPRecipeKwargs):
     backend: Backend | None = None
 
     def __post_init__(self) -> None:
-        warnings.warn("FP8RecipeKwargs is deprecated and will be removed in Accelerate v2.0.0. Please use one of the "
-                      "proper FP8 recipe kwargs classes such as TERecipeKwargs or MSAMPRecipeKwargs instead.",
-                      FutureWarning)  # fmt: skip
+        warnings.warn(
+            "FP8RecipeKwargs is deprecated and will be removed in Accelerate v2.0.0. Please use one of the "
+            "proper FP8 recipe kwargs classes such as TERecipeKwargs or MSAMPRecipeKwargs instead.",
+            FutureWarning,
+        )
         if self.backend is None:
             default = "msamp" if is_msamp_available() else "te"
             self.backend = os.environ.get(_ENV + "BACKEND", default)
@@ -189,8 +196,9 @@ def has_transformer_engine_layers(model: torch.nn.Module) -> bool:
     return _has_layers(model, "transformer_engine", "pytorch.LayerNorm", "pytorch.Linear", "pytorch.TransformerLayer")
 
 
-def convert_model(model: torch.nn.Module, to_transformer_engine: bool = True, _convert_linear: bool = True,
-                  _convert_ln: bool = True) -> None:  # fmt: skip
+def convert_model(
+    model: torch.nn.Module, to_transformer_engine: bool = True, _convert_linear: bool = True, _convert_ln: bool = True
+) -> None:
     """Swapping Linear/LayerNorm layers for TransformerEngine's: refused."""
     raise _refuse("TransformerEngine", "convert_model(model)")
 
@@ -206,7 +214,22 @@ def apply_fp8_autowrap(model: torch.nn.Module, fp8_recipe_handler: Any) -> torch
 
 
 __all__ = [
-    "AORecipeKwargs", "AmaxComputeAlgorithm", "Backend", "FP8Format", "OptLevel", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "RECIPE_HANDLERS", "TERecipeKwargs", "apply_fp8_autowrap",
-    "contextual_fp8_autocast", "convert_model", "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers",
-    "filter_linear_layers", "find_first_last_linear_layers", "has_ao_layers", "has_transformer_engine_layers",
-]  # fmt: skip
+    "AORecipeKwargs",
+    "AmaxComputeAlgorithm",
+    "Backend",
+    "FP8Format",
+    "OptLevel",
+    "FP8RecipeKwargs",
+    "MSAMPRecipeKwargs",
+    "RECIPE_HANDLERS",
+    "TERecipeKwargs",
+    "apply_fp8_autowrap",
+    "contextual_fp8_autocast",
+    "convert_model",
+    "convert_model_to_fp8_ao",
+    "filter_first_and_last_linear_layers",
+    "filter_linear_layers",
+    "find_first_last_linear_layers",
+    "has_ao_layers",
+    "has_transformer_engine_layers",
+]

@@ -37,7 +37,6 @@ def _refuse(asked_by: str):
     return refuse(FEATURE, asked_by, DDP_INSTEAD)
 
 
-
 def _mesh_strategy_from_launcher() -> str | None:
     """The FSDP1 strategy FSDP2 runs on a 2-D mesh (HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD) that `accel launch`
     exports as FSDP_SHARDING_STRATEGY beside FSDP_VERSION=2 when it translates an FSDP1 configuration; None for any
@@ -109,7 +108,9 @@ class FullyShardedDataParallelPlugin:
         self._resolve_loading()
         self._resolve_mixed_precision()
         if self.sync_module_states and self.param_init_fn is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
             self.param_init_fn = lambda module: module.to_empty(device=device, recurse=False)
         if notes:
             warnings.warn("Multiple deprecation warnings due to FSDP2 conversion:\n" + "\n".join(sorted(notes)))
@@ -124,23 +125,29 @@ class FullyShardedDataParallelPlugin:
                 self.sharding_strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
             self.sharding_strategy = _fsdp_enum(self.sharding_strategy, ShardingStrategy, FSDP_SHARDING_STRATEGY)
         if self.reshard_after_forward is None and self.sharding_strategy is None:
-            self.reshard_after_forward = os.environ.get("FSDP_RESHARD_AFTER_FORWARD",
-                                                        "true" if self.fsdp_version == 2 else "FULL_SHARD")  # fmt: skip
+            self.reshard_after_forward = os.environ.get(
+                "FSDP_RESHARD_AFTER_FORWARD", "true" if self.fsdp_version == 2 else "FULL_SHARD"
+            )
         if isinstance(self.reshard_after_forward, str):
             if self.fsdp_version == 2:
                 self.reshard_after_forward = _bool(self.reshard_after_forward)
             else:
-                self.reshard_after_forward = _fsdp_enum(self.reshard_after_forward, ShardingStrategy,
-                                                        FSDP_SHARDING_STRATEGY)  # fmt: skip
+                self.reshard_after_forward = _fsdp_enum(
+                    self.reshard_after_forward, ShardingStrategy, FSDP_SHARDING_STRATEGY
+                )
         if self.fsdp_version == 2 and self.sharding_strategy is None:
             self.sharding_strategy = _mesh_strategy_from_launcher()
         is_bool = isinstance(self.reshard_after_forward, bool)
         if self.fsdp_version == 2 and not is_bool:
-            raise ValueError(f"reshard_after_forward set to {self.reshard_after_forward}. This is not supported with "
-                             "FSDP2, please set to a `bool`")  # fmt: skip
+            raise ValueError(
+                f"reshard_after_forward set to {self.reshard_after_forward}. This is not supported with "
+                "FSDP2, please set to a `bool`"
+            )
         if self.fsdp_version == 1 and is_bool:
-            raise ValueError(f"reshard_after_forward set to {self.reshard_after_forward}. This is not supported with "
-                             "FSDP1, please set to a `str` or an instance of `ShardingStrategy`")  # fmt: skip
+            raise ValueError(
+                f"reshard_after_forward set to {self.reshard_after_forward}. This is not supported with "
+                "FSDP1, please set to a `str` or an instance of `ShardingStrategy`"
+            )
 
     def _resolve_backward_prefetch(self, notes: set[str]) -> None:
         from torch.distributed.fsdp import BackwardPrefetch
@@ -164,7 +171,9 @@ class FullyShardedDataParallelPlugin:
             return
         policy = self.auto_wrap_policy.upper()
         if policy not in FSDP_AUTO_WRAP_POLICY:
-            raise ValueError(f"Invalid auto wrap policy: {self.auto_wrap_policy}. Must be one of {FSDP_AUTO_WRAP_POLICY}")
+            raise ValueError(
+                f"Invalid auto wrap policy: {self.auto_wrap_policy}. Must be one of {FSDP_AUTO_WRAP_POLICY}"
+            )
         if policy == "TRANSFORMER_BASED_WRAP":
             self.auto_wrap_policy = transformer_auto_wrap_policy
             if self.transformer_cls_names_to_wrap is None:
@@ -176,8 +185,10 @@ class FullyShardedDataParallelPlugin:
             if self.min_num_params is None:
                 self.min_num_params = int(os.environ.get("FSDP_MIN_NUM_PARAMS", 0))
             elif not isinstance(self.min_num_params, int):
-                raise ValueError(f"`min_num_params` must be an integer. Got {self.min_num_params} of type "
-                                 f"{type(self.min_num_params)}")  # fmt: skip
+                raise ValueError(
+                    f"`min_num_params` must be an integer. Got {self.min_num_params} of type "
+                    f"{type(self.min_num_params)}"
+                )
         else:
             self.auto_wrap_policy = None
 
@@ -214,8 +225,10 @@ class FullyShardedDataParallelPlugin:
         else:  # transformers reads the variable, as with HF Accelerate
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = str(self.cpu_ram_efficient_loading)
         if self.fsdp_version == 1 and self.cpu_ram_efficient_loading and not self.sync_module_states:
-            warnings.warn("sync_module_states cannot be False since efficient cpu ram loading enabled. "
-                          "Setting sync_module_states to True.")  # fmt: skip
+            warnings.warn(
+                "sync_module_states cannot be False since efficient cpu ram loading enabled. "
+                "Setting sync_module_states to True."
+            )
             self.sync_module_states = True
 
     def _resolve_mixed_precision(self) -> None:
@@ -229,9 +242,12 @@ class FullyShardedDataParallelPlugin:
     def set_state_dict_type(self, state_dict_type: Any = None) -> None:
         """Resolves `state_dict_type` (FSDP_STATE_DICT_TYPE; full for FSDP1, sharded for FSDP2) and its configs."""
         from torch.distributed.fsdp.fully_sharded_data_parallel import (
-            FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig,
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
             StateDictType,
-        )  # fmt: skip
+        )
 
         if state_dict_type is not None:
             self.state_dict_type = state_dict_type
@@ -244,13 +260,18 @@ class FullyShardedDataParallelPlugin:
         if self.state_dict_type == StateDictType.FULL_STATE_DICT:
             self.state_dict_config = self.state_dict_config or FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
             self.optim_state_dict_config = self.optim_state_dict_config or FullOptimStateDictConfig(
-                offload_to_cpu=True, rank0_only=True)  # fmt: skip
+                offload_to_cpu=True, rank0_only=True
+            )
         elif self.state_dict_type == StateDictType.SHARDED_STATE_DICT:
             self.state_dict_config = self.state_dict_config or ShardedStateDictConfig(offload_to_cpu=True)
-            self.optim_state_dict_config = self.optim_state_dict_config or ShardedOptimStateDictConfig(offload_to_cpu=True)
+            self.optim_state_dict_config = self.optim_state_dict_config or ShardedOptimStateDictConfig(
+                offload_to_cpu=True
+            )
         if self.fsdp_version == 2 and self.state_dict_type == StateDictType.LOCAL_STATE_DICT:
-            raise ValueError("FSDP2 does not support LOCAL_STATE_DICT. Please set `fsdp_state_dict_type` to "
-                             "`SHARDED_STATE_DICT` or `FULL_STATE_DICT`.")  # fmt: skip
+            raise ValueError(
+                "FSDP2 does not support LOCAL_STATE_DICT. Please set `fsdp_state_dict_type` to "
+                "`SHARDED_STATE_DICT` or `FULL_STATE_DICT`."
+            )
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
         """Binds the wrap policy to `model`: its transformer layer classes, or the minimum parameter count."""
@@ -268,8 +289,11 @@ class FullyShardedDataParallelPlugin:
             self.auto_wrap_policy = functools.partial(self.auto_wrap_policy, transformer_layer_cls=classes)
         elif self.auto_wrap_policy == size_based_auto_wrap_policy:
             # min_num_params 0 means no wrapping, as in HF
-            self.auto_wrap_policy = (functools.partial(self.auto_wrap_policy, min_num_params=self.min_num_params)
-                                     if self.min_num_params > 0 else None)  # fmt: skip
+            self.auto_wrap_policy = (
+                functools.partial(self.auto_wrap_policy, min_num_params=self.min_num_params)
+                if self.min_num_params > 0
+                else None
+            )
 
     def set_mixed_precision(self, mixed_precision: Any, buffer_autocast: bool = False, override: bool = False) -> None:
         """Sets the FSDP mixed-precision policy from "fp8" / "fp16" / "bf16" / "fp32", a dtype, or a dict."""
@@ -277,21 +301,29 @@ class FullyShardedDataParallelPlugin:
         if isinstance(mixed_precision, str):
             dtype = _PRECISION_DTYPES.get(mixed_precision)
             if dtype is None:
-                raise ValueError(f"Invalid mixed precision: {mixed_precision}. Must be one of {list(_PRECISION_DTYPES)}")
+                raise ValueError(
+                    f"Invalid mixed precision: {mixed_precision}. Must be one of {list(_PRECISION_DTYPES)}"
+                )
         elif isinstance(mixed_precision, torch.dtype) and mixed_precision not in _PRECISION_DTYPES.values():
-            raise ValueError(f"Invalid mixed precision: {mixed_precision}. Must be one of "
-                             f"{list(_PRECISION_DTYPES.values())}")  # fmt: skip
+            raise ValueError(
+                f"Invalid mixed precision: {mixed_precision}. Must be one of {list(_PRECISION_DTYPES.values())}"
+            )
         policy_cls = self._mixed_precision_class()
         if override or self.mixed_precision_policy is None:
-            third = {"buffer_dtype": torch.float32 if buffer_autocast else dtype} if self.fsdp_version == 1 else {
-                "output_dtype": dtype}  # fmt: skip
+            third = (
+                {"buffer_dtype": torch.float32 if buffer_autocast else dtype}
+                if self.fsdp_version == 1
+                else {"output_dtype": dtype}
+            )
             self.mixed_precision_policy = policy_cls(param_dtype=dtype, reduce_dtype=dtype, **third)
         elif isinstance(self.mixed_precision_policy, dict):
             keys = ["param_dtype", "reduce_dtype", "buffer_dtype" if self.fsdp_version == 1 else "output_dtype"]
             policy = self.mixed_precision_policy
             if any(k not in policy for k in keys) or any(v not in _PRECISION_DTYPES.values() for v in policy.values()):
-                raise ValueError(f"Invalid mixed precision policy: {policy}. Must be a `dict` with keys {keys}."
-                                 f"Values must be one of {list(_PRECISION_DTYPES.values())}")  # fmt: skip
+                raise ValueError(
+                    f"Invalid mixed precision policy: {policy}. Must be a `dict` with keys {keys}."
+                    f"Values must be one of {list(_PRECISION_DTYPES.values())}"
+                )
             self.mixed_precision_policy = policy_cls(**policy)
 
     def _mixed_precision_class(self) -> type:
@@ -325,8 +357,10 @@ class FullyShardedDataParallelPlugin:
 
         expected = OffloadPolicy if self.fsdp_version == 2 else CPUOffload
         if not isinstance(self.cpu_offload, expected):
-            raise ValueError(f"`cpu_offload` must be an instance of `torch.distributed.fsdp.{expected.__name__}` in "
-                             f"FSDP{self.fsdp_version}, got {self.cpu_offload}")  # fmt: skip
+            raise ValueError(
+                f"`cpu_offload` must be an instance of `torch.distributed.fsdp.{expected.__name__}` in "
+                f"FSDP{self.fsdp_version}, got {self.cpu_offload}"
+            )
 
 
 def get_module_class_from_name(module: torch.nn.Module, name: str) -> type | None:
@@ -337,8 +371,9 @@ def get_module_class_from_name(module: torch.nn.Module, name: str) -> type | Non
     return None
 
 
-def get_parameters_from_modules(modules: Iterable[torch.nn.Module] | str | None, model: torch.nn.Module,
-                                device: torch.device | str) -> set[torch.nn.Parameter]:  # fmt: skip
+def get_parameters_from_modules(
+    modules: Iterable[torch.nn.Module] | str | None, model: torch.nn.Module, device: torch.device | str
+) -> set[torch.nn.Parameter]:
     """The parameters of `modules` (FSDP2's `ignored_params`, from a plugin's `ignored_modules`), as a set.
 
     `modules` is modules, or a regex that names them: each module of `model` whose qualified name fully matches
@@ -349,8 +384,11 @@ def get_parameters_from_modules(modules: Iterable[torch.nn.Module] | str | None,
         return set()
     if isinstance(modules, str):
         pattern = re.compile(modules)
-        modules = [module if any(p.is_meta for p in module.parameters()) else module.to(device)
-                   for name, module in model.named_modules() if pattern.fullmatch(name)]  # fmt: skip
+        modules = [
+            module if any(p.is_meta for p in module.parameters()) else module.to(device)
+            for name, module in model.named_modules()
+            if pattern.fullmatch(name)
+        ]
     return {parameter for module in modules for parameter in module.parameters()}
 
 
@@ -413,8 +451,10 @@ def fsdp2_switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping:
         for group in optimizer.param_groups:
             group["params"] = [mapping[param.data_ptr] for param in group["params"]]
     except KeyError:
-        raise KeyError("A parameter in the optimizer couldn't be switched to its sharded version: `mapping` lacks "
-                       "it, and training would not update it.") from None
+        raise KeyError(
+            "A parameter in the optimizer couldn't be switched to its sharded version: `mapping` lacks "
+            "it, and training would not update it."
+        ) from None
 
 
 def get_fsdp2_grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
@@ -422,23 +462,52 @@ def get_fsdp2_grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
     return torch.amp.GradScaler(**kwargs)
 
 
-def save_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
-                    adapter_only: bool = False, use_dcp: bool = True) -> None:  # fmt: skip
+def save_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    output_dir: str,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
     raise _refuse("save_fsdp_model(...)")
 
 
-def load_fsdp_model(fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
-                    adapter_only: bool = False, use_dcp: bool = True) -> Any:  # fmt: skip
+def load_fsdp_model(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    input_dir: str,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> Any:
     raise _refuse("load_fsdp_model(...)")
 
 
-def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
-                        optimizer_index: int = 0, use_dcp: bool = True) -> None:  # fmt: skip
+def save_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    output_dir: str,
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+) -> None:
     raise _refuse("save_fsdp_optimizer(...)")
 
 
-def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
-                        optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True) -> None:  # fmt: skip
+def load_fsdp_optimizer(
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    input_dir: str,
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+) -> None:
     raise _refuse("load_fsdp_optimizer(...)")
 
 
@@ -455,8 +524,20 @@ def fsdp2_prepare_model(accelerator: Any, model: torch.nn.Module) -> torch.nn.Mo
 
 
 __all__ = [
-    "FullyShardedDataParallelPlugin", "disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading",
-    "ensure_weights_retied", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
-    "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler", "get_module_class_from_name",
-    "get_parameters_from_modules", "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer",
-]  # fmt: skip
+    "FullyShardedDataParallelPlugin",
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+    "ensure_weights_retied",
+    "fsdp2_apply_ac",
+    "fsdp2_canonicalize_names",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "get_fsdp2_grad_scaler",
+    "get_module_class_from_name",
+    "get_parameters_from_modules",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+]

@@ -42,12 +42,19 @@ AUTO_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")  # NO_PREFETCH has no number
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
 FSDP2_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")  # in the order HF's questionnaire offers them
-RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True,
-                         "HYBRID_SHARD_ZERO2": False}  # fmt: skip
+RESHARD_AFTER_FORWARD = {
+    "FULL_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "NO_SHARD": False,
+    "HYBRID_SHARD": True,
+    "HYBRID_SHARD_ZERO2": False,
+}
 # Strategies FSDP2 expresses as a 2-D device mesh, for the runtime to build.
-MESH_STRATEGIES = {"HYBRID_SHARD": "on a 2-D mesh (replicated across machines, sharded within each)",
-                   "HYBRID_SHARD_ZERO2": "on a 2-D mesh (replicated across machines, sharded within each)",
-                   "NO_SHARD": "on a replicate-only mesh (no sharding)"}  # fmt: skip
+MESH_STRATEGIES = {
+    "HYBRID_SHARD": "on a 2-D mesh (replicated across machines, sharded within each)",
+    "HYBRID_SHARD_ZERO2": "on a 2-D mesh (replicated across machines, sharded within each)",
+    "NO_SHARD": "on a replicate-only mesh (no sharding)",
+}
 
 
 # --- values: each parser returns the normalised value or raises ValueError saying what is allowed ---------------
@@ -120,8 +127,9 @@ def _reshard_after_forward(value: Any) -> bool | str:
     try:
         return _strategy(value)
     except ValueError:
-        raise ValueError(f"expected true or false (FSDP2), or a sharding strategy (FSDP1): "
-                         f"{', '.join(SHARDING_STRATEGIES)}") from None  # fmt: skip
+        raise ValueError(
+            f"expected true or false (FSDP2), or a sharding strategy (FSDP1): {', '.join(SHARDING_STRATEGIES)}"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,24 +143,27 @@ class Option:
     default: Any = None
 
 
-OPTIONS: dict[str, Option] = {option.key: option for option in (
-    Option("fsdp_version", "FSDP_VERSION", _version, 1),
-    Option("fsdp_sharding_strategy", "FSDP_SHARDING_STRATEGY", _strategy, "FULL_SHARD"),
-    Option("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _reshard_after_forward, True),
-    Option("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _boolean, False),
-    Option("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", _count, 10**8),
-    Option("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", _named(AUTO_WRAP_POLICIES)),
-    Option("fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", _class_names),
-    Option("fsdp_backward_prefetch", "FSDP_BACKWARD_PREFETCH", _named(BACKWARD_PREFETCHES, numbered=2)),
-    Option("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", _named(STATE_DICT_TYPES, numbered=3)),
-    Option("fsdp_forward_prefetch", "FSDP_FORWARD_PREFETCH", _boolean, False),
-    Option("fsdp_use_orig_params", "FSDP_USE_ORIG_PARAMS", _boolean, True),
-    Option("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _boolean, True),
-    Option("fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", _boolean, True),
-    Option("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _boolean, False),
-    Option("fsdp_activation_checkpointing_offload", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", _boolean, False),
-    Option("fsdp_ignored_modules", "FSDP_IGNORED_MODULES", _text),  # config file only, as in HF
-)}  # fmt: skip
+OPTIONS: dict[str, Option] = {
+    option.key: option
+    for option in (
+        Option("fsdp_version", "FSDP_VERSION", _version, 1),
+        Option("fsdp_sharding_strategy", "FSDP_SHARDING_STRATEGY", _strategy, "FULL_SHARD"),
+        Option("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _reshard_after_forward, True),
+        Option("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _boolean, False),
+        Option("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", _count, 10**8),
+        Option("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", _named(AUTO_WRAP_POLICIES)),
+        Option("fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", _class_names),
+        Option("fsdp_backward_prefetch", "FSDP_BACKWARD_PREFETCH", _named(BACKWARD_PREFETCHES, numbered=2)),
+        Option("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", _named(STATE_DICT_TYPES, numbered=3)),
+        Option("fsdp_forward_prefetch", "FSDP_FORWARD_PREFETCH", _boolean, False),
+        Option("fsdp_use_orig_params", "FSDP_USE_ORIG_PARAMS", _boolean, True),
+        Option("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _boolean, True),
+        Option("fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES", _boolean, True),
+        Option("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _boolean, False),
+        Option("fsdp_activation_checkpointing_offload", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", _boolean, False),
+        Option("fsdp_ignored_modules", "FSDP_IGNORED_MODULES", _text),  # config file only, as in HF
+    )
+}
 VARIABLES = tuple(option.variable for option in OPTIONS.values())
 # Written by HF Accelerate before the key was renamed.
 _LEGACY_KEYS = {"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"}
@@ -223,15 +234,17 @@ def environment(options: Mapping[str, Any]) -> dict[str, str]:
 _SHARDING_KEYS = ("fsdp_sharding_strategy", "fsdp_reshard_after_forward")
 _REFUSED = "FSDP1's {key} {value}"
 _ACCEL_RUNS_FSDP2 = "accel runs FSDP1 options on FSDP2, which "
-_PREFETCHES = ("always prefetches the next all-gather before each backward (BACKWARD_PRE): use BACKWARD_PRE or leave "
-               "the option out.")  # fmt: skip
+_PREFETCHES = (
+    "always prefetches the next all-gather before each backward (BACKWARD_PRE): use BACKWARD_PRE or leave "
+    "the option out."
+)
 _NO_EQUIVALENT = {
     ("fsdp_backward_prefetch", "BACKWARD_POST"): _PREFETCHES,
     ("fsdp_backward_prefetch", "NO_PREFETCH"): _PREFETCHES,
     ("fsdp_forward_prefetch", True): "has no forward prefetching (HF Accelerate does not implement it for FSDP2): "
-                                     "set it to false.",
+    "set it to false.",
     ("fsdp_state_dict_type", "LOCAL_STATE_DICT"): "saves FULL_STATE_DICT or SHARDED_STATE_DICT: use one of them.",
-}  # fmt: skip
+}
 # FSDP1-only options FSDP2 does not need, and what becomes of them (None: nothing worth saying).
 _DROPPED = {
     ("fsdp_backward_prefetch", "BACKWARD_PRE"): "FSDP2's own prefetching (the next all-gather before each backward)",
@@ -279,15 +292,19 @@ def _strategy_of(options: Mapping[str, Any], asked_by: AskedBy) -> tuple[str, st
     strategy, reshard = options.get("fsdp_sharding_strategy"), options.get("fsdp_reshard_after_forward")
     if isinstance(reshard, str):  # HF's questionnaire writes FSDP1's strategy under this key
         if strategy is not None and strategy != reshard:
-            raise ValueError(f"{asked_by('fsdp_sharding_strategy', strategy)} and "
-                             f"{asked_by('fsdp_reshard_after_forward', reshard)} disagree: give one "
-                             "strategy")  # fmt: skip
+            raise ValueError(
+                f"{asked_by('fsdp_sharding_strategy', strategy)} and "
+                f"{asked_by('fsdp_reshard_after_forward', reshard)} disagree: give one "
+                "strategy"
+            )
         return reshard, reshard
     if strategy is not None:
         if reshard is not None and reshard != RESHARD_AFTER_FORWARD[strategy]:
-            raise ValueError(f"{asked_by('fsdp_sharding_strategy', strategy)} and "
-                             f"{asked_by('fsdp_reshard_after_forward', reshard)} disagree: {strategy} means "
-                             f"reshard_after_forward {shown(RESHARD_AFTER_FORWARD[strategy])}")  # fmt: skip
+            raise ValueError(
+                f"{asked_by('fsdp_sharding_strategy', strategy)} and "
+                f"{asked_by('fsdp_reshard_after_forward', reshard)} disagree: {strategy} means "
+                f"reshard_after_forward {shown(RESHARD_AFTER_FORWARD[strategy])}"
+            )
         return strategy, strategy
     if reshard is not None:
         return ("FULL_SHARD" if reshard else "SHARD_GRAD_OP"), None
@@ -321,8 +338,9 @@ def to_fsdp2(options: Mapping[str, Any], asked_by: AskedBy = _default_asked_by) 
     for key, value in options.items():
         reason = fsdp2_refusal(key, value)
         if reason is not None:
-            raise refuse(_REFUSED.format(key=key.removeprefix("fsdp_"), value=shown(value)), asked_by(key, value),
-                         reason)  # fmt: skip
+            raise refuse(
+                _REFUSED.format(key=key.removeprefix("fsdp_"), value=shown(value)), asked_by(key, value), reason
+            )
     translated, phrase = _sharding(options, asked_by)
     changes, kept = [phrase], {}
     for key, value in options.items():
@@ -339,7 +357,21 @@ def to_fsdp2(options: Mapping[str, Any], asked_by: AskedBy = _default_asked_by) 
 
 
 __all__ = [
-    "AUTO_WRAP_POLICIES", "BACKWARD_PREFETCHES", "FSDP2_STATE_DICT_TYPES", "MESH_STRATEGIES", "OPTIONS",
-    "RESHARD_AFTER_FORWARD", "SHARDING_STRATEGIES", "STATE_DICT_TYPES", "Translation", "VARIABLES", "environment",
-    "fsdp2_refusal", "option_key", "options_of", "parse_entry", "shown", "to_fsdp2",
-]  # fmt: skip
+    "AUTO_WRAP_POLICIES",
+    "BACKWARD_PREFETCHES",
+    "FSDP2_STATE_DICT_TYPES",
+    "MESH_STRATEGIES",
+    "OPTIONS",
+    "RESHARD_AFTER_FORWARD",
+    "SHARDING_STRATEGIES",
+    "STATE_DICT_TYPES",
+    "Translation",
+    "VARIABLES",
+    "environment",
+    "fsdp2_refusal",
+    "option_key",
+    "options_of",
+    "parse_entry",
+    "shown",
+    "to_fsdp2",
+]

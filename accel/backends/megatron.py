@@ -31,28 +31,69 @@ def _optional_int(name: str) -> int | None:
 
 # Fields read from MEGATRON_LM_<FIELD> when left None: field -> (how to read, default).
 _FROM_ENV: dict[str, tuple[Callable, Any]] = {
-    "tp_degree": (int, 1), "pp_degree": (int, 1), "use_custom_fsdp": (bool, False), "no_load_optim": (bool, False),
-    "eod_mask_loss": (bool, False), "no_save_optim": (bool, False), "optimizer_cpu_offload": (bool, False),
-    "overlap_cpu_optimizer_d2h_h2d": (bool, False), "use_precision_aware_optimizer": (bool, False),
-    "decoder_last_pipeline_num_layers": (_optional_int, None), "num_micro_batches": (int, 1),
-    "gradient_clipping": (float, 1.0), "recompute_activations": (bool, False),
-    "use_distributed_optimizer": (bool, False), "sequence_parallelism": (bool, False),
-    "recompute_granularity": (str, "full"), "recompute_method": (str, "uniform"), "recompute_num_layers": (int, 1),
-    "attention_backend": (bool, True), "expert_model_parallel_size": (int, 1), "context_parallel_size": (int, 2),
-    "attention_dropout": (float, 0.0), "hidden_dropout": (float, 0.0), "attention_softmax_in_fp32": (bool, True),
-    "expert_tensor_parallel_size": (int, 1), "calculate_per_token_loss": (bool, True),
+    "tp_degree": (int, 1),
+    "pp_degree": (int, 1),
+    "use_custom_fsdp": (bool, False),
+    "no_load_optim": (bool, False),
+    "eod_mask_loss": (bool, False),
+    "no_save_optim": (bool, False),
+    "optimizer_cpu_offload": (bool, False),
+    "overlap_cpu_optimizer_d2h_h2d": (bool, False),
+    "use_precision_aware_optimizer": (bool, False),
+    "decoder_last_pipeline_num_layers": (_optional_int, None),
+    "num_micro_batches": (int, 1),
+    "gradient_clipping": (float, 1.0),
+    "recompute_activations": (bool, False),
+    "use_distributed_optimizer": (bool, False),
+    "sequence_parallelism": (bool, False),
+    "recompute_granularity": (str, "full"),
+    "recompute_method": (str, "uniform"),
+    "recompute_num_layers": (int, 1),
+    "attention_backend": (bool, True),
+    "expert_model_parallel_size": (int, 1),
+    "context_parallel_size": (int, 2),
+    "attention_dropout": (float, 0.0),
+    "hidden_dropout": (float, 0.0),
+    "attention_softmax_in_fp32": (bool, True),
+    "expert_tensor_parallel_size": (int, 1),
+    "calculate_per_token_loss": (bool, True),
     "use_rotary_position_embeddings": (bool, True),
-}  # fmt: skip
+}
 # megatron_lm_default_args key -> plugin field (where the names differ).
-_ARG_NAMES = {"tensor_model_parallel_size": "tp_degree", "pipeline_model_parallel_size": "pp_degree",
-              "sequence_parallel": "sequence_parallelism", "clip_grad": "gradient_clipping"}  # fmt: skip
+_ARG_NAMES = {
+    "tensor_model_parallel_size": "tp_degree",
+    "pipeline_model_parallel_size": "pp_degree",
+    "sequence_parallel": "sequence_parallelism",
+    "clip_grad": "gradient_clipping",
+}
 _ARGS_AS_IS = [
-    "pipeline_model_parallel_split_rank", "num_layers_per_virtual_pipeline_stage", "DDP_impl",
-    "use_distributed_optimizer", "num_micro_batches", "consumed_samples", "no_wd_decay_cond", "scale_lr_cond",
-    "lr_mult", "megatron_dataset_flag", "eval_iters", "eval_interval", *[f for f in _FROM_ENV if f not in (
-        "tp_degree", "pp_degree", "gradient_clipping", "recompute_activations", "sequence_parallelism",
-        "use_distributed_optimizer", "num_micro_batches")],
-]  # fmt: skip
+    "pipeline_model_parallel_split_rank",
+    "num_layers_per_virtual_pipeline_stage",
+    "DDP_impl",
+    "use_distributed_optimizer",
+    "num_micro_batches",
+    "consumed_samples",
+    "no_wd_decay_cond",
+    "scale_lr_cond",
+    "lr_mult",
+    "megatron_dataset_flag",
+    "eval_iters",
+    "eval_interval",
+    *[
+        f
+        for f in _FROM_ENV
+        if f
+        not in (
+            "tp_degree",
+            "pp_degree",
+            "gradient_clipping",
+            "recompute_activations",
+            "sequence_parallelism",
+            "use_distributed_optimizer",
+            "num_micro_batches",
+        )
+    ],
+]
 
 MODEL_CONFIGS_TO_MEGATRON_PARSERS: dict[str, Callable] = {}
 
@@ -158,8 +199,10 @@ class MegatronLMPlugin:
             if name in model_type:
                 parser(self, model, batch_data)
                 return
-        raise ValueError(f"No Megatron-LM config parser for {model_type} models; register one with "
-                         "add_model_config_to_megatron_parser.")  # fmt: skip
+        raise ValueError(
+            f"No Megatron-LM config parser for {model_type} models; register one with "
+            "add_model_config_to_megatron_parser."
+        )
 
     def set_mixed_precision(self, mixed_precision: str) -> None:
         if mixed_precision == "fp16":
@@ -172,15 +215,20 @@ class MegatronLMPlugin:
         self.data_parallel_size = dp_degree
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = dp_degree * micro_batch_size * self.num_micro_batches
-        self.megatron_lm_default_args.update(data_parallel_size=dp_degree, micro_batch_size=micro_batch_size,
-                                             global_batch_size=self.global_batch_size)  # fmt: skip
+        self.megatron_lm_default_args.update(
+            data_parallel_size=dp_degree, micro_batch_size=micro_batch_size, global_batch_size=self.global_batch_size
+        )
 
     def set_optimizer_type(self, optimizer: Any) -> None:
         """Records an Adam- or SGD-family optimizer's hyperparameters as Megatron arguments."""
         name, defaults, args = type(optimizer).__name__.lower(), optimizer.defaults, self.megatron_lm_default_args
         if "adam" in name:
-            args.update(optimizer="adam", adam_beta1=defaults["betas"][0], adam_beta2=defaults["betas"][1],
-                        adam_eps=defaults["eps"])  # fmt: skip
+            args.update(
+                optimizer="adam",
+                adam_beta1=defaults["betas"][0],
+                adam_beta2=defaults["betas"][1],
+                adam_eps=defaults["eps"],
+            )
         elif "sgd" in name:
             args.update(optimizer="sgd", sgd_momentum=defaults["momentum"])
         else:
@@ -194,16 +242,30 @@ class MegatronLMPlugin:
             self.train_iters = scheduler.total_num_steps // data_parallel
             if self.train_samples is not None:
                 self.train_samples = None
-                warnings.warn("Ignoring `train_samples` as `train_iters` based on scheduler is being used for training.")
+                warnings.warn(
+                    "Ignoring `train_samples` as `train_iters` based on scheduler is being used for training."
+                )
         if self.lr_warmup_iters is None:
             self.lr_warmup_iters = scheduler.warmup_num_steps // data_parallel
             if self.lr_warmup_samples is not None:
-                warnings.warn("Ignoring `lr_warmup_samples` as `lr_warmup_iters` based on scheduler is being used for "
-                              "training.")  # fmt: skip
+                warnings.warn(
+                    "Ignoring `lr_warmup_samples` as `lr_warmup_iters` based on scheduler is being used for training."
+                )
             self.lr_warmup_samples = 0
-        for name in ("train_iters", "lr_warmup_iters", "train_samples", "lr_warmup_samples", "lr_decay_iters",
-                     "lr_decay_samples", "lr_warmup_fraction", "lr_decay_style", "weight_decay_incr_style",
-                     "start_weight_decay", "end_weight_decay", "min_lr"):  # fmt: skip
+        for name in (
+            "train_iters",
+            "lr_warmup_iters",
+            "train_samples",
+            "lr_warmup_samples",
+            "lr_decay_iters",
+            "lr_decay_samples",
+            "lr_warmup_fraction",
+            "lr_decay_style",
+            "weight_decay_incr_style",
+            "start_weight_decay",
+            "end_weight_decay",
+            "min_lr",
+        ):
             self.megatron_lm_default_args[name] = getattr(self, name)
 
     def set_tensorboard_logging_options(self) -> None:
@@ -260,12 +322,19 @@ def parse_bert_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_da
     """Sets BERT's sizes (and pretraining for a masked-LM head) in `megatron_lm_plugin.megatron_lm_default_args`."""
     config, plugin = model.config, megatron_lm_plugin
     plugin.seq_length = _one_stack_length(plugin, "encoder_seq_length", batch_data, config.max_position_embeddings)
-    _set_network_args(plugin, model, seq_length=plugin.seq_length, model_type_name="bert",
-                      num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                      num_attention_heads=config.num_attention_heads,
-                      max_position_embeddings=config.max_position_embeddings,
-                      pretraining_flag="maskedlm" in type(model).__name__.lower(), orig_vocab_size=config.vocab_size,
-                      num_labels=config.num_labels)  # fmt: skip
+    _set_network_args(
+        plugin,
+        model,
+        seq_length=plugin.seq_length,
+        model_type_name="bert",
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        pretraining_flag="maskedlm" in type(model).__name__.lower(),
+        orig_vocab_size=config.vocab_size,
+        num_labels=config.num_labels,
+    )
 
 
 @add_model_config_to_megatron_parser("gpt2")
@@ -273,11 +342,20 @@ def parse_gpt2_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_da
     """Sets GPT-2's sizes and tokenizer in `megatron_lm_plugin.megatron_lm_default_args`."""
     config, plugin = model.config, megatron_lm_plugin
     plugin.seq_length = _one_stack_length(plugin, "decoder_seq_length", batch_data, config.n_positions)
-    _set_network_args(plugin, model, seq_length=plugin.seq_length, return_logits=plugin.return_logits,
-                      tokenizer_type="GPT2BPETokenizer", model_type_name="gpt", num_layers=config.n_layer,
-                      hidden_size=config.n_embd, num_attention_heads=config.n_head,
-                      max_position_embeddings=config.n_positions, pretraining_flag=True,
-                      orig_vocab_size=config.vocab_size)  # fmt: skip
+    _set_network_args(
+        plugin,
+        model,
+        seq_length=plugin.seq_length,
+        return_logits=plugin.return_logits,
+        tokenizer_type="GPT2BPETokenizer",
+        model_type_name="gpt",
+        num_layers=config.n_layer,
+        hidden_size=config.n_embd,
+        num_attention_heads=config.n_head,
+        max_position_embeddings=config.n_positions,
+        pretraining_flag=True,
+        orig_vocab_size=config.vocab_size,
+    )
 
 
 @add_model_config_to_megatron_parser("t5")
@@ -289,21 +367,38 @@ def parse_t5_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batch_data
         plugin.encoder_seq_length = _input_length(batch_data, "input_ids", max_positions)
     if plugin.decoder_seq_length is None:
         plugin.decoder_seq_length = _input_length(batch_data, "labels", max_positions)
-    _set_network_args(plugin, model, encoder_seq_length=plugin.encoder_seq_length,
-                      decoder_seq_length=plugin.decoder_seq_length, model_type_name="t5",
-                      num_layers=config.num_layers, hidden_size=config.d_model, num_attention_heads=config.num_heads,
-                      max_position_embeddings=max_positions, pretraining_flag=True,
-                      orig_vocab_size=config.vocab_size)  # fmt: skip
+    _set_network_args(
+        plugin,
+        model,
+        encoder_seq_length=plugin.encoder_seq_length,
+        decoder_seq_length=plugin.decoder_seq_length,
+        model_type_name="t5",
+        num_layers=config.num_layers,
+        hidden_size=config.d_model,
+        num_attention_heads=config.num_heads,
+        max_position_embeddings=max_positions,
+        pretraining_flag=True,
+        orig_vocab_size=config.vocab_size,
+    )
 
 
 def _decoder_args(plugin: MegatronLMPlugin, model: Any, batch_data: Any, tokenizer: str, pretraining: bool) -> None:
     config = model.config
     plugin.seq_length = _decoder_length(plugin, model, batch_data)
-    _set_network_args(plugin, model, return_logits=plugin.return_logits, tokenizer_type=tokenizer,
-                      model_type_name="gpt", num_layers=config.num_hidden_layers, pretraining_flag=pretraining,
-                      hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                      orig_vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
-                      seq_length=plugin.seq_length)  # fmt: skip
+    _set_network_args(
+        plugin,
+        model,
+        return_logits=plugin.return_logits,
+        tokenizer_type=tokenizer,
+        model_type_name="gpt",
+        num_layers=config.num_hidden_layers,
+        pretraining_flag=pretraining,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        orig_vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        seq_length=plugin.seq_length,
+    )
 
 
 @add_model_config_to_megatron_parser("llama")
@@ -318,24 +413,46 @@ def parse_glm4_moe_config(megatron_lm_plugin: MegatronLMPlugin, model: Any, batc
     config, args = model.config, megatron_lm_plugin.megatron_lm_default_args
     _decoder_args(megatron_lm_plugin, model, batch_data, "HuggingFaceTokenizer", pretraining=False)
     dense_layers = config.first_k_dense_replace
-    args.update({
-        "kv_channels": config.head_dim, "position_embedding_type": "rope", "original_model_type": config.model_type,
-        "qk_layernorm": config.use_qk_norm, "add_bias_linear": False, "group_query_attention": True,
-        "num_query_groups": config.num_key_value_heads, "ffn_hidden_size": config.intermediate_size,
-        "add_qkv_bias": True, "normalization": "RMSNorm", "rotary-percent": 0.5, "swiglu": True,
-        "moe_ffn_hidden_size": config.moe_intermediate_size,
-        "moe_shared_expert_intermediate_size": config.moe_intermediate_size, "moe_router_pre_softmax": True,
-        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-        "moe_router_bias_update_rate": 0, "moe_router_load_balancing_type": "seq_aux_loss",
-        "moe_token_dispatcher_type": "alltoall", "moe_router_topk": config.num_experts_per_tok,
-        "moe_router_topk_scaling_factor": config.routed_scaling_factor,
-        "moe_layer_freq": [0] * dense_layers + [1] * (config.num_hidden_layers - dense_layers),
-        "num_experts": config.n_routed_experts, "moe_grouped_gemm": True, "moe_router_dtype": "fp32",
-        "moe_permute_fusion": True, "moe_aux_loss_coeff": 0, "rotary_base": config.rope_theta, "rope_type": "rope",
-        "rotary_percent": config.partial_rotary_factor, "norm_epsilon": 1e-3, "use_flash_attn": True,
-        "eos_token_id": config.eos_token_id, "bf16": config.bf16,
-        "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
-    })  # fmt: skip
+    args.update(
+        {
+            "kv_channels": config.head_dim,
+            "position_embedding_type": "rope",
+            "original_model_type": config.model_type,
+            "qk_layernorm": config.use_qk_norm,
+            "add_bias_linear": False,
+            "group_query_attention": True,
+            "num_query_groups": config.num_key_value_heads,
+            "ffn_hidden_size": config.intermediate_size,
+            "add_qkv_bias": True,
+            "normalization": "RMSNorm",
+            "rotary-percent": 0.5,
+            "swiglu": True,
+            "moe_ffn_hidden_size": config.moe_intermediate_size,
+            "moe_shared_expert_intermediate_size": config.moe_intermediate_size,
+            "moe_router_pre_softmax": True,
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_bias_update_rate": 0,
+            "moe_router_load_balancing_type": "seq_aux_loss",
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_router_topk": config.num_experts_per_tok,
+            "moe_router_topk_scaling_factor": config.routed_scaling_factor,
+            "moe_layer_freq": [0] * dense_layers + [1] * (config.num_hidden_layers - dense_layers),
+            "num_experts": config.n_routed_experts,
+            "moe_grouped_gemm": True,
+            "moe_router_dtype": "fp32",
+            "moe_permute_fusion": True,
+            "moe_aux_loss_coeff": 0,
+            "rotary_base": config.rope_theta,
+            "rope_type": "rope",
+            "rotary_percent": config.partial_rotary_factor,
+            "norm_epsilon": 1e-3,
+            "use_flash_attn": True,
+            "eos_token_id": config.eos_token_id,
+            "bf16": config.bf16,
+            "untie_embeddings_and_output_weights": not config.tie_word_embeddings,
+        }
+    )
     if getattr(config, "fp8_param", False):
         args.update({name: getattr(config, name) for name in ("fp8", "fp8_param", "fp8_param_gather", "fp8_recipe")})
 
@@ -404,8 +521,19 @@ def avg_losses_across_data_parallel_group(losses: list) -> Any:
 
 
 __all__ = [
-    "AbstractTrainStep", "BertTrainStep", "GPTTrainStep", "MODEL_CONFIGS_TO_MEGATRON_PARSERS", "MegatronLMDummyDataLoader",
-    "MegatronLMDummyScheduler", "MegatronLMPlugin", "T5TrainStep", "add_model_config_to_megatron_parser",
-    "avg_losses_across_data_parallel_group", "parse_bert_config", "parse_glm4_moe_config", "parse_gpt2_config",
-    "parse_llama_config", "parse_t5_config",
-]  # fmt: skip
+    "AbstractTrainStep",
+    "BertTrainStep",
+    "GPTTrainStep",
+    "MODEL_CONFIGS_TO_MEGATRON_PARSERS",
+    "MegatronLMDummyDataLoader",
+    "MegatronLMDummyScheduler",
+    "MegatronLMPlugin",
+    "T5TrainStep",
+    "add_model_config_to_megatron_parser",
+    "avg_losses_across_data_parallel_group",
+    "parse_bert_config",
+    "parse_glm4_moe_config",
+    "parse_gpt2_config",
+    "parse_llama_config",
+    "parse_t5_config",
+]

@@ -20,8 +20,12 @@ from accel.unsupported import refuse
 
 _MESH_ORDER = ["dp_replicate", "dp_shard", "cp", "sp", "tp"]
 SHARD_INSTEAD = "turn FSDP on to shard (fsdp_plugin=FullyShardedDataParallelPlugin(), accel launch --use_fsdp)"
-_UNSUPPORTED_SIZES = {"tp_size": "tensor parallelism", "cp_size": "context parallelism",
-                      "sp_size": "sequence parallelism", "dp_shard_size": "sharded data parallelism (FSDP/HSDP)"}  # fmt: skip
+_UNSUPPORTED_SIZES = {
+    "tp_size": "tensor parallelism",
+    "cp_size": "context parallelism",
+    "sp_size": "sequence parallelism",
+    "dp_shard_size": "sharded data parallelism (FSDP/HSDP)",
+}
 
 
 @dataclasses.dataclass
@@ -55,8 +59,9 @@ class TorchContextParallelConfig:
         if self.cp_comm_strategy is None:
             self.cp_comm_strategy = os.environ.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "allgather")
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
-            raise ValueError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of 'allgather' or "
-                             "'alltoall'.")  # fmt: skip
+            raise ValueError(
+                f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of 'allgather' or 'alltoall'."
+            )
 
 
 @dataclasses.dataclass
@@ -73,8 +78,10 @@ class DeepSpeedSequenceParallelConfig:
             self.sp_seq_length_is_variable = variable.lower() == "true"
         if not self.sp_seq_length_is_variable and self.sp_seq_length is None:
             if "PARALLELISM_CONFIG_SP_SEQ_LENGTH" not in os.environ:
-                raise ValueError("when `sp_seq_length_is_variable` is `False` `sp_seq_length` must be provided either "
-                                 "through the constructor or the environment variable PARALLELISM_CONFIG_SP_SEQ_LENGTH")  # fmt: skip
+                raise ValueError(
+                    "when `sp_seq_length_is_variable` is `False` `sp_seq_length` must be provided either "
+                    "through the constructor or the environment variable PARALLELISM_CONFIG_SP_SEQ_LENGTH"
+                )
             length = os.environ["PARALLELISM_CONFIG_SP_SEQ_LENGTH"]
             self.sp_seq_length = None if length == "None" else int(length)
         if self.sp_attn_implementation is None:
@@ -87,11 +94,15 @@ def _check_sp_attention(implementation: str | None) -> None:
     if implementation is None or implementation in builtin:
         return
     if implementation in ("eager", "flex_attention"):
-        raise ValueError(f"Invalid sp_attn_implementation: {implementation}. 'eager' and 'flex_attention' are not "
-                         "supported with sequence parallelism.")  # fmt: skip
+        raise ValueError(
+            f"Invalid sp_attn_implementation: {implementation}. 'eager' and 'flex_attention' are not "
+            "supported with sequence parallelism."
+        )
     if "/" not in implementation or "flash-attn" not in implementation:  # a hub-hosted flash attention kernel
-        raise ValueError(f"Invalid sp_attn_implementation: {implementation}. Must be one of {builtin} or a hub-hosted "
-                         "flash attention kernel (e.g. 'kernels-community/flash-attn2').")  # fmt: skip
+        raise ValueError(
+            f"Invalid sp_attn_implementation: {implementation}. Must be one of {builtin} or a hub-hosted "
+            "flash attention kernel (e.g. 'kernels-community/flash-attn2')."
+        )
 
 
 def _size_from_env(name: str) -> int:
@@ -126,8 +137,13 @@ class ParallelismConfig:
         self.sp_backend = self.sp_backend or os.environ.get("PARALLELISM_CONFIG_SP_BACKEND", "deepspeed")
         self._default_handlers()
         self._check_sizes()
-        self._sizes = {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size, "tp": self.tp_size,
-                       "cp": self.cp_size, "sp": self.sp_size}  # fmt: skip
+        self._sizes = {
+            "dp_replicate": self.dp_replicate_size,
+            "dp_shard": self.dp_shard_size,
+            "tp": self.tp_size,
+            "cp": self.cp_size,
+            "sp": self.sp_size,
+        }
 
     def _default_handlers(self) -> None:
         if self.tp_size > 1 and self.tp_handler is None:
@@ -136,8 +152,10 @@ class ParallelismConfig:
             if self.cp_handler is None:
                 self.cp_handler = TorchContextParallelConfig()
             elif not isinstance(self.cp_handler, TorchContextParallelConfig):
-                raise ValueError(f"ParallelismConfig's cp_backend={self.cp_backend} requires TorchContextParallelConfig, "
-                                 f"but cp_handler was set to {type(self.cp_handler)}")  # fmt: skip
+                raise ValueError(
+                    f"ParallelismConfig's cp_backend={self.cp_backend} requires TorchContextParallelConfig, "
+                    f"but cp_handler was set to {type(self.cp_handler)}"
+                )
         if self.sp_size > 1 and self.sp_handler is None:
             self.sp_handler = DeepSpeedSequenceParallelConfig()
 
@@ -150,26 +168,49 @@ class ParallelismConfig:
         if self.sp_backend != "deepspeed":
             raise ValueError(f"sp_backend must be one of ['deepspeed'], but got {self.sp_backend}")
         if self.cp_size > 1 and self.sp_size > 1:
-            raise ValueError("Context Parallelism (CP) and Sequence Parallelism (SP) are mutually exclusive. Got "
-                             f"cp_size={self.cp_size} and sp_size={self.sp_size}. Please set either cp_size=1 or sp_size=1.")  # fmt: skip
+            raise ValueError(
+                "Context Parallelism (CP) and Sequence Parallelism (SP) are mutually exclusive. Got "
+                f"cp_size={self.cp_size} and sp_size={self.sp_size}. Please set either cp_size=1 or sp_size=1."
+            )
         if (self.tp_size > 1 or self.cp_size > 1) and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
-            raise ValueError("Tensor/Context parallelism (tp/cp_size > 1) cannot be used with pure data parallelism "
-                             "(dp_replicate_size > 1 and dp_shard_size == 1).")  # fmt: skip
+            raise ValueError(
+                "Tensor/Context parallelism (tp/cp_size > 1) cannot be used with pure data parallelism "
+                "(dp_replicate_size > 1 and dp_shard_size == 1)."
+            )
 
     def __repr__(self) -> str:
-        fields = ["dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "sp_size", "sp_backend",
-                  "total_size", "tp_handler", "cp_handler"]  # fmt: skip
+        fields = [
+            "dp_replicate_size",
+            "dp_shard_size",
+            "tp_size",
+            "cp_size",
+            "cp_backend",
+            "sp_size",
+            "sp_backend",
+            "total_size",
+            "tp_handler",
+            "cp_handler",
+        ]
         return "ParallelismConfig(\n" + "".join(f"\t{name}={getattr(self, name)},\n" for name in fields) + ")"
 
     def to_json(self) -> dict:
         """The configuration as a plain dict (the device mesh left out). HF's returns None; this returns it."""
-        return copy.deepcopy({key: copy.deepcopy(value.__dict__) if hasattr(value, "__dict__") else value
-                              for key, value in self.__dict__.items() if key != "device_mesh"})  # fmt: skip
+        return copy.deepcopy(
+            {
+                key: copy.deepcopy(value.__dict__) if hasattr(value, "__dict__") else value
+                for key, value in self.__dict__.items()
+                if key != "device_mesh"
+            }
+        )
 
     @property
     def dp_dim_names(self) -> list[str]:
         """Enabled dimensions across which data parallelism is applied."""
-        return [name for name, on in (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.dp_shard_enabled)) if on]
+        return [
+            name
+            for name, on in (("dp_replicate", self.dp_replicate_enabled), ("dp_shard", self.dp_shard_enabled))
+            if on
+        ]
 
     @property
     def non_dp_dim_names(self) -> list[str]:
@@ -215,7 +256,9 @@ class ParallelismConfig:
 
     def _get_mesh(self) -> tuple:
         """(dimension names, sizes) of the enabled dimensions, in torchtitan's canonical order."""
-        dims = sorted(((name, self._sizes[name]) for name in self.active_mesh_dims), key=lambda d: _MESH_ORDER.index(d[0]))
+        dims = sorted(
+            ((name, self._sizes[name]) for name in self.active_mesh_dims), key=lambda d: _MESH_ORDER.index(d[0])
+        )
         return tuple(zip(*dims))
 
     def build_device_mesh(self, device_type: str) -> Any:
@@ -228,8 +271,11 @@ class ParallelismConfig:
         names, shape = mesh
         device_mesh = init_mesh(device_type, shape, names)
         override = mesh_backend(device_type)
-        for dims, flat in ((self.dp_dim_names, "dp"), (self.dp_shard_cp_dim_names, "dp_shard_cp"),
-                           (self.dp_cp_dim_names, "dp_cp")):  # fmt: skip
+        for dims, flat in (
+            (self.dp_dim_names, "dp"),
+            (self.dp_shard_cp_dim_names, "dp_shard_cp"),
+            (self.dp_cp_dim_names, "dp_cp"),
+        ):
             if dims:
                 device_mesh[dims]._flatten(flat, backend_override=override)
         return device_mesh
@@ -241,8 +287,10 @@ class ParallelismConfig:
                 raise ValueError("You need to pass a device_type e.g cuda to build the device mesh")
             self.device_mesh = self.build_device_mesh(device_type)
         elif device_type is not None and self.device_mesh.device_type != device_type:
-            raise ValueError(f"The device_mesh is already created with device type {self.device_mesh.device_type}, "
-                             f"not {device_type}.")  # fmt: skip
+            raise ValueError(
+                f"The device_mesh is already created with device type {self.device_mesh.device_type}, "
+                f"not {device_type}."
+            )
         return self.device_mesh
 
     def _set_size(self, parallelism: str, size: int) -> None:
@@ -258,13 +306,17 @@ class ParallelismConfig:
         if self.total_size == 1:
             self._set_size("dp_replicate", accelerator.num_processes)
         if self.total_size != accelerator.num_processes:
-            raise ValueError(f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
-                             f"({accelerator.num_processes}). Please adjust dp_replicate_size/dp_shard_size/tp_size/"
-                             "cp_size/sp_size.")  # fmt: skip
+            raise ValueError(
+                f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
+                f"({accelerator.num_processes}). Please adjust dp_replicate_size/dp_shard_size/tp_size/"
+                "cp_size/sp_size."
+            )
         if accelerator.is_fsdp2 and not self.dp_shard_enabled:
-            raise ValueError("FSDP is enabled but the parallelism config has no dimension for FSDP to shard across "
-                             "(dp_shard_size is 1): give dp_shard_size > 1 (with dp_replicate_size for HSDP), or "
-                             "launch without FSDP to replicate")  # fmt: skip
+            raise ValueError(
+                "FSDP is enabled but the parallelism config has no dimension for FSDP to shard across "
+                "(dp_shard_size is 1): give dp_shard_size > 1 (with dp_replicate_size for HSDP), or "
+                "launch without FSDP to replicate"
+            )
 
 
 def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
@@ -303,6 +355,10 @@ def refuse_unsupported_parallelism(config: ParallelismConfig, asked_by: str, sha
 
 
 __all__ = [
-    "DeepSpeedSequenceParallelConfig", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
-    "TorchTensorParallelPlugin", "refuse_unsupported_parallelism",
-]  # fmt: skip
+    "DeepSpeedSequenceParallelConfig",
+    "ParallelismConfig",
+    "TorchContextParallelConfig",
+    "TorchTensorParallelConfig",
+    "TorchTensorParallelPlugin",
+    "refuse_unsupported_parallelism",
+]

@@ -20,8 +20,14 @@ logger = logging.getLogger(__name__)
 
 # The layers whose weights are cast (their forward is a matmul or a convolution over the weight).
 SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
-)  # fmt: skip
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Linear,
+)
 
 
 class LayerwiseCastingHook(ModelHook):
@@ -52,10 +58,14 @@ class LayerwiseCastingHook(ModelHook):
         return output
 
 
-def attach_layerwise_casting_hooks(module: nn.Module, storage_dtype: torch.dtype, compute_dtype: torch.dtype,
-                                   skip_modules_pattern: str | tuple[str, ...] | None = None,
-                                   skip_modules_classes: tuple[type[nn.Module], ...] | None = None,
-                                   non_blocking: bool = False) -> None:  # fmt: skip
+def attach_layerwise_casting_hooks(
+    module: nn.Module,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    skip_modules_pattern: str | tuple[str, ...] | None = None,
+    skip_modules_classes: tuple[type[nn.Module], ...] | None = None,
+    non_blocking: bool = False,
+) -> None:
     """Stores the weights of every linear and convolution layer of `module` in `storage_dtype` and runs each such
     layer's forward in `compute_dtype`.
 
@@ -78,9 +88,15 @@ def attach_layerwise_casting_hooks(module: nn.Module, storage_dtype: torch.dtype
     _attach_casting(module, "", storage_dtype, compute_dtype, patterns, skip_modules_classes, non_blocking)
 
 
-def _attach_casting(module: nn.Module, name: str, storage_dtype: torch.dtype, compute_dtype: torch.dtype,
-                    patterns: tuple[str, ...], skip_classes: tuple[type[nn.Module], ...] | None,
-                    non_blocking: bool) -> None:  # fmt: skip
+def _attach_casting(
+    module: nn.Module,
+    name: str,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    patterns: tuple[str, ...],
+    skip_classes: tuple[type[nn.Module], ...] | None,
+    non_blocking: bool,
+) -> None:
     if (skip_classes is not None and isinstance(module, skip_classes)) or any(re.search(p, name) for p in patterns):
         logger.debug("layerwise casting: skipping '%s'", name)
         return
@@ -88,5 +104,12 @@ def _attach_casting(module: nn.Module, name: str, storage_dtype: torch.dtype, co
         add_hook_to_module(module, LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking), append=True)
         return
     for child_name, child in module.named_children():
-        _attach_casting(child, f"{name}.{child_name}" if name else child_name, storage_dtype, compute_dtype, patterns,
-                        skip_classes, non_blocking)  # fmt: skip
+        _attach_casting(
+            child,
+            f"{name}.{child_name}" if name else child_name,
+            storage_dtype,
+            compute_dtype,
+            patterns,
+            skip_classes,
+            non_blocking,
+        )

@@ -162,16 +162,24 @@ class _Planner:
         self.devices: list[Device] = [*self.max_memory, *(["disk"] if "disk" not in self.max_memory else [])]
         self.gpus = [d for d in self.devices if d not in ("cpu", "disk")]
         self.main_devices = ["mps"] if "mps" in self.gpus else [self.gpus[0], "cpu"] if self.gpus else ["cpu"]
-        self.no_split = [no_split_module_classes] if isinstance(no_split_module_classes, str) else list(
-            no_split_module_classes or [])  # fmt: skip
+        self.no_split = (
+            [no_split_module_classes]
+            if isinstance(no_split_module_classes, str)
+            else list(no_split_module_classes or [])
+        )
         self.dtype, self.special_dtypes, self.verbose = dtype, special_dtypes, verbose
         self.sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
         self.tied = find_tied_parameters(model)
         if not self.tied and check_tied_parameters_in_config(model):
-            logger.warning("The model weights are not tied. Please use the `tie_weights` method before using the "
-                           "`infer_auto_device` function.")  # fmt: skip
+            logger.warning(
+                "The model weights are not tied. Please use the `tie_weights` method before using the "
+                "`infer_auto_device` function."
+            )
         self.pending: list[tuple[str, nn.Module | torch.Tensor]] = [
-            *model.named_parameters(recurse=False), *model.named_children(), *model.named_buffers(recurse=False)]
+            *model.named_parameters(recurse=False),
+            *model.named_children(),
+            *model.named_buffers(recurse=False),
+        ]
         self.placed: OrderedDict[str, Device] = OrderedDict()
         self.current = 0
         self.used = dict.fromkeys(self.devices, 0)
@@ -197,8 +205,13 @@ class _Planner:
         if not self.largest_names:
             self._update_largest_layer()
         size = self.sizes.get(name, 0)
-        tied_outside = [t for group in self.tied if any(_owns(name, t) for t in group)
-                        and not all(_owns(name, t) for t in group) for t in group if not _owns(name, t)]  # fmt: skip
+        tied_outside = [
+            t
+            for group in self.tied
+            if any(_owns(name, t) for t in group) and not all(_owns(name, t) for t in group)
+            for t in group
+            if not _owns(name, t)
+        ]
         device = self.devices[self.current]
         reserved = self.largest if device in self.main_devices else 0
         room = None if device == "disk" else self.max_memory[device] - reserved - self.used[device]
@@ -218,8 +231,9 @@ class _Planner:
                 return
         if self.used[device] == 0:
             self.left_empty[device] = with_ties + reserved
-        self._log("'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device,
-                  self.used[device])  # fmt: skip
+        self._log(
+            "'%s' (%d bytes) does not fit on %s (%d bytes used): next device", name, size, device, self.used[device]
+        )
         self.used[device] += reserved
         self.current += 1
         self.pending.insert(0, (name, module))
@@ -243,8 +257,12 @@ class _Planner:
                 continue
             self._log("'%s' and its tied modules do not fit: splitting '%s'", name, tied_name)
             index = next(i for i, (n, _) in enumerate(self.pending) if n == tied_name)
-            self.pending = [(name, module), *self.pending[:index], *_parts(tied_name, tied_module),
-                            *self.pending[index + 1:]]  # fmt: skip
+            self.pending = [
+                (name, module),
+                *self.pending[:index],
+                *_parts(tied_name, tied_module),
+                *self.pending[index + 1 :],
+            ]
             self._update_largest_layer()
             return True
         return False
@@ -253,8 +271,13 @@ class _Planner:
         """Replaces the entry by its own tensors and children, unless it is a tensor, a leaf or a no-split module."""
         if not _splittable(module, self.no_split):
             return False
-        self._log("'%s' (%d bytes) does not fit on %s (%d bytes of room): splitting it", name, self.sizes.get(name, 0),
-                  device, room)  # fmt: skip
+        self._log(
+            "'%s' (%d bytes) does not fit on %s (%d bytes of room): splitting it",
+            name,
+            self.sizes.get(name, 0),
+            device,
+            room,
+        )
         self.pending[:0] = _parts(name, module)
         self._update_largest_layer()
         return True
@@ -264,21 +287,29 @@ class _Planner:
         room left for them."""
         size = self.buffer_bytes.get("cpu", 0) + self.buffer_bytes.get("disk", 0)
         used = {device: bytes_ for device, bytes_ in self.used.items() if bytes_ > 0}
-        fits = any(memory >= size + used.get(device, 0) for device, memory in self.max_memory.items()
-                   if device not in ("cpu", "disk"))  # fmt: skip
+        fits = any(
+            memory >= size + used.get(device, 0)
+            for device, memory in self.max_memory.items()
+            if device not in ("cpu", "disk")
+        )
         if size and self.gpus and not fits:
-            warnings.warn(f"Current model requires {size} bytes of buffer for offloaded layers, which seems does not "
-                          "fit any GPU's remaining memory. If you are experiencing a OOM later, please consider using "
-                          "offload_buffers=True.")  # fmt: skip
+            warnings.warn(
+                f"Current model requires {size} bytes of buffer for offloaded layers, which seems does not "
+                "fit any GPU's remaining memory. If you are experiencing a OOM later, please consider using "
+                "offload_buffers=True."
+            )
 
     def log_devices_left_empty(self) -> None:
         if not self.left_empty:
             return
         needed = "\n".join(f"  - {device}: {size} bytes required" for device, size in self.left_empty.items())
-        logger.info("Based on the current allocation process, no modules could be assigned to the following devices "
-                    "due to insufficient memory:\n%s\nThese minimum requirements are specific to this allocation "
-                    "attempt and may vary. Consider increasing the available memory for these devices to at least the "
-                    "specified minimum, or adjusting the model config.", needed)  # fmt: skip
+        logger.info(
+            "Based on the current allocation process, no modules could be assigned to the following devices "
+            "due to insufficient memory:\n%s\nThese minimum requirements are specific to this allocation "
+            "attempt and may vary. Consider increasing the available memory for these devices to at least the "
+            "specified minimum, or adjusting the model config.",
+            needed,
+        )
 
 
 def _splittable(module: nn.Module | torch.Tensor, no_split: list[str]) -> bool:
@@ -294,14 +325,17 @@ def _parts(name: str, module: nn.Module | torch.Tensor | None) -> list[tuple[str
     (created with the model, not loaded), as in HF, so maps of models without such persistent buffers are HF's."""
     if not isinstance(module, nn.Module):
         return []
-    own = [*module.named_parameters(recurse=False),
-           *((n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set)]
+    own = [
+        *module.named_parameters(recurse=False),
+        *((n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set),
+    ]
     children = [(f"{name}.{child}", sub) for child, sub in module.named_children()]
     return [(f"{name}.{n}", value) for n, value in own] + children
 
 
-def get_module_size_with_ties(tied_params: list[str], module_size: int, module_sizes: dict[str, int],
-                              modules_to_treat: list[tuple[str, Any]]) -> tuple[int, list[str], list[Any]]:  # fmt: skip
+def get_module_size_with_ties(
+    tied_params: list[str], module_size: int, module_sizes: dict[str, int], modules_to_treat: list[tuple[str, Any]]
+) -> tuple[int, list[str], list[Any]]:
     """A module's size together with the modules (among `modules_to_treat`) holding the weights tied to it
     (`tied_params`), which must go where it goes: (total size, their names, the modules). Tied weights whose module
     is not among `modules_to_treat` (placed already) add nothing (HF raises IndexError)."""
@@ -316,9 +350,13 @@ def get_module_size_with_ties(tied_params: list[str], module_size: int, module_s
     return total, names, modules
 
 
-def fallback_allocate(modules: list[tuple[str, Any]], module_sizes: dict[str, int], size_limit: int | str,
-                      no_split_module_classes: list[str] | None = None, tied_parameters: list[list[str]] | None = None
-                      ) -> tuple[str | None, Any, list[tuple[str, Any]]]:  # fmt: skip
+def fallback_allocate(
+    modules: list[tuple[str, Any]],
+    module_sizes: dict[str, int],
+    size_limit: int | str,
+    no_split_module_classes: list[str] | None = None,
+    tied_parameters: list[list[str]] | None = None,
+) -> tuple[str | None, Any, list[tuple[str, Any]]]:
     """The first module (breadth-first, splitting modules that may be split) whose size with its tied modules fits
     `size_limit`: (its name, the module, `modules` without it, its ancestors split into their parts), or
     (None, None, `modules`) when none fits."""
@@ -330,11 +368,20 @@ def fallback_allocate(modules: list[tuple[str, Any]], module_sizes: dict[str, in
     queue = list(modules)
     while queue:
         name, module = queue.pop(0)
-        ties = [tensor for group in tied_parameters or [] if any(_owns(name, t) for t in group)
-                and not all(_owns(name, t) for t in group) for tensor in group if not _owns(name, tensor)]  # fmt: skip
+        ties = [
+            tensor
+            for group in tied_parameters or []
+            if any(_owns(name, t) for t in group) and not all(_owns(name, t) for t in group)
+            for tensor in group
+            if not _owns(name, tensor)
+        ]
         if get_module_size_with_ties(ties, module_sizes.get(name, 0), module_sizes, queue)[0] <= limit:
             return name, module, _without(modules, name)
-        if isinstance(module, nn.Module) and next(module.children(), None) is not None and not _no_split(module, no_split):
+        if (
+            isinstance(module, nn.Module)
+            and next(module.children(), None) is not None
+            and not _no_split(module, no_split)
+        ):
             queue[:0] = _parts(name, module)
     return None, None, modules
 
@@ -348,7 +395,7 @@ def _without(modules: list[tuple[str, Any]], name: str) -> list[tuple[str, Any]]
             del modules[names.index(name)]
             return modules
         index = next(i for i, n in enumerate(names) if name.startswith(n + "."))
-        modules[index:index + 1] = _parts(*modules[index])
+        modules[index : index + 1] = _parts(*modules[index])
 
 
 def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> dict[str, Device]:
@@ -362,7 +409,9 @@ def clean_device_map(device_map: dict[str, Device], module_name: str = "") -> di
         for name in under:
             del device_map[name]
         device_map[module_name] = device
-    children = {name[len(prefix):].split(".")[0] for name in device_map if name.startswith(prefix) and name != module_name}
+    children = {
+        name[len(prefix) :].split(".")[0] for name in device_map if name.startswith(prefix) and name != module_name
+    }
     for child in children:
         clean_device_map(device_map, f"{prefix}{child}")
     return device_map

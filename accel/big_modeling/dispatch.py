@@ -30,8 +30,8 @@ from accel.big_modeling.offload import (
     save_offload_index,
 )
 from accel.big_modeling.tied import tied_groups
-from accel.checkpoint.model_io import checkpoint_files, is_safetensors
 from accel.checkpoint import leased_mapping
+from accel.checkpoint.model_io import checkpoint_files, is_safetensors
 from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from accel.unsupported import refuse
 
@@ -47,7 +47,9 @@ def device_for(device_map: Mapping[str, Device], tensor_name: str) -> Device | N
     """The device of a tensor: the entry of the longest prefix of its name ("" is the whole model)."""
     best = None
     for name in device_map:
-        if (name == "" or tensor_name == name or tensor_name.startswith(name + ".")) and (best is None or len(name) > len(best)):
+        if (name == "" or tensor_name == name or tensor_name.startswith(name + ".")) and (
+            best is None or len(name) > len(best)
+        ):
             best = name
     return None if best is None else device_map[best]
 
@@ -65,7 +67,9 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Device]) -> None
         raise ValueError(f"device_map names what the model does not have: {', '.join(unknown)}")
     uncovered = [n for n, _ in model.named_parameters() if device_for(device_map, n) is None]
     if uncovered:
-        raise ValueError(f"device_map gives no device to {', '.join(uncovered[:5])}{'...' if len(uncovered) > 5 else ''}")
+        raise ValueError(
+            f"device_map gives no device to {', '.join(uncovered[:5])}{'...' if len(uncovered) > 5 else ''}"
+        )
 
 
 def dispatch_model(
@@ -97,35 +101,72 @@ def dispatch_model(
         model.hf_device_map = dict(device_map)
         return model
     modules = {name for name, _ in model.named_modules()}
-    offloaded = {name: device for name, device in device_map.items()
-                 if name in modules and (device == "disk" or (device == "cpu" and main_device != "cpu"))}  # fmt: skip
-    return _attach_hooks(model, device_map, main_device, offloaded, state_dict, offload_dir, offload_index,
-                         offload_buffers, skip_keys, preload_module_classes)  # fmt: skip
+    offloaded = {
+        name: device
+        for name, device in device_map.items()
+        if name in modules and (device == "disk" or (device == "cpu" and main_device != "cpu"))
+    }
+    return _attach_hooks(
+        model,
+        device_map,
+        main_device,
+        offloaded,
+        state_dict,
+        offload_dir,
+        offload_index,
+        offload_buffers,
+        skip_keys,
+        preload_module_classes,
+    )
 
 
-def _attach_hooks(model: nn.Module, device_map: Mapping[str, Device], main_device: Device,
-                  offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index, offload_buffers: bool,
-                  skip_keys, preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
+def _attach_hooks(
+    model: nn.Module,
+    device_map: Mapping[str, Device],
+    main_device: Device,
+    offloaded: Mapping[str, Device],
+    state_dict,
+    offload_dir,
+    offload_index,
+    offload_buffers: bool,
+    skip_keys,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
     weights = _offloaded_weights(model, offloaded, state_dict, offload_dir, offload_index, offload_buffers)
     # First, so that it sees the caller's input device before any other hook moves the input.
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True, skip_keys=skip_keys), append=True)
     modules = {name for name, _ in model.named_modules()}
     for name, device in device_map.items():
         if name not in modules:  # a tensor of a split module: it lives where its module runs
-            set_module_tensor_to_device(model, name, _torch_device(main_device if name in offloaded else device),
-                                        clear_cache=False)  # fmt: skip
+            set_module_tensor_to_device(
+                model, name, _torch_device(main_device if name in offloaded else device), clear_cache=False
+            )
             continue
         entry = _module_of(model, name)
         execution = _torch_device(main_device if name in offloaded else device)
         # The entry aligns its inputs (a block's residual must meet its output on one device) and, unless
         # offloaded, holds its tensors on its device.
-        add_hook_to_module(entry, AlignDevicesHook(execution_device=execution, place_submodules=True,
-                                                   skip_keys=skip_keys, move_tensors=name not in offloaded),
-                           append=True)  # fmt: skip
+        add_hook_to_module(
+            entry,
+            AlignDevicesHook(
+                execution_device=execution,
+                place_submodules=True,
+                skip_keys=skip_keys,
+                move_tensors=name not in offloaded,
+            ),
+            append=True,
+        )
         if name in offloaded:  # every submodule owning weights brings them in for its own forward only
-            attach_align_device_hook(entry, execution, offload=True, weights_map=weights, offload_buffers=offload_buffers,
-                                     module_name=name, skip_keys=skip_keys,
-                                     preload_module_classes=preload_module_classes)  # fmt: skip
+            attach_align_device_hook(
+                entry,
+                execution,
+                offload=True,
+                weights_map=weights,
+                offload_buffers=offload_buffers,
+                module_name=name,
+                skip_keys=skip_keys,
+                preload_module_classes=preload_module_classes,
+            )
     model.hf_device_map = dict(device_map)
     return model
 
@@ -137,25 +178,32 @@ def _module_of(model: nn.Module, name: str) -> nn.Module:
         raise ValueError(f"device_map entry '{name}' is not a module; place tensors through their module") from None
 
 
-def _offloaded_weights(model: nn.Module, offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index,
-                       offload_buffers: bool) -> OffloadedWeightsLoader:  # fmt: skip
+def _offloaded_weights(
+    model: nn.Module, offloaded: Mapping[str, Device], state_dict, offload_dir, offload_index, offload_buffers: bool
+) -> OffloadedWeightsLoader:
     """The weights map of every offloaded module: CPU tensors, plus the disk ones in the offload folder."""
     tensors = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
     if offload_buffers:
         tensors.update(model.named_buffers())
     under = {device: [n for n in tensors if device_for(offloaded, n) == device] for device in ("cpu", "disk")}
-    cpu_weights = {n: (state_dict[n] if state_dict is not None and n in state_dict else tensors[n].detach().cpu())
-                   for n in under["cpu"]}  # fmt: skip
+    cpu_weights = {
+        n: (state_dict[n] if state_dict is not None and n in state_dict else tensors[n].detach().cpu())
+        for n in under["cpu"]
+    }
     folder = None if offload_dir is None else os.fspath(offload_dir)
     if under["disk"]:
         if folder is None:
-            raise ValueError("We need an `offload_dir` to dispatch this model according to this `device_map`, the "
-                             f"following submodules need to be offloaded: {_on_disk(offloaded)}.")
+            raise ValueError(
+                "We need an `offload_dir` to dispatch this model according to this `device_map`, the "
+                f"following submodules need to be offloaded: {_on_disk(offloaded)}."
+            )
         offload_index = dict(offload_index or {})
         missing = {n: tensors[n] for n in under["disk"] if n not in offload_index}
         unloaded = [n for n, t in missing.items() if t.device.type == "meta"]
         if unloaded:
-            raise ValueError(f"cannot offload {', '.join(unloaded[:5])}: on the meta device and not in the offload index")
+            raise ValueError(
+                f"cannot offload {', '.join(unloaded[:5])}: on the meta device and not in the offload index"
+            )
         if missing:
             offload_index.update(offload_state_dict(folder, missing))
     return OffloadedWeightsLoader(state_dict=cpu_weights, save_folder=folder, index=offload_index)
@@ -166,20 +214,39 @@ def _first_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def cpu_offload(model: nn.Module, execution_device: Device | None = None, offload_buffers: bool = False,
-                state_dict: Mapping[str, torch.Tensor] | None = None,
-                preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
+def cpu_offload(
+    model: nn.Module,
+    execution_device: Device | None = None,
+    offload_buffers: bool = False,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
     """Keeps all of `model`'s weights in CPU memory (`state_dict`, else what the model holds) and brings each
     module's in for its forward only, on `execution_device` (default: where the model's first parameter is, as
     HF). `preload_module_classes`: as `dispatch_model`."""
     execution_device = execution_device if execution_device is not None else _first_device(model)
     device_map = {"": "cpu"}  # offloaded even when the CPU also runs it: the weights live only in the map
-    return _attach_hooks(model, device_map, execution_device, device_map, state_dict, None, None, offload_buffers, None,
-                         preload_module_classes)  # fmt: skip
+    return _attach_hooks(
+        model,
+        device_map,
+        execution_device,
+        device_map,
+        state_dict,
+        None,
+        None,
+        offload_buffers,
+        None,
+        preload_module_classes,
+    )
 
 
-def disk_offload(model: nn.Module, offload_dir: str | os.PathLike, execution_device: Device | None = None,
-                 offload_buffers: bool = False, preload_module_classes: list[str] | None = None) -> nn.Module:  # fmt: skip
+def disk_offload(
+    model: nn.Module,
+    offload_dir: str | os.PathLike,
+    execution_device: Device | None = None,
+    offload_buffers: bool = False,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
     """Writes all of `model`'s weights to `offload_dir` and brings each module's in (memory-mapped) for its forward,
     on `execution_device` (default: where the model's first parameter is, as HF).
 
@@ -191,9 +258,16 @@ def disk_offload(model: nn.Module, offload_dir: str | os.PathLike, execution_dev
     if os.path.isfile(index_file):
         with open(index_file) as f:
             index = json.load(f)
-    return dispatch_model(model, {"": "disk"}, main_device=execution_device, offload_dir=offload_dir,
-                          offload_index=index, offload_buffers=offload_buffers,
-                          preload_module_classes=preload_module_classes, force_hooks=True)  # fmt: skip
+    return dispatch_model(
+        model,
+        {"": "disk"},
+        main_device=execution_device,
+        offload_dir=offload_dir,
+        offload_index=index,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+        force_hooks=True,
+    )
 
 
 def load_checkpoint_and_dispatch(
@@ -234,9 +308,12 @@ def load_checkpoint_and_dispatch(
     broadcasts) is not supported: UnsupportedFeatureError.
     """
     if broadcast_from_rank0:
-        raise refuse("Loading on rank 0 and broadcasting (FSDP2)", "load_checkpoint_and_dispatch(broadcast_from_rank0=True)",
-                     "Let every process load the checkpoint: accel maps safetensors files, so processes on one machine "
-                     "share one copy in the page cache.")  # fmt: skip
+        raise refuse(
+            "Loading on rank 0 and broadcasting (FSDP2)",
+            "load_checkpoint_and_dispatch(broadcast_from_rank0=True)",
+            "Let every process load the checkpoint: accel maps safetensors files, so processes on one machine "
+            "share one copy in the page cache.",
+        )
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
     dispatch = device_map is not None
     device_map = _resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers)
@@ -244,17 +321,26 @@ def load_checkpoint_and_dispatch(
     folder = None if offload_folder is None else os.fspath(offload_folder)
     if "disk" in device_map.values():
         if folder is None:  # before anything is loaded, as HF
-            raise ValueError(f"At least one of the model submodule will be offloaded to disk ({_on_disk(device_map)}), "
-                             "please pass along an `offload_folder`.")
+            raise ValueError(
+                f"At least one of the model submodule will be offloaded to disk ({_on_disk(device_map)}), "
+                "please pass along an `offload_folder`."
+            )
         os.makedirs(folder, exist_ok=True)
     index = _load_routed(model, checkpoint, device_map, folder, dtype, strict, offload_buffers)
     if folder is not None and index:
         save_offload_index(index, folder)
     if not dispatch:
         return model
-    return dispatch_model(model, device_map, offload_dir=folder, offload_index=index or None,
-                          offload_buffers=offload_buffers, skip_keys=skip_keys,
-                          preload_module_classes=preload_module_classes, force_hooks=force_hooks)  # fmt: skip
+    return dispatch_model(
+        model,
+        device_map,
+        offload_dir=folder,
+        offload_index=index or None,
+        offload_buffers=offload_buffers,
+        skip_keys=skip_keys,
+        preload_module_classes=preload_module_classes,
+        force_hooks=force_hooks,
+    )
 
 
 def _on_disk(device_map: Mapping[str, Device]) -> str:
@@ -270,12 +356,22 @@ def _resolve_device_map(model, device_map, max_memory, no_split, dtype, offload_
         raise ValueError(f"device_map={device_map!r}: use 'auto', 'balanced', 'balanced_low_0', 'sequential' or a dict")
     if device_map != "sequential":
         max_memory = get_balanced_memory(model, max_memory, no_split, dtype, low_zero=device_map == "balanced_low_0")
-    return dict(infer_auto_device_map(model, max_memory, no_split_module_classes=no_split, dtype=dtype,
-                                      offload_buffers=offload_buffers))
+    return dict(
+        infer_auto_device_map(
+            model, max_memory, no_split_module_classes=no_split, dtype=dtype, offload_buffers=offload_buffers
+        )
+    )
 
 
-def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device], folder: str | None,
-                 dtype: torch.dtype | None, strict: bool, offload_buffers: bool) -> dict:  # fmt: skip
+def _load_routed(
+    model: nn.Module,
+    checkpoint,
+    device_map: Mapping[str, Device],
+    folder: str | None,
+    dtype: torch.dtype | None,
+    strict: bool,
+    offload_buffers: bool,
+) -> dict:
     """Reads every tensor once to where the device map sends it; returns the offload index of the disk ones.
 
     Every safetensors file is opened once: its header is validated (all of them before anything is loaded) and its
@@ -302,8 +398,14 @@ def _load_routed(model: nn.Module, checkpoint, device_map: Mapping[str, Device],
                     seen.add(name)
                     _route(model, name, value(), own[name], device_map, folder, dtype, index, path, name in buffers)
     aliases = {name for group in tied for name in group}
-    _report({n: t for n, t in own.items() if n in persistent}, seen, tied, [n for n in unexpected if n not in aliases],
-            strict, checkpoint)  # fmt: skip
+    _report(
+        {n: t for n, t in own.items() if n in persistent},
+        seen,
+        tied,
+        [n for n in unexpected if n not in aliases],
+        strict,
+        checkpoint,
+    )
     _retie(model, tied, index, folder)
     return index
 
@@ -340,7 +442,7 @@ def _view(mapped: torch.Tensor, info) -> torch.Tensor | None:
     element = torch.empty((), dtype=info.dtype).element_size()
     if info.begin % element or info.nbytes == 0:
         return None
-    return mapped[info.begin:info.end].view(info.dtype).view(info.shape)
+    return mapped[info.begin : info.end].view(info.dtype).view(info.shape)
 
 
 def _check_shapes(own: dict[str, torch.Tensor], headers: dict) -> None:
@@ -349,8 +451,10 @@ def _check_shapes(own: dict[str, torch.Tensor], headers: dict) -> None:
     saved = {name: (header.path, info.shape) for header in headers.values() for name, info in header.tensors.items()}
     for name, tensor in own.items():
         if name in saved and saved[name][1] != tuple(tensor.shape):
-            raise CheckpointError(f"'{saved[name][0]}', tensor '{name}': the checkpoint has shape {list(saved[name][1])}, "
-                                  f"the model {list(tensor.shape)}: a checkpoint of another architecture?")  # fmt: skip
+            raise CheckpointError(
+                f"'{saved[name][0]}', tensor '{name}': the checkpoint has shape {list(saved[name][1])}, "
+                f"the model {list(tensor.shape)}: a checkpoint of another architecture?"
+            )
 
 
 def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | None) -> None:
@@ -362,8 +466,9 @@ def _retie(model: nn.Module, tied: list[list[str]], index: dict, folder: str | N
         param = (model.get_submodule(owner_name) if owner_name else model)._parameters[attr]
         for other in names[1:]:
             if first in index:
-                offload_weight(load_offloaded_weight(os.path.join(folder, f"{first}.dat"), index[first]), other, folder,
-                               index)  # fmt: skip
+                offload_weight(
+                    load_offloaded_weight(os.path.join(folder, f"{first}.dat"), index[first]), other, folder, index
+                )
             owner_name, _, attr = other.rpartition(".")
             (model.get_submodule(owner_name) if owner_name else model)._parameters[attr] = param
 
@@ -378,10 +483,15 @@ def _load_bin(path: str) -> dict:
 
 def _route(model, name, value, current, device_map, folder, dtype, index, path, keep_on_cpu: bool = False) -> None:
     if tuple(value.shape) != tuple(current.shape):
-        raise CheckpointError(f"'{path}', tensor '{name}': the checkpoint has shape {list(value.shape)}, the model "
-                              f"{list(current.shape)}: a checkpoint of another architecture?")  # fmt: skip
-    target_dtype = dtype if (dtype is not None and value.is_floating_point()) else (
-        current.dtype if value.is_floating_point() else value.dtype)  # fmt: skip
+        raise CheckpointError(
+            f"'{path}', tensor '{name}': the checkpoint has shape {list(value.shape)}, the model "
+            f"{list(current.shape)}: a checkpoint of another architecture?"
+        )
+    target_dtype = (
+        dtype
+        if (dtype is not None and value.is_floating_point())
+        else (current.dtype if value.is_floating_point() else value.dtype)
+    )
     device = device_for(device_map, name)
     if device == "disk" and keep_on_cpu:  # a buffer without offload_buffers: its hook moves it where it runs
         device = "cpu"
@@ -389,8 +499,14 @@ def _route(model, name, value, current, device_map, folder, dtype, index, path, 
         offload_weight(value.to(target_dtype), name, folder, index)
         set_module_tensor_to_device(model, name, "meta", dtype=target_dtype)
     else:
-        set_module_tensor_to_device(model, name, "cpu" if device == "cpu" else _torch_device(device), value=value,
-                                    dtype=target_dtype, clear_cache=False)  # fmt: skip
+        set_module_tensor_to_device(
+            model,
+            name,
+            "cpu" if device == "cpu" else _torch_device(device),
+            value=value,
+            dtype=target_dtype,
+            clear_cache=False,
+        )
 
 
 def _report(own: dict, seen: set[str], tied: list[list[str]], unexpected: list[str], strict: bool, checkpoint) -> None:

@@ -4,8 +4,9 @@
 change the arguments), the original forward, then `hook.post_forward` (which may change the output);
 `remove_hook_from_module` puts the original back. `AlignDevicesHook` moves a module's inputs to the device it
 runs on and, for an offloaded module, brings its weights in from a weights map (CPU memory or an offload
-folder) just for the forward and drops them after, so the module holds only meta tensors between calls. Tied weights offloaded under several names can share one
-copy on the execution device through a `tied_params_map` (storage address -> {device: tensor}).
+folder) just for the forward and drops them after, so the module holds only meta tensors between calls. Tied weights
+offloaded under several names can share one copy on the execution device through a `tied_params_map` (storage
+address -> {device: tensor}).
 """
 
 from __future__ import annotations
@@ -155,8 +156,11 @@ def set_module_tensor_to_device(
         ValueError: no such tensor, a shape that differs from the tensor's, or a meta tensor moved without a value.
     """
     if fp16_statistics is not None:
-        raise refuse("bitsandbytes 8-bit weights", "set_module_tensor_to_device(fp16_statistics=...)",
-                     "Load the weights in a floating-point dtype (dtype=torch.float16 or torch.bfloat16).")  # fmt: skip
+        raise refuse(
+            "bitsandbytes 8-bit weights",
+            "set_module_tensor_to_device(fp16_statistics=...)",
+            "Load the weights in a floating-point dtype (dtype=torch.float16 or torch.bfloat16).",
+        )
     owner, name = _owner_of(module, tensor_name)
     tensors = owner._buffers if name in owner._buffers else owner._parameters
     old = tensors[name]
@@ -198,8 +202,10 @@ def _check_value(tensor_name: str, old: torch.Tensor | None, value: torch.Tensor
     if value is None and old is not None and old.device.type == "meta" and torch.device(device).type != "meta":
         raise ValueError(f"'{tensor_name}' is on the meta device (never loaded): pass its value to place it")
     if value is not None and old is not None and value.shape != old.shape:
-        raise ValueError(f"'{tensor_name}' has shape {list(old.shape)}: a value of shape {list(value.shape)} "
-                         "cannot replace it (a checkpoint of another model?)")  # fmt: skip
+        raise ValueError(
+            f"'{tensor_name}' has shape {list(old.shape)}: a value of shape {list(value.shape)} "
+            "cannot replace it (a checkpoint of another model?)"
+        )
 
 
 def _as_parameter(data: torch.Tensor, old: torch.Tensor | None) -> nn.Parameter:
@@ -281,11 +287,18 @@ class AlignDevicesHook(ModelHook):
     were on the meta device, e.g. loaded straight into the offload folder; HF leaves those on meta).
     """
 
-    def __init__(self, execution_device: torch.device | int | str | None = None, offload: bool = False,
-                 io_same_device: bool = False, weights_map: Mapping[str, torch.Tensor] | None = None,
-                 offload_buffers: bool = False, place_submodules: bool = False,
-                 skip_keys: str | list[str] | None = None, tied_params_map: TiedParamsMap | None = None,
-                 move_tensors: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        execution_device: torch.device | int | str | None = None,
+        offload: bool = False,
+        io_same_device: bool = False,
+        weights_map: Mapping[str, torch.Tensor] | None = None,
+        offload_buffers: bool = False,
+        place_submodules: bool = False,
+        skip_keys: str | list[str] | None = None,
+        tied_params_map: TiedParamsMap | None = None,
+        move_tensors: bool = True,
+    ):
         self.execution_device = execution_device
         self.offload = offload
         self.io_same_device = io_same_device
@@ -301,14 +314,20 @@ class AlignDevicesHook(ModelHook):
         self._placed_tied: set[tuple[int, Any]] = set()
 
     def __repr__(self) -> str:
-        return (f"AlignDevicesHook(execution_device={self.execution_device}, offload={self.offload}, "
-                f"io_same_device={self.io_same_device}, offload_buffers={self.offload_buffers}, "
-                f"place_submodules={self.place_submodules}, skip_keys={self.skip_keys!r})")  # fmt: skip
+        return (
+            f"AlignDevicesHook(execution_device={self.execution_device}, offload={self.offload}, "
+            f"io_same_device={self.io_same_device}, offload_buffers={self.offload_buffers}, "
+            f"place_submodules={self.place_submodules}, skip_keys={self.skip_keys!r})"
+        )
 
     def _offloaded(self, module: nn.Module) -> list[str]:
         """The names this hook brings in for each forward: parameters, and persistent buffers with offload_buffers."""
-        return [name for name, _ in named_module_tensors(module, self.offload_buffers, recurse=self.place_submodules,
-                                                         remove_non_persistent=True)]  # fmt: skip
+        return [
+            name
+            for name, _ in named_module_tensors(
+                module, self.offload_buffers, recurse=self.place_submodules, remove_non_persistent=True
+            )
+        ]
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         if str(self.execution_device) == "meta":  # meta tensors have no address to share tied weights by
@@ -323,13 +342,17 @@ class AlignDevicesHook(ModelHook):
 
     def _offload(self, module: nn.Module) -> None:
         names = self._offloaded(module)
-        self.original_devices = {name: tensor.device for name, tensor in
-                                 named_module_tensors(module, recurse=self.place_submodules)}  # fmt: skip
+        self.original_devices = {
+            name: tensor.device for name, tensor in named_module_tensors(module, recurse=self.place_submodules)
+        }
         if self.weights_map is None:  # offload what the module holds now, into CPU memory
             tensors = dict(named_module_tensors(module, recurse=self.place_submodules))
             self.weights_map = {name: tensors[name].detach().to("cpu") for name in names}
         for name in names:
-            if self.tied_params_map is not None and _tied_key(_get_tensor(module, name), self.tied_params_map) is not None:
+            if (
+                self.tied_params_map is not None
+                and _tied_key(_get_tensor(module, name), self.tied_params_map) is not None
+            ):
                 self.tied_params_names.add(name)
             set_module_tensor_to_device(module, name, "meta")
         on_device = [name for name, _ in module.named_buffers(recurse=self.place_submodules) if name not in names]
@@ -355,8 +378,9 @@ class AlignDevicesHook(ModelHook):
             tied[value.data_ptr()] = {}  # the weights map's tensor is the one the other names share
         if tied is not None and value.data_ptr() in tied and self.execution_device not in tied[value.data_ptr()]:
             self._placed_tied.add((value.data_ptr(), self.execution_device))  # this hook placed it: it drops it
-        set_module_tensor_to_device(module, name, self.execution_device, value=value, tied_params_map=tied,
-                                    clear_cache=False)  # fmt: skip
+        set_module_tensor_to_device(
+            module, name, self.execution_device, value=value, tied_params_map=tied, clear_cache=False
+        )
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.offload:

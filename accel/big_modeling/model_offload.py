@@ -38,8 +38,11 @@ class CpuOffload(ModelHook):
             offloaded to the CPU just before this model's forward.
     """
 
-    def __init__(self, execution_device: torch.device | int | str | None = None,
-                 prev_module_hook: UserCpuOffloadHook | None = None):  # fmt: skip
+    def __init__(
+        self,
+        execution_device: torch.device | int | str | None = None,
+        prev_module_hook: UserCpuOffloadHook | None = None,
+    ):
         if execution_device is None:
             execution_device = PartialState().default_device
         self.execution_device = execution_device
@@ -88,8 +91,11 @@ class UserCpuOffloadHook:
         remove_hook_from_module(self.model)
 
 
-def cpu_offload_with_hook(model: nn.Module, execution_device: torch.device | int | str | None = None,
-                          prev_module_hook: UserCpuOffloadHook | None = None) -> tuple[nn.Module, UserCpuOffloadHook]:  # fmt: skip
+def cpu_offload_with_hook(
+    model: nn.Module,
+    execution_device: torch.device | int | str | None = None,
+    prev_module_hook: UserCpuOffloadHook | None = None,
+) -> tuple[nn.Module, UserCpuOffloadHook]:
     """Moves `model` to the CPU and hooks it to move to `execution_device` when it runs, and to stay there until
     the next model of the chain runs (or `hook.offload()` is called).
 

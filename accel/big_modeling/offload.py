@@ -31,8 +31,9 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def offload_weight(weight: torch.Tensor, weight_name: str, offload_folder: str | os.PathLike,
-                   index: dict | None = None) -> dict:  # fmt: skip
+def offload_weight(
+    weight: torch.Tensor, weight_name: str, offload_folder: str | os.PathLike, index: dict | None = None
+) -> dict:
     """Writes `weight` to `offload_folder/<weight_name>.dat`; records it in `index` (returned; a new dict when None,
     where HF returns None)."""
     index = {} if index is None else index
@@ -97,8 +98,13 @@ class OffloadedWeightsLoader(Mapping):
         device: where tensors read from a safetensors file are put (default: the CPU).
     """
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor] | None = None, save_folder: str | os.PathLike | None = None,
-                 index: Mapping | None = None, device: torch.device | int | str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        save_folder: str | os.PathLike | None = None,
+        index: Mapping | None = None,
+        device: torch.device | int | str | None = None,
+    ):
         if state_dict is None and save_folder is None and index is None:
             raise ValueError("Need either a `state_dict`, a `save_folder` or an `index` containing offloaded weights.")
         self.state_dict = {} if state_dict is None else state_dict
@@ -148,7 +154,7 @@ class PrefixedDataset(Mapping):
         return self.dataset[f"{self.prefix}{key}"]
 
     def __iter__(self) -> Iterator[str]:
-        return iter([key[len(self.prefix):] for key in self.dataset if key.startswith(self.prefix)])
+        return iter([key[len(self.prefix) :] for key in self.dataset if key.startswith(self.prefix)])
 
     def __len__(self) -> int:
         return len([key for key in self.dataset if key.startswith(self.prefix)])
@@ -156,18 +162,26 @@ class PrefixedDataset(Mapping):
 
 def extract_submodules_state_dict(state_dict: Mapping[str, torch.Tensor], submodule_names: list[str]) -> dict:
     """The entries of `state_dict` that belong to the named submodules (`h.1` takes `h.1.*`, not `h.10.*`)."""
-    return {key: value for name in submodule_names for key, value in state_dict.items()
-            if key == name or key.startswith(name + ".")}  # fmt: skip
+    return {
+        key: value
+        for name in submodule_names
+        for key, value in state_dict.items()
+        if key == name or key.startswith(name + ".")
+    }
 
 
-def load_offloaded_weights(model: torch.nn.Module, index: Mapping[str, dict] | None,
-                           offload_folder: str | os.PathLike) -> None:  # fmt: skip
+def load_offloaded_weights(
+    model: torch.nn.Module, index: Mapping[str, dict] | None, offload_folder: str | os.PathLike
+) -> None:
     """Loads every weight `index` names from `offload_folder` into `model`, on the CPU (the model no longer needs the
     folder afterwards: the weights are copies, not mappings of its files)."""
     quantized = [name for name in (index or {}) if name.endswith(".SCB")]
     if quantized:
-        raise refuse("bitsandbytes 8-bit weights", f"the offload index entry '{quantized[0]}'",
-                     "Offload the weights in a floating-point dtype.")  # fmt: skip
+        raise refuse(
+            "bitsandbytes 8-bit weights",
+            f"the offload index entry '{quantized[0]}'",
+            "Offload the weights in a floating-point dtype.",
+        )
     for name, info in (index or {}).items():
         weight = load_offloaded_weight(os.path.join(os.fspath(offload_folder), f"{name}.dat"), info)
         set_module_tensor_to_device(model, name, "cpu", value=weight.clone(), clear_cache=False)

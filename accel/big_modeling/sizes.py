@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 
-def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurse: bool = False,
-                         remove_non_persistent: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def named_module_tensors(
+    module: nn.Module, include_buffers: bool = True, recurse: bool = False, remove_non_persistent: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The parameters (and buffers) of `module`, its own or (`recurse`) its whole subtree's, once each (a tied
     parameter under its first name). `remove_non_persistent` leaves out the buffers a state dict does not hold."""
     yield from module.named_parameters(recurse=recurse)
@@ -73,8 +74,9 @@ def compute_module_sizes(
     return dict(sizes)
 
 
-def compute_module_total_buffer_size(model: nn.Module, dtype: str | torch.dtype | None = None,
-                                     special_dtypes: dict[str, str | torch.dtype] | None = None) -> int:  # fmt: skip
+def compute_module_total_buffer_size(
+    model: nn.Module, dtype: str | torch.dtype | None = None, special_dtypes: dict[str, str | torch.dtype] | None = None
+) -> int:
     """Bytes of all of `model`'s buffers, loaded as `dtype` (see `compute_module_sizes`)."""
     return compute_module_sizes(model, dtype, special_dtypes, buffers_only=True).get("", 0)
 
@@ -95,8 +97,9 @@ def dtype_byte_size(dtype: torch.dtype) -> float:
     return int(bits.group(1)) // 8
 
 
-def get_max_layer_size(modules: list[tuple[str, nn.Module]], module_sizes: dict[str, int],
-                       no_split_module_classes: list[str]) -> tuple[int, list[str]]:  # fmt: skip
+def get_max_layer_size(
+    modules: list[tuple[str, nn.Module]], module_sizes: dict[str, int], no_split_module_classes: list[str]
+) -> tuple[int, list[str]]:
     """The size of the largest layer among `modules` (walked depth first) and the names of the layers of that size.
 
     A layer is a module without children, a module whose class is in `no_split_module_classes`, or a tensor (a

@@ -27,8 +27,9 @@ def _target(device: Device) -> torch.device:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
-def load_state_dict(checkpoint_file: str | os.PathLike, device_map: Mapping[str, Device] | None = None
-                    ) -> dict[str, torch.Tensor]:  # fmt: skip
+def load_state_dict(
+    checkpoint_file: str | os.PathLike, device_map: Mapping[str, Device] | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors of one checkpoint file: a safetensors file (its header validated completely first, the tensors
     read in parallel straight into memory on their devices), or a `.bin` file (`torch.load(weights_only=True)`).
 
@@ -46,19 +47,26 @@ def load_state_dict(checkpoint_file: str | os.PathLike, device_map: Mapping[str,
     header = read_header(path)
     _check_format(path, header.metadata)
     devices = {name: _target(device_for(device_map or {}, name) or "cpu") for name in header.tensors}
-    tensors = {name: torch.empty(info.shape, dtype=info.dtype, device=devices[name]) for name, info in header.tensors.items()}
+    tensors = {
+        name: torch.empty(info.shape, dtype=info.dtype, device=devices[name]) for name, info in header.tensors.items()
+    }
     read_into(header, tensors)
     return tensors
 
 
 def _check_format(path: str, metadata: Mapping[str, str] | None) -> None:
     if not metadata:
-        logger.warning("The safetensors archive passed at %s does not contain metadata. Make sure to save your model "
-                       "with the `save_pretrained` method. Defaulting to 'pt' metadata.", path)  # fmt: skip
+        logger.warning(
+            "The safetensors archive passed at %s does not contain metadata. Make sure to save your model "
+            "with the `save_pretrained` method. Defaulting to 'pt' metadata.",
+            path,
+        )
         return
     if metadata.get("format", "pt") not in ("pt", "tf", "flax"):
-        raise OSError(f"The safetensors archive passed at {path} does not contain the valid metadata "
-                      f"(format={metadata.get('format')!r}). Make sure you save your model with the `save_pretrained` method.")  # fmt: skip
+        raise OSError(
+            f"The safetensors archive passed at {path} does not contain the valid metadata "
+            f"(format={metadata.get('format')!r}). Make sure you save your model with the `save_pretrained` method."
+        )
     if metadata.get("format", "pt") != "pt":
         raise ValueError(f"The checkpoint passed was saved with {metadata['format']}, we need a the pt format.")
 
@@ -87,8 +95,9 @@ def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def get_state_dict_from_offload(module: nn.Module, module_name: str, state_dict: dict[str, torch.Tensor],
-                                device_to_put_offload: Device = "cpu") -> dict[str, torch.Tensor]:  # fmt: skip
+def get_state_dict_from_offload(
+    module: nn.Module, module_name: str, state_dict: dict[str, torch.Tensor], device_to_put_offload: Device = "cpu"
+) -> dict[str, torch.Tensor]:
     """Fills the entries of `state_dict` that belong to `module` (named `module_name` + ".weight"-style keys in the
     model) with its tensors, brought in on `device_to_put_offload` when it is offloaded; returns `state_dict`."""
     root = module_name[: module_name.rfind(".")]  # the module's name, without ".weight"

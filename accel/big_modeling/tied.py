@@ -63,9 +63,12 @@ def check_tied_parameters_in_config(model: nn.Module) -> bool:
         return False
     config = getattr(model, "config", None)
     decoder = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    word_embeddings = bool(decoder is not None and getattr(decoder, "tie_word_embeddings", False)
-                           and model.get_output_embeddings())  # fmt: skip
-    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False))
+    word_embeddings = bool(
+        decoder is not None and getattr(decoder, "tie_word_embeddings", False) and model.get_output_embeddings()
+    )
+    encoder_decoder = bool(
+        getattr(config, "is_encoder_decoder", False) and getattr(config, "tie_encoder_decoder", False)
+    )
     modules = any(hasattr(module, "_tie_weights") for module in model.modules())
     return word_embeddings or encoder_decoder or modules
 
@@ -82,12 +85,16 @@ def _device_of(name: str, device_map: Mapping[str, int | str | torch.device]) ->
     return device_map[probe]
 
 
-def check_tied_parameters_on_same_device(tied_params: list[list[str]],
-                                         device_map: Mapping[str, int | str | torch.device]) -> None:  # fmt: skip
+def check_tied_parameters_on_same_device(
+    tied_params: list[list[str]], device_map: Mapping[str, int | str | torch.device]
+) -> None:
     """Logs a warning for every tied group that `device_map` spreads over several devices (a tied weight is one
     tensor: it can only live in one place). Raises ValueError for a name the map gives no device."""
     for group in tied_params:
         devices = {name: _device_of(name, device_map) for name in group}
         if len(set(devices.values())) > 1:
-            logger.warning("Tied parameters are on different devices: %s. Please modify your custom device map or set "
-                           "`device_map='auto'`.", devices)  # fmt: skip
+            logger.warning(
+                "Tied parameters are on different devices: %s. Please modify your custom device map or set "
+                "`device_map='auto'`.",
+                devices,
+            )

@@ -24,9 +24,26 @@ from accel.checkpoint.names import (
 from accel.checkpoint.safetensors_io import CheckpointError, load_file, read_header, save_file
 
 __all__ = [
-    "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME", "CheckpointError",
-    "MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME", "SAFE_MODEL_NAME", "SAMPLER_NAME", "SCALER_NAME",
-    "SCHEDULER_NAME", "SAFE_WEIGHTS_PATTERN_NAME", "WEIGHTS_PATTERN_NAME",
-    "load_checkpoint_in_model", "load_file", "parse_size", "read_header", "save_file", "save_state_dict",
-    "split_into_shards", "write_atomically",
-]  # fmt: skip
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "WEIGHTS_INDEX_NAME",
+    "WEIGHTS_NAME",
+    "CheckpointError",
+    "MODEL_NAME",
+    "OPTIMIZER_NAME",
+    "RNG_STATE_NAME",
+    "SAFE_MODEL_NAME",
+    "SAMPLER_NAME",
+    "SCALER_NAME",
+    "SCHEDULER_NAME",
+    "SAFE_WEIGHTS_PATTERN_NAME",
+    "WEIGHTS_PATTERN_NAME",
+    "load_checkpoint_in_model",
+    "load_file",
+    "parse_size",
+    "read_header",
+    "save_file",
+    "save_state_dict",
+    "split_into_shards",
+    "write_atomically",
+]

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import IO
 
 
-
 def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb", *, durable: bool = True) -> None:
     """Calls `write(file)` on a new temporary file next to `path`, fsyncs it and renames it over `path`.
 

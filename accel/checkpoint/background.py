@@ -163,8 +163,10 @@ class BackgroundSaves:
             failures, self._failures = self._failures, []
         if not failures:
             return
-        print("accel: a checkpoint saved in the background failed and no later call raised it; exiting with "
-              "status 1:", file=sys.stderr)  # fmt: skip
+        print(
+            "accel: a checkpoint saved in the background failed and no later call raised it; exiting with status 1:",
+            file=sys.stderr,
+        )
         traceback.print_exception(failures[0], file=sys.stderr)
         logging.shutdown()
         sys.stdout.flush()

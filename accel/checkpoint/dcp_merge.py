@@ -124,8 +124,10 @@ def _write(state_dict: dict[str, Any], output_path: Path, safe_serialization: bo
     if safe_serialization:
         nested = [name for name, value in state_dict.items() if not isinstance(value, torch.Tensor)]
         if nested:
-            raise MergeError(f"safetensors stores a flat mapping of tensors; these entries hold more: "
-                             f"{', '.join(nested[:5])}. Merge with safe_serialization=False (--unsafe_serialization)")
+            raise MergeError(
+                f"safetensors stores a flat mapping of tensors; these entries hold more: "
+                f"{', '.join(nested[:5])}. Merge with safe_serialization=False (--unsafe_serialization)"
+            )
         path = output_path / SAFE_WEIGHTS_NAME
         save_file(state_dict, path, metadata={"format": "pt"})
     else:
@@ -134,8 +136,9 @@ def _write(state_dict: dict[str, Any], output_path: Path, safe_serialization: bo
     return path
 
 
-def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
-                       remove_checkpoint_dir: bool = False) -> None:  # fmt: skip
+def merge_fsdp_weights(
+    checkpoint_dir: str, output_path: str, safe_serialization: bool = True, remove_checkpoint_dir: bool = False
+) -> None:
     """Merges a sharded (DCP) FSDP checkpoint into `output_path/model.safetensors` (or `pytorch_model.bin`).
 
     HF Accelerate's function of the same name. Under several processes, the main process merges and the others

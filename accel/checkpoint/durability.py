@@ -141,7 +141,7 @@ def sync_published(folder: str) -> None:
 
 
 def durability_of(folder: str) -> str:
-    """"durable" (everything fsync'd), "this-boot" (published without fsync during this boot: the page cache still
+    """ "durable" (everything fsync'd), "this-boot" (published without fsync during this boot: the page cache still
     holds it), "lost-boot" (published without fsync before the machine restarted: its bytes may be gone), or
     "unknown" (no record, or one accel did not write: written by HF Accelerate or an older accel)."""
     try:

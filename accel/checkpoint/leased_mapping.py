@@ -104,11 +104,17 @@ class _Watcher:
             if mapping is not None:
                 _swap_in_private_copy(mapping, _backed_bytes(guard.fd))
         if _identity(guard.fd) == guard.identity:
-            logger.warning("'%s' is being written by another program: the weights mapped from it were copied into "
-                           "memory first, so they do not change", guard.path)  # fmt: skip
+            logger.warning(
+                "'%s' is being written by another program: the weights mapped from it were copied into "
+                "memory first, so they do not change",
+                guard.path,
+            )
         else:  # the kernel broke the lease itself: this thread waited for the GIL (see the module docstring)
-            logger.warning("'%s' was written before the weights mapped from it could be copied into memory: they "
-                           "changed with it (a writer in this process held the GIL)", guard.path)  # fmt: skip
+            logger.warning(
+                "'%s' was written before the weights mapped from it could be copied into memory: they "
+                "changed with it (a writer in this process held the GIL)",
+                guard.path,
+            )
         self.release(guard)
 
     def release(self, guard: _Guard) -> None:
@@ -160,7 +166,7 @@ def map_file(file: SafetensorsFile) -> torch.Tensor | None:
         return None
     data = _map_natively(file, size) if _native() else _map_in_python(file, size)
     if data is not None:
-        int(data[::mmap.PAGESIZE].sum())  # touch every page now, so the first forward does not pay for it
+        int(data[:: mmap.PAGESIZE].sum())  # touch every page now, so the first forward does not pay for it
     return data
 
 

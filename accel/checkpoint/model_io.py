@@ -51,8 +51,18 @@ from accel.process_group import wait_limit
 
 logger = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str, what: str = "max_shard_size") -> int:
@@ -76,8 +86,14 @@ def without_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, 
         if tensor.numel() == 0 or tensor.device.type == "meta":
             kept[name] = tensor
             continue
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
-               tuple(tensor.shape), tuple(tensor.stride()))  # fmt: skip
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
         if key in seen:
             logger.info("not saving '%s': it shares its memory with '%s'", name, seen[key])
             continue
@@ -86,8 +102,9 @@ def without_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, 
     return kept
 
 
-def split_into_shards(state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str, filename_pattern: str
-                      ) -> tuple[dict[str, list[str]], int]:  # fmt: skip
+def split_into_shards(
+    state_dict: Mapping[str, torch.Tensor], max_shard_size: int | str, filename_pattern: str
+) -> tuple[dict[str, list[str]], int]:
     """({file name: tensor names}, total bytes): a tensor larger than the limit gets a shard of its own, otherwise a
     new shard starts when the next tensor would not fit. `filename_pattern` has a `{suffix}` field."""
     limit = parse_size(max_shard_size)
@@ -110,12 +127,20 @@ def split_into_shards(state_dict: Mapping[str, torch.Tensor], max_shard_size: in
     if len(shards) == 1:
         return {filename_pattern.format(suffix=""): shards[0]}, total
     count = len(shards)
-    return {filename_pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}"): names for i, names in enumerate(shards)}, total
+    return {
+        filename_pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}"): names for i, names in enumerate(shards)
+    }, total
 
 
-def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
-                    max_shard_size: int | str = "10GB", safe_serialization: bool = True,
-                    progress: bool | None = None, *, durable: bool = True) -> list[str]:  # fmt: skip
+def save_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    save_directory: str | os.PathLike,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+    progress: bool | None = None,
+    *,
+    durable: bool = True,
+) -> list[str]:
     """Writes `state_dict` as (sharded) weights into `save_directory`; returns the files written.
 
     Every file is written under a temporary name first; then they are published together through a journal
@@ -138,8 +163,14 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], save_directory: str 
         return _save_state_dict_locked(state_dict, folder, max_shard_size, safe_serialization, progress, durable)
 
 
-def _save_state_dict_locked(state_dict: Mapping[str, torch.Tensor], folder: str, max_shard_size: int | str,
-                            safe_serialization: bool, progress: bool | None, durable: bool) -> list[str]:  # fmt: skip
+def _save_state_dict_locked(
+    state_dict: Mapping[str, torch.Tensor],
+    folder: str,
+    max_shard_size: int | str,
+    safe_serialization: bool,
+    progress: bool | None,
+    durable: bool,
+) -> list[str]:
     replay_journal(folder)
     weights_name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     state_dict = without_shared_tensors(state_dict)
@@ -150,15 +181,23 @@ def _save_state_dict_locked(state_dict: Mapping[str, torch.Tensor], folder: str,
         with progress_bar(total, f"saving {folder}", progress) as bar:
             for filename, names in shards.items():
                 shard = {name: state_dict[name].detach() for name in names}
-                staged.append((_write_shard(shard, os.path.join(folder, filename), safe_serialization, durable), filename))
+                staged.append(
+                    (_write_shard(shard, os.path.join(folder, filename), safe_serialization, durable), filename)
+                )
                 bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
         if len(shards) > 1:
             index_name = SAFE_WEIGHTS_INDEX_NAME if safe_serialization else WEIGHTS_INDEX_NAME
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {name: filename for filename, names in shards.items() for name in names}}  # fmt: skip
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {name: filename for filename, names in shards.items() for name in names},
+            }
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            staged.append((write_temporary(os.path.join(folder, index_name), lambda f: f.write(text), "w", durable=durable),
-                           index_name))  # fmt: skip
+            staged.append(
+                (
+                    write_temporary(os.path.join(folder, index_name), lambda f: f.write(text), "w", durable=durable),
+                    index_name,
+                )
+            )
         new = {name for _, name in staged}
         stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in new]
     except BaseException:
@@ -256,19 +295,37 @@ class PublishJournal:
 
     @classmethod
     def plan(cls, folder: str, renames: list[tuple[str, str]], remove: list[str]) -> PublishJournal:
-        moves = tuple(_Rename(os.path.basename(temporary), name, FileIdentity.of(os.lstat(temporary)),
-                              _identity_at(os.path.join(folder, name))) for temporary, name in renames)  # fmt: skip
-        stale = tuple((name, identity) for name in remove
-                      if (identity := _identity_at(os.path.join(folder, name))) is not None)  # fmt: skip
+        moves = tuple(
+            _Rename(
+                os.path.basename(temporary),
+                name,
+                FileIdentity.of(os.lstat(temporary)),
+                _identity_at(os.path.join(folder, name)),
+            )
+            for temporary, name in renames
+        )
+        stale = tuple(
+            (name, identity) for name in remove if (identity := _identity_at(os.path.join(folder, name))) is not None
+        )
         return cls(folder, moves, stale)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "rename": [{"temporary": r.temporary, "name": r.name, "file": list(dataclasses.astuple(r.file)),
-                        "replaces": None if r.replaces is None else list(dataclasses.astuple(r.replaces))}
-                       for r in self.renames],
-            "remove": [{"name": name, "file": list(dataclasses.astuple(identity))} for name, identity in self.stale],
-        })  # fmt: skip
+        return json.dumps(
+            {
+                "rename": [
+                    {
+                        "temporary": r.temporary,
+                        "name": r.name,
+                        "file": list(dataclasses.astuple(r.file)),
+                        "replaces": None if r.replaces is None else list(dataclasses.astuple(r.replaces)),
+                    }
+                    for r in self.renames
+                ],
+                "remove": [
+                    {"name": name, "file": list(dataclasses.astuple(identity))} for name, identity in self.stale
+                ],
+            }
+        )
 
     @classmethod
     def read(cls, folder: str) -> PublishJournal | None:
@@ -286,11 +343,18 @@ class PublishJournal:
             plan = json.loads(text)
         except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
             raise _refused(path, f"it is not JSON ({error})") from None
-        if not (isinstance(plan, dict) and set(plan) == {"rename", "remove"}
-                and isinstance(plan["rename"], list) and isinstance(plan["remove"], list)):  # fmt: skip
+        if not (
+            isinstance(plan, dict)
+            and set(plan) == {"rename", "remove"}
+            and isinstance(plan["rename"], list)
+            and isinstance(plan["remove"], list)
+        ):
             raise _refused(path, "expected an object of two lists, 'rename' and 'remove'")
-        journal = cls(folder, tuple(_rename_entry(path, i, entry) for i, entry in enumerate(plan["rename"])),
-                      tuple(_stale_entry(path, i, entry) for i, entry in enumerate(plan["remove"])))  # fmt: skip
+        journal = cls(
+            folder,
+            tuple(_rename_entry(path, i, entry) for i, entry in enumerate(plan["rename"])),
+            tuple(_stale_entry(path, i, entry) for i, entry in enumerate(plan["remove"])),
+        )
         for name in [n for r in journal.renames for n in (r.temporary, r.name)] + [n for n, _ in journal.stale]:
             info = _lstat_or_none(os.path.join(folder, name))
             if info is not None and not stat.S_ISREG(info.st_mode):
@@ -310,7 +374,8 @@ class PublishJournal:
                     f"a save into '{self.folder}' was interrupted while publishing its files, and its new '{r.name}' "
                     f"is neither at '{r.temporary}' nor at '{r.name}' any more (the folder changed since, or a save "
                     f"into it is running now): load it once that save is done, or save the model into '{self.folder}' "
-                    f"again. The journal '{self.path}' was left as it is")  # fmt: skip
+                    f"again. The journal '{self.path}' was left as it is"
+                )
             located[r.name] = found[0]
         return located
 
@@ -330,8 +395,13 @@ class PublishJournal:
             if found is not None and found == r.replaces:
                 leftovers.append(source)
             elif found is not None:
-                logger.warning("leaving '%s' alone: the publish journal of '%s' names it, but it holds neither the "
-                               "new '%s' nor the file that one replaced", source, self.folder, r.name)  # fmt: skip
+                logger.warning(
+                    "leaving '%s' alone: the publish journal of '%s' names it, but it holds neither the "
+                    "new '%s' nor the file that one replaced",
+                    source,
+                    self.folder,
+                    r.name,
+                )
         return leftovers
 
     def stale_files(self) -> list[str]:
@@ -363,23 +433,27 @@ _MAX_JOURNAL_BYTES = 64 << 20  # a few hundred bytes per file of the checkpoint
 
 
 def _refused(path: str, why: str) -> CheckpointError:
-    return CheckpointError(f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, "
-                           "which names regular files of its own folder (weight files and accel's temporary names "
-                           "for them); nothing was touched. If the folder is yours, check its files and remove the "
-                           "journal")  # fmt: skip
+    return CheckpointError(
+        f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, "
+        "which names regular files of its own folder (weight files and accel's temporary names "
+        "for them); nothing was touched. If the folder is yours, check its files and remove the "
+        "journal"
+    )
 
 
 def _rename_entry(path: str, i: int, entry: object) -> _Rename:
     if not isinstance(entry, dict) or set(entry) != {"temporary", "name", "file", "replaces"}:
-        raise _refused(path, f"rename entry {i}, {_shown(entry, 300)}, is not an object of temporary, name, file, "
-                             "replaces")  # fmt: skip
+        raise _refused(
+            path, f"rename entry {i}, {_shown(entry, 300)}, is not an object of temporary, name, file, replaces"
+        )
     temporary, name = entry["temporary"], entry["name"]
     if not (isinstance(name, str) and _WEIGHT_FILE.fullmatch(name)):
         raise _refused(path, f"rename entry {i} names {_shown(name, 300)}, not a weight file name")
     match = TEMPORARY_NAME.fullmatch(temporary) if isinstance(temporary, str) else None
     if match is None or match["name"] != name:
-        raise _refused(path, f"rename entry {i} names {_shown(temporary, 300)}, not a temporary name accel gives "
-                             f"'{name}'")  # fmt: skip
+        raise _refused(
+            path, f"rename entry {i} names {_shown(temporary, 300)}, not a temporary name accel gives '{name}'"
+        )
     replaces = None if entry["replaces"] is None else _identity_entry(path, f"rename entry {i}", entry["replaces"])
     return _Rename(temporary, name, _identity_entry(path, f"rename entry {i}", entry["file"]), replaces)
 
@@ -413,8 +487,13 @@ def sync_files(paths: list[str]) -> None:
         fsync_directory(folder)
 
 
-def save_model_files(state_dict: Mapping[str, torch.Tensor], save_directory: str | os.PathLike,
-                     max_shard_size: int | str, safe_serialization: bool, mode: SaveMode) -> None:  # fmt: skip
+def save_model_files(
+    state_dict: Mapping[str, torch.Tensor],
+    save_directory: str | os.PathLike,
+    max_shard_size: int | str,
+    safe_serialization: bool,
+    mode: SaveMode,
+) -> None:
     """`Accelerator.save_model` in the three save modes (accel.checkpoint.background): the files complete when it
     returns and durable in the background (default), durable when it returns, or written in the background from
     a snapshot (asynchronous; the worker writes it durably, then publishes). An earlier asynchronous save is joined
@@ -424,8 +503,9 @@ def save_model_files(state_dict: Mapping[str, torch.Tensor], save_directory: str
     if mode.asynchronous:
         state = snapshot.buffers.take(without_shared_tensors(state_dict))
 
-        write = functools.partial(save_state_dict, state, folder, max_shard_size, safe_serialization, progress=False,
-                                  durable=True)  # fmt: skip
+        write = functools.partial(
+            save_state_dict, state, folder, max_shard_size, safe_serialization, progress=False, durable=True
+        )
         background.saves.submit(write, f"save_model into '{folder}'", asynchronous=True)
         return
     written = save_state_dict(state_dict, folder, max_shard_size, safe_serialization, durable=mode.durable)
@@ -439,8 +519,12 @@ def _remove_orphan_temporaries(folder: str) -> None:
     with os.scandir(folder) as entries:
         for entry in entries:
             match = TEMPORARY_NAME.fullmatch(entry.name)
-            if (match and _WEIGHT_FILE.fullmatch(match["name"]) and entry.is_file(follow_symlinks=False)
-                    and not process_alive(int(match["pid"]))):  # fmt: skip
+            if (
+                match
+                and _WEIGHT_FILE.fullmatch(match["name"])
+                and entry.is_file(follow_symlinks=False)
+                and not process_alive(int(match["pid"]))
+            ):
                 remove_quietly(entry.path)
 
 
@@ -515,8 +599,10 @@ def _shard_names(index: str, actual: str) -> list[str]:
         raise CheckpointError(f"'{index}': weight_map must map tensor names to file names")
     for tensor, shard in weight_map.items():
         if not shard or "\0" in shard or os.path.isabs(shard) or ".." in shard.split(os.sep):
-            raise CheckpointError(f"'{index}': weight_map entry '{tensor}' names {shard!r}, not a file inside the "
-                                  "index's folder (a shard is named relative to it, without '..')")  # fmt: skip
+            raise CheckpointError(
+                f"'{index}': weight_map entry '{tensor}' names {shard!r}, not a file inside the "
+                "index's folder (a shard is named relative to it, without '..')"
+            )
     return list(dict.fromkeys(weight_map.values()))
 
 
@@ -543,8 +629,10 @@ def load_checkpoint_in_model(
     new checkpoint, and the next save into it completes the publish (see checkpoint_files).
     """
     if device_map is not None or offload_folder is not None or offload_state_dict or offload_buffers:
-        raise NotImplementedError("device_map and offloading in load_checkpoint_in_model are not supported by accel "
-                                  "yet (big-model inference); load on the model's own devices (device_map=None)")
+        raise NotImplementedError(
+            "device_map and offloading in load_checkpoint_in_model are not supported by accel "
+            "yet (big-model inference); load on the model's own devices (device_map=None)"
+        )
     if offload_8bit_bnb:
         raise NotImplementedError("offload_8bit_bnb is not supported by accel")
     dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
@@ -560,7 +648,9 @@ def load_checkpoint_in_model(
             bar.update(os.path.getsize(path))
     # Tied weights are saved once: a name whose memory another loaded name shares is loaded too.
     loaded_memory = {_memory_key(destinations[name]) for name in found}
-    missing = [name for name in destinations if name not in found and _memory_key(destinations[name]) not in loaded_memory]
+    missing = [
+        name for name in destinations if name not in found and _memory_key(destinations[name]) not in loaded_memory
+    ]
     _report_mismatch(missing, unexpected, strict, os.fspath(checkpoint))
 
 
@@ -591,8 +681,10 @@ def _load_file_into(path: str, destinations: dict[str, torch.Tensor]) -> list[st
         for name, tensor in state_dict.items():
             if name in destinations:
                 if tuple(tensor.shape) != tuple(destinations[name].shape):
-                    raise CheckpointError(f"'{path}', tensor '{name}': the checkpoint has shape {list(tensor.shape)}, "
-                                          f"the destination {list(destinations[name].shape)}")  # fmt: skip
+                    raise CheckpointError(
+                        f"'{path}', tensor '{name}': the checkpoint has shape {list(tensor.shape)}, "
+                        f"the destination {list(destinations[name].shape)}"
+                    )
                 destinations[name].copy_(tensor)
     return list(state_dict)
 

@@ -54,10 +54,12 @@ def clean_state_dict_for_safetensors(state_dict: dict) -> dict:
     if removed:
         logger.warning(
             "Removed shared tensor %s while saving. This should be OK, but check by verifying that you don't receive "
-            "any warning while reloading", set(removed),
-        )  # fmt: skip
-    return {name: value.contiguous() if isinstance(value, torch.Tensor) else value
-            for name, value in state_dict.items()}  # fmt: skip
+            "any warning while reloading",
+            set(removed),
+        )
+    return {
+        name: value.contiguous() if isinstance(value, torch.Tensor) else value for name, value in state_dict.items()
+    }
 
 
 def _save_safetensors(obj: Any, f: str | os.PathLike | IO[bytes]) -> None:
@@ -76,8 +78,9 @@ def _save_safetensors(obj: Any, f: str | os.PathLike | IO[bytes]) -> None:
         f.write(to_bytes({name: tensor.cpu() for name, tensor in tensors.items()}, metadata=metadata))
 
 
-def save(obj: Any, f: str | os.PathLike | IO[bytes], save_on_each_node: bool = False, safe_serialization: bool = False
-         ) -> None:  # fmt: skip
+def save(
+    obj: Any, f: str | os.PathLike | IO[bytes], save_on_each_node: bool = False, safe_serialization: bool = False
+) -> None:
     """Saves `obj` from the main process only; use it in place of `torch.save` in a script every process runs.
 
     Args:

@@ -96,8 +96,12 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
     sync(partial)  # every entry of the folder is durable before it is renamed into place
     foreign = foreign_entries(final, partial)
     if foreign:
-        logger.warning("'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
-                       "(not atomically) so that they are kept", final, ", ".join(foreign[:5]))  # fmt: skip
+        logger.warning(
+            "'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
+            "(not atomically) so that they are kept",
+            final,
+            ", ".join(foreign[:5]),
+        )
         # The new record first: it replaces the old checkpoint's, which would no longer hold for the new files.
         for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
             os.replace(os.path.join(partial, name), os.path.join(final, name))
@@ -176,8 +180,9 @@ def prepare_staging(output_dir: str, staged: bool) -> str:
     return output_dir
 
 
-def publish_and_rotate(staging: str | None, output_dir: str, root: str | None, total_limit: int | None,
-                        durable: bool) -> None:  # fmt: skip
+def publish_and_rotate(
+    staging: str | None, output_dir: str, root: str | None, total_limit: int | None, durable: bool
+) -> None:
     """Creates the complete staging folder's durability record, renames the folder into place, then rotates
     numbered checkpoints. `durable`: everything is fsync'd and recorded durable before the folder is published;
     else that completes on the worker after, and rotation keeps the newest durable checkpoint until a join point

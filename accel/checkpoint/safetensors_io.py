@@ -31,10 +31,23 @@ from accel.checkpoint.atomic_files import rename_into_place, write_temporary_fd
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in _CANDIDATE_DTYPES.items() if hasattr(torch, attr)
 }
@@ -61,8 +74,9 @@ class TensorInfo:
 # --- writing -------------------------------------------------------------------------------------------------------
 
 
-def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-              ) -> tuple[bytes, list[tuple[str, torch.Tensor, int]]]:  # fmt: skip
+def plan_file(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, torch.Tensor, int]]]:
     """The header bytes (length prefix included) and (name, tensor, offset in the data section) in file order."""
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
@@ -79,7 +93,11 @@ def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     for name in order:
         tensor = tensors[name]
         nbytes = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {
+            "dtype": NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         planned.append((name, tensor, offset))
         offset += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode()
@@ -87,8 +105,13 @@ def plan_file(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] |
     return struct.pack("<Q", len(text)) + text, planned
 
 
-def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
-              *, durable: bool = True) -> None:  # fmt: skip
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    durable: bool = True,
+) -> None:
     """Writes `tensors` to `path` as safetensors: into a new temporary file in the same folder, renamed over `path`
     once complete, so a reader (or a process killed meanwhile) sees the old file or the new one, never a part.
 
@@ -103,8 +126,9 @@ def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, meta
     rename_into_place(write_temporary(tensors, path, metadata, durable=durable), path, durable)
 
 
-def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None,
-                    *, durable: bool = True) -> str:  # fmt: skip
+def write_temporary(
+    tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None, *, durable: bool = True
+) -> str:
     """Writes `tensors` as safetensors into a new temporary file next to `path` and returns its name (see
     `save_file`; the caller renames it). Durable writes go through the native writer (parallel pwrite, early
     writeback, fsync); the others through parallel pwrite from Python threads (the time is in the kernel)."""
@@ -114,8 +138,13 @@ def write_temporary(tensors: Mapping[str, torch.Tensor], path: str, metadata: Ma
 
     def write(fd: int) -> None:
         if native:
-            ops.write_tensors_(fd, path, torch.frombuffer(bytearray(header), dtype=torch.uint8),
-                               [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
+            ops.write_tensors_(
+                fd,
+                path,
+                torch.frombuffer(bytearray(header), dtype=torch.uint8),
+                [t for _, t, _ in staged],
+                [o for _, _, o in staged],
+            )
         else:
             write_parallel(fd, header, staged, durable)
 
@@ -158,9 +187,13 @@ def write_parallel(fd: int, header: bytes, staged: list[tuple[str, torch.Tensor,
     """pwrite of the header and every tensor's bytes (8 MiB chunks over a few threads: pwrite releases the GIL),
     then fsync when `durable`. The tensors are contiguous CPU tensors; offsets count from the end of the header."""
     _pwrite_all(fd, memoryview(header), 0)
-    chunks = [(view[start:start + _CHUNK_BYTES], len(header) + offset + start)
-              for _, tensor, offset in staged if tensor.numel()
-              for view in (_bytes_of(tensor),) for start in range(0, len(view), _CHUNK_BYTES)]  # fmt: skip
+    chunks = [
+        (view[start : start + _CHUNK_BYTES], len(header) + offset + start)
+        for _, tensor, offset in staged
+        if tensor.numel()
+        for view in (_bytes_of(tensor),)
+        for start in range(0, len(view), _CHUNK_BYTES)
+    ]
     if len(chunks) > 1:
         for _ in _writer_pool().map(lambda chunk: _pwrite_all(fd, *chunk), chunks):
             pass
@@ -221,9 +254,11 @@ def _changed(path: str, then: FileIdentity, now: FileIdentity) -> FileChangedErr
         what = f"was truncated ({then.size} -> {now.size} bytes)"
     else:
         what = "was rewritten in place"
-    return FileChangedError(f"'{path}' {what} after its header was read: another process is writing it. Load it "
-                            "again once that writer is done (writers that write a new file and rename it, as "
-                            "accel, safetensors and transformers do, never disturb a reader)")  # fmt: skip
+    return FileChangedError(
+        f"'{path}' {what} after its header was read: another process is writing it. Load it "
+        "again once that writer is done (writers that write a new file and rename it, as "
+        "accel, safetensors and transformers do, never disturb a reader)"
+    )
 
 
 class SafetensorsFile:
@@ -278,7 +313,9 @@ def _read_header_from(fd: int, path: str) -> Header:
     size = identity.size
     prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
-        raise CheckpointError(f"'{path}' is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        raise CheckpointError(
+            f"'{path}' is not a safetensors file: {size} bytes, shorter than the 8-byte header length"
+        )
     (length,) = struct.unpack("<Q", prefix)
     if length > MAX_HEADER_BYTES:
         raise CheckpointError(f"'{path}': header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
@@ -333,20 +370,30 @@ def _tensor_info(path: str, name: str, entry: object, data_start: int, file_size
         raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_shown(shape)}")
     # torch's sizes and strides are int64: even a tensor of no elements (a 0 in its shape) must fit.
     if math.prod(max(d, 1) for d in shape) > _MAX_INT64:
-        raise CheckpointError(f"{where}: shape {_shown(shape)} is too large for a tensor (its sizes multiply "
-                              "past 2**63 - 1)")  # fmt: skip
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
-        raise CheckpointError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
-                              f"got {_shown(offsets)}")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: shape {_shown(shape)} is too large for a tensor (its sizes multiply past 2**63 - 1)"
+        )
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(o) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(
+            f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {_shown(offsets)}"
+        )
     dtype = DTYPES[dtype_name]
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if offsets[1] - offsets[0] != expected:
-        raise CheckpointError(f"{where}: shape {_shown(shape)} of {dtype_name} needs {expected} bytes, "
-                              f"data_offsets {offsets} hold {offsets[1] - offsets[0]}")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: shape {_shown(shape)} of {dtype_name} needs {expected} bytes, "
+            f"data_offsets {offsets} hold {offsets[1] - offsets[0]}"
+        )
     if data_start + offsets[1] > file_size:
-        raise CheckpointError(f"{where}: data_offsets {offsets} run past the end of the file "
-                              f"({file_size - data_start} data bytes): the file is truncated")  # fmt: skip
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets} run past the end of the file "
+            f"({file_size - data_start} data bytes): the file is truncated"
+        )
     return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
@@ -357,7 +404,9 @@ def _check_layout(path: str, infos: list[TensorInfo], data_start: int, file_size
         if info.begin < position:
             raise CheckpointError(f"'{path}': tensors '{previous}' and '{info.name}' overlap")
         if info.begin > position:
-            raise CheckpointError(f"'{path}': {info.begin - position} bytes before tensor '{info.name}' belong to no tensor")
+            raise CheckpointError(
+                f"'{path}': {info.begin - position} bytes before tensor '{info.name}' belong to no tensor"
+            )
         position, previous = info.end, info.name
     if position != file_size:
         raise CheckpointError(f"'{path}': {file_size - position} bytes after the last tensor belong to no tensor")
@@ -383,8 +432,10 @@ def _read_into(header: Header, targets: Mapping[str, torch.Tensor], fd: int) -> 
     for name, target in targets.items():
         info = header.tensors[name]
         if tuple(target.shape) != info.shape:
-            raise CheckpointError(f"'{header.path}', tensor '{name}': the checkpoint has shape {list(info.shape)}, "
-                                  f"the destination {list(target.shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"'{header.path}', tensor '{name}': the checkpoint has shape {list(info.shape)}, "
+                f"the destination {list(target.shape)}"
+            )
         if _readable_in_place(target, info.dtype):
             direct.append((info, target))
         else:

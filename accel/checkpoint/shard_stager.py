@@ -58,8 +58,12 @@ class ShardStager:
     def __init__(self) -> None:
         self._staging: Staging | None = None
 
-    def stage(self, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
-              build: Callable[[], list[tuple[str, Tree]]]) -> list[tuple[str, Tree]]:  # fmt: skip
+    def stage(
+        self,
+        models: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        build: Callable[[], list[tuple[str, Tree]]],
+    ) -> list[tuple[str, Tree]]:
         """A CPU copy of the trees `build` returns for `models` and `optimizers`: the kept copy refreshed when the
         live state has the fingerprint it was made from, else a new copy of `build()`'s trees (kept for the next
         save when it can be refreshed)."""
@@ -77,8 +81,12 @@ class ShardStager:
         self._staging = None
 
 
-def _keepable(fingerprint: list, trees: list[tuple[str, Tree]], copied: list[tuple[str, Tree]],
-              optimizers: list[torch.optim.Optimizer]) -> Staging | None:  # fmt: skip
+def _keepable(
+    fingerprint: list,
+    trees: list[tuple[str, Tree]],
+    copied: list[tuple[str, Tree]],
+    optimizers: list[torch.optim.Optimizer],
+) -> Staging | None:
     """A Staging of `copied` when refreshing it reproduces what `build` would return while the fingerprint holds:
     every leaf outside the param groups is a tensor or a value the fingerprint holds by value, and each tree's
     param groups are its optimizer's, without their parameters. Else None (every save builds anew)."""
@@ -114,9 +122,12 @@ def _same_groups(groups: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a tree's param groups are `optimizer`'s with their parameters named (what refresh rebuilds)."""
     if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
         return False
-    return all(isinstance(group, dict) and set(group) == set(live) and
-               all(_same_value(group[key], value) for key, value in live.items() if key != "params")
-               for group, live in zip(groups, optimizer.param_groups))  # fmt: skip
+    return all(
+        isinstance(group, dict)
+        and set(group) == set(live)
+        and all(_same_value(group[key], value) for key, value in live.items() if key != "params")
+        for group, live in zip(groups, optimizer.param_groups)
+    )
 
 
 def _same_value(value: Any, live: Any) -> bool:
@@ -228,8 +239,14 @@ def cpu_copy(value: Any, memo: dict[tuple, torch.Tensor] | None = None) -> Any:
 def _memory_key(tensor: torch.Tensor) -> tuple:
     """Two tensors with equal keys view the same elements (a DTensor's by its local shard and placement)."""
     local = _local(tensor)
-    return (local.device, local.dtype, local.data_ptr(), tuple(local.shape), local.stride(),
-            getattr(tensor, "_spec", None) is not None and str(tensor._spec))  # fmt: skip
+    return (
+        local.device,
+        local.dtype,
+        local.data_ptr(),
+        tuple(local.shape),
+        local.stride(),
+        getattr(tensor, "_spec", None) is not None and str(tensor._spec),
+    )
 
 
 def _tensor_copy(tensor: torch.Tensor, dtensor_type: type) -> torch.Tensor:

@@ -58,8 +58,9 @@ class ShardedStates:
         return [name for name in needed if not os.path.isfile(os.path.join(folder, name, ".metadata"))]
 
     @staticmethod
-    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str,
-             durable: bool = False) -> None:  # fmt: skip
+    def save(
+        models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str, durable: bool = False
+    ) -> None:
         """Writes every model's and optimizer's DCP folder into `folder`; every process calls it. The files are
         fsynced only when `durable` (save_state's durability mode: DCP's writer fsyncs by default, which the default
         mode, complete but not flushed to disk on return, does not promise)."""
@@ -72,8 +73,9 @@ class ShardedStates:
             _dcp_save({"optimizer": state}, os.path.join(folder, optimizer_folder(i)), durable)
 
     @staticmethod
-    def stage(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], timeout: timedelta
-              ) -> StagedShards:  # fmt: skip
+    def stage(
+        models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], timeout: timedelta
+    ) -> StagedShards:
         """A CPU copy of this process's shards of every model and optimizer, to be written by `StagedShards.write`
         while training goes on (see the module docstring); `timeout` bounds each of the write's collectives. Every
         process calls it at the same save (the first one makes the write's process group)."""
@@ -81,9 +83,10 @@ class ShardedStates:
 
         def build() -> list[tuple[str, dict]]:
             states = [(model_folder(i), {"model": get_model_state_dict(model)}) for i, model in enumerate(models)]
-            return states + [(optimizer_folder(i),
-                              {"optimizer": get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)})
-                             for i, optimizer in enumerate(optimizers)]  # fmt: skip
+            return states + [
+                (optimizer_folder(i), {"optimizer": get_optimizer_state_dict(_owner(models, i, optimizer), optimizer)})
+                for i, optimizer in enumerate(optimizers)
+            ]
 
         # A plain CPU copy, made now, in the caller's thread (what dcp.async_save's default stager makes), into the
         # copy the previous save made when the state is the same (accel.checkpoint.shard_stager).
@@ -155,8 +158,9 @@ class FullStates:
         return [name for name in needed if not os.path.isfile(os.path.join(folder, name))]
 
     @staticmethod
-    def save(models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str,
-             durable: bool = False) -> None:  # fmt: skip
+    def save(
+        models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer], folder: str, durable: bool = False
+    ) -> None:
         for name, state in FullStates.gather(models, optimizers).items():
             write_atomically(os.path.join(folder, name), lambda f, state=state: torch.save(state, f), durable=durable)
 
@@ -172,9 +176,12 @@ class FullStates:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered onto the main process
         states = {_model_file(i): get_model_state_dict(model, options=options) for i, model in enumerate(models)}
-        states.update({_optimizer_file(i): get_optimizer_state_dict(_owner(models, i, optimizer), optimizer,
-                                                                    options=options)
-                       for i, optimizer in enumerate(optimizers)})  # fmt: skip
+        states.update(
+            {
+                _optimizer_file(i): get_optimizer_state_dict(_owner(models, i, optimizer), optimizer, options=options)
+                for i, optimizer in enumerate(optimizers)
+            }
+        )
         return states if _is_main() else {}
 
     @staticmethod
@@ -221,17 +228,26 @@ def _checked_metadata(metadata_path: str) -> Any:
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         name = str(getattr(info, "relative_path", ""))
         if os.path.basename(name) != name or name in ("", ".", ".."):
-            raise CheckpointError(f"{metadata_path}: the shard file of {getattr(index, 'fqn', index)!r} is "
-                                  f"{name!r}, not a file of its folder")  # fmt: skip
+            raise CheckpointError(
+                f"{metadata_path}: the shard file of {getattr(index, 'fqn', index)!r} is "
+                f"{name!r}, not a file of its folder"
+            )
     return metadata
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds only what DCP's `.metadata` holds (see `checked_reader`); anything else is a CheckpointError."""
 
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}  # fmt: skip
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
 
     def __init__(self, file: Any, path: str):
         super().__init__(file)
@@ -240,8 +256,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name) if self._allowed(module, name) else None
         if found is None:
-            raise CheckpointError(f"{self._path}: DCP metadata names {module}.{name}, which is not one of DCP's "
-                                  "metadata types: refused (a crafted file would run it)")  # fmt: skip
+            raise CheckpointError(
+                f"{self._path}: DCP metadata names {module}.{name}, which is not one of DCP's "
+                "metadata types: refused (a crafted file would run it)"
+            )
         return found
 
     def _allowed(self, module: str, name: str) -> bool:

@@ -67,8 +67,10 @@ class TargetLock:
             holder = _holder(fd)
             os.close(fd)
             if time.monotonic() >= deadline:
-                raise WriterBusyError(f"'{target}' is being saved by another process ({holder}) and it did not finish "
-                                      f"within {timeout_s:g} s; two jobs must not save into one folder")  # fmt: skip
+                raise WriterBusyError(
+                    f"'{target}' is being saved by another process ({holder}) and it did not finish "
+                    f"within {timeout_s:g} s; two jobs must not save into one folder"
+                )
             if not told and holder:
                 logger.warning("waiting for another process (%s) to finish saving into '%s'", holder, target)
                 told = True

@@ -134,8 +134,13 @@ class Checkpointable:
 # --- saving ------------------------------------------------------------------------------------------------------
 
 
-def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization: bool,
-               pre_hooks: list[Callable], mode: SaveMode = SaveMode(durable=True)) -> str:  # fmt: skip
+def save_state(
+    parts: Checkpointable,
+    output_dir: str | None,
+    safe_serialization: bool,
+    pre_hooks: list[Callable],
+    mode: SaveMode = SaveMode(durable=True),
+) -> str:
     """Writes the state of everything in `parts` into `output_dir` (see the module docstring), in one of the three
     save modes of accel.checkpoint.background.
 
@@ -155,16 +160,24 @@ def save_state(parts: Checkpointable, output_dir: str | None, safe_serialization
     own_folder = not _same_folder_as_main(parts, output_dir)  # a collective: every process calls it
     writes_shared_files = parts.writes_shared_files or own_folder
     staged = _can_stage(output_dir, writes_shared_files)
-    failure = _write_and_publish(parts, output_dir, root, staged, writes_shared_files, safe_serialization,
-                                 pre_hooks, mode.durable)  # fmt: skip
+    failure = _write_and_publish(
+        parts, output_dir, root, staged, writes_shared_files, safe_serialization, pre_hooks, mode.durable
+    )
     _agree_or_raise(parts, failure, "publishing")  # nobody returns before the checkpoint is visible
     config.iteration += 1
     return output_dir
 
 
-def _write_and_publish(parts: Checkpointable, output_dir: str, root: str | None, staged: bool,
-                       writes_shared_files: bool, safe_serialization: bool, pre_hooks: list[Callable],
-                       durable: bool) -> BaseException | None:  # fmt: skip
+def _write_and_publish(
+    parts: Checkpointable,
+    output_dir: str,
+    root: str | None,
+    staged: bool,
+    writes_shared_files: bool,
+    safe_serialization: bool,
+    pre_hooks: list[Callable],
+    durable: bool,
+) -> BaseException | None:
     """A synchronous save's work up to its last exchange: the staging folder (agreed by every process), this
     process's files, then the publish. A failure before the publish raises on every process; one of the publish
     is returned, for every process to learn in the caller's last exchange."""
@@ -175,8 +188,9 @@ def _write_and_publish(parts: Checkpointable, output_dir: str, root: str | None,
         if not writes_shared_files:
             return None
         try:
-            publish_and_rotate(staging if staged else None, output_dir, root,
-                               parts.project_configuration.total_limit, durable)  # fmt: skip
+            publish_and_rotate(
+                staging if staged else None, output_dir, root, parts.project_configuration.total_limit, durable
+            )
         except Exception as error:  # noqa: BLE001 - reported on every process by the caller
             return error
         return None
@@ -185,8 +199,9 @@ def _write_and_publish(parts: Checkpointable, output_dir: str, root: str | None,
             lock.release()
 
 
-def _prepare_and_agree(parts: Checkpointable, output_dir: str, staged: bool, writes_shared_files: bool
-                       ) -> tuple[TargetLock | None, str]:  # fmt: skip
+def _prepare_and_agree(
+    parts: Checkpointable, output_dir: str, staged: bool, writes_shared_files: bool
+) -> tuple[TargetLock | None, str]:
     """A save's staging folder, made at the call: earlier asynchronous saves are joined, the writer takes the
     folder's lock and prepares the folder, and every process learns it in one exchange (or every process raises).
     Returns the lock, held by the writer (None elsewhere), and the folder."""
@@ -206,8 +221,15 @@ def _prepare_and_agree(parts: Checkpointable, output_dir: str, staged: bool, wri
         raise
 
 
-def _write_own_files(parts: Checkpointable, staging: str, writes_shared_files: bool, safe_serialization: bool,
-                     pre_hooks: list[Callable], durable: bool, cleanup: str | None) -> None:  # fmt: skip
+def _write_own_files(
+    parts: Checkpointable,
+    staging: str,
+    writes_shared_files: bool,
+    safe_serialization: bool,
+    pre_hooks: list[Callable],
+    durable: bool,
+    cleanup: str | None,
+) -> None:
     """Writes this process's files into `staging` (and the shared files, on their writer). Every process agrees on
     the outcome; on a failure anywhere `cleanup` is removed and every process raises."""
     failure = None
@@ -241,8 +263,9 @@ def _own_files(parts: Checkpointable) -> dict[str, Any]:
 # --- saving asynchronously ---------------------------------------------------------------------------------------
 
 
-def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_serialization: bool,
-                        pre_hooks: list[Callable]) -> str:  # fmt: skip
+def _save_in_background(
+    parts: Checkpointable, output_dir: str | None, safe_serialization: bool, pre_hooks: list[Callable]
+) -> str:
     """save_state with `async_save`. The call does this process's work only: it names the folder, learns whether
     it writes the shared files (the one exchange), joins this process's previous asynchronous save, copies what
     this process writes (`_snapshot`) and hands the rest to its checkpoint worker (`_BackgroundSave`). When
@@ -255,16 +278,25 @@ def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_seri
     # The workers exchange over a gloo group of their own (training's collectives run on the default group
     # meanwhile), made at the first asynchronous save: every process asks for it at the same save.
     group = write_group(wait_limit()) if parts.num_processes > 1 else None
-    save = _BackgroundSave(parts, output_dir, root, parts.project_configuration.total_limit, writes_shared_files,
-                           _writer_node(parts), group, wait_limit().total_seconds())  # fmt: skip
+    save = _BackgroundSave(
+        parts,
+        output_dir,
+        root,
+        parts.project_configuration.total_limit,
+        writes_shared_files,
+        _writer_node(parts),
+        group,
+        wait_limit().total_seconds(),
+    )
     try:
         if hooked or _written_at_call(parts):  # the staging folder is agreed at the call, on every process
             save.staged = _can_stage(output_dir, writes_shared_files)
             save.lock, save.staging = _prepare_and_agree(parts, output_dir, save.staged, writes_shared_files)
         else:
             background.saves.join(asynchronous_only=True)  # the copies below reuse the previous save's memory
-        save.files, save.own, save.shards = _snapshot(parts, save.staging, writes_shared_files, safe_serialization,
-                                                      pre_hooks)  # fmt: skip
+        save.files, save.own, save.shards = _snapshot(
+            parts, save.staging, writes_shared_files, safe_serialization, pre_hooks
+        )
     except BaseException as error:
         save.failure = error
         raise
@@ -274,8 +306,13 @@ def _save_in_background(parts: Checkpointable, output_dir: str | None, safe_seri
     return output_dir
 
 
-def _snapshot(parts: Checkpointable, folder: str | None, writes_shared_files: bool, safe_serialization: bool,
-              pre_hooks: list[Callable]) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:  # fmt: skip
+def _snapshot(
+    parts: Checkpointable,
+    folder: str | None,
+    writes_shared_files: bool,
+    safe_serialization: bool,
+    pre_hooks: list[Callable],
+) -> tuple[dict[str, Any], dict[str, Any], StagedShards | None]:
     """What an asynchronous save of this process writes, copied now: the shared files on their writer (FULL_STATE_DICT's
     gathered files with them), its own files, and its part of the sharded state (ShardedStates.stage). The pre-hooks
     run first, with the staging folder `folder`, and an engine's checkpoint is written there now."""
@@ -373,8 +410,9 @@ class _BackgroundSave:
         failure = None
         if self.writes_shared_files:
             try:
-                publish_and_rotate(staging if self.staged else None, self.output_dir, self.root, self.total_limit,
-                                   durable=True)  # fmt: skip
+                publish_and_rotate(
+                    staging if self.staged else None, self.output_dir, self.root, self.total_limit, durable=True
+                )
             except Exception as error:  # noqa: BLE001 - reported on every process below
                 failure = error
                 self._discard()  # before the lock goes
@@ -394,8 +432,14 @@ class _BackgroundSave:
 # --- agreeing ----------------------------------------------------------------------------------------------------
 
 
-def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, output_dir: str, node: int | None,
-                      staging: str | None, group: dist.ProcessGroup | None = None) -> str:  # fmt: skip
+def _agree_on_staging(
+    parts: Checkpointable,
+    failure: BaseException | None,
+    output_dir: str,
+    node: int | None,
+    staging: str | None,
+    group: dist.ProcessGroup | None = None,
+) -> str:
     """The staging folder this process writes into: the one it created, else its writer's (the main process's,
     or with save_on_each_node its `node`'s), learnt in one exchange (over `group`, else the default group) that
     also tells every process whether any failed to prepare (then all raise)."""
@@ -414,8 +458,10 @@ def _agree_on_staging(parts: Checkpointable, failure: BaseException | None, outp
     for _, folder, writer_node, writer_staging in reports:
         if writer_staging is not None and folder == output_dir and writer_node == node:
             return writer_staging
-    raise RuntimeError(f"save_state into '{output_dir}': no process writes the shared files for this one "
-                       f"(process {parts.process_index}, node {node})")  # fmt: skip
+    raise RuntimeError(
+        f"save_state into '{output_dir}': no process writes the shared files for this one "
+        f"(process {parts.process_index}, node {node})"
+    )
 
 
 def _gather(report: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -450,8 +496,10 @@ def _target(parts: Checkpointable, output_dir: str | None) -> tuple[str | None, 
         root = os.path.join(parts.project_dir, "checkpoints")
         output_dir = os.path.join(root, f"checkpoint_{config.iteration}")
         if os.path.exists(output_dir):
-            raise ValueError(f"checkpoint folder '{output_dir}' (iteration {config.iteration}) already exists; set "
-                             "accelerator.project_configuration.iteration to the number to continue from")  # fmt: skip
+            raise ValueError(
+                f"checkpoint folder '{output_dir}' (iteration {config.iteration}) already exists; set "
+                "accelerator.project_configuration.iteration to the number to continue from"
+            )
         return root, output_dir
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
@@ -466,8 +514,10 @@ def _can_stage(output_dir: str, writes_shared_files: bool) -> bool:
     when it is not."""
     staged = can_stage_beside(output_dir)
     if not staged and writes_shared_files:
-        logger.warning("cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, "
-                       "not atomically", output_dir)  # fmt: skip
+        logger.warning(
+            "cannot stage '%s' next to it (parent not writable, or a mount point): writing in place, not atomically",
+            output_dir,
+        )
     return staged
 
 
@@ -487,8 +537,13 @@ def _same_folder_and_any_hooks(parts: Checkpointable, output_dir: str, hooked: b
     return reports[0][0] == output_dir, any(hooks for _, hooks in reports)
 
 
-def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage: str, cleanup: str | None = None,
-                    group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+def _agree_or_raise(
+    parts: Checkpointable,
+    failure: BaseException | None,
+    stage: str,
+    cleanup: str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """A barrier (over `group`, else the default group) that also tells every process whether any failed, so all
     raise instead of some waiting forever."""
     if not _any_failed(parts, failure, group):
@@ -500,8 +555,7 @@ def _agree_or_raise(parts: Checkpointable, failure: BaseException | None, stage:
     raise RuntimeError(f"save_state failed on another process while {stage}; nothing was published")
 
 
-def _any_failed(parts: Checkpointable, failure: BaseException | None, group: dist.ProcessGroup | None = None
-                ) -> bool:  # fmt: skip
+def _any_failed(parts: Checkpointable, failure: BaseException | None, group: dist.ProcessGroup | None = None) -> bool:
     """Whether `failure` happened here or on any other process (a collective over `group`, else the default group:
     every process calls it; after the process group was destroyed, as by a second end_training, only this process
     can say)."""
@@ -628,16 +682,28 @@ def latest_checkpoint(project_dir: str | None) -> str:
             sync_published(folder)
         if state != "lost-boot":
             if folder != folders[-1]:
-                logger.warning("loading '%s': the newer checkpoints were saved without fsync before this machine "
-                               "restarted, so their files may be incomplete", folder)  # fmt: skip
+                logger.warning(
+                    "loading '%s': the newer checkpoints were saved without fsync before this machine "
+                    "restarted, so their files may be incomplete",
+                    folder,
+                )
             return folder
-    logger.warning("every checkpoint in '%s' was saved without fsync before this machine restarted; loading the "
-                   "newest, '%s', whose files may be incomplete", root, folders[-1])  # fmt: skip
+    logger.warning(
+        "every checkpoint in '%s' was saved without fsync before this machine restarted; loading the "
+        "newest, '%s', whose files may be incomplete",
+        root,
+        folders[-1],
+    )
     return folders[-1]
 
 
-def load_state(parts: Checkpointable, input_dir: str | None, load_kwargs: dict | None, pre_hooks: list[Callable],
-               strict: bool = True) -> tuple[str, int | None]:  # fmt: skip
+def load_state(
+    parts: Checkpointable,
+    input_dir: str | None,
+    load_kwargs: dict | None,
+    pre_hooks: list[Callable],
+    strict: bool = True,
+) -> tuple[str, int | None]:
     """Restores everything in `parts` from `input_dir` (default: the latest numbered checkpoint); returns the folder
     and the step saved with the main process's RNG states (None when it has none: the step stays as it is).
 
@@ -661,8 +727,9 @@ def load_state(parts: Checkpointable, input_dir: str | None, load_kwargs: dict |
     except Exception as error:  # noqa: BLE001 - reported on every process below
         failure = error
     if _any_failed(parts, failure):
-        raise failure or RuntimeError("load_state failed on another process (its error is raised there); nothing "
-                                      "was loaded")  # fmt: skip
+        raise failure or RuntimeError(
+            "load_state failed on another process (its error is raised there); nothing was loaded"
+        )
     failure = own_rng = None
     try:
         _restore_files(parts, models, folder, load_kwargs, strict)
@@ -689,8 +756,9 @@ def _folder_to_load(config: Any, project_dir: str | None, input_dir: str | None)
     if not os.path.isdir(folder):
         raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
     if durability_of(folder) == "lost-boot":
-        logger.warning("'%s' was saved without fsync before this machine restarted: its files may be incomplete",
-                       input_dir)  # fmt: skip
+        logger.warning(
+            "'%s' was saved without fsync before this machine restarted: its files may be incomplete", input_dir
+        )
     return input_dir, folder
 
 
@@ -702,20 +770,25 @@ def _check_complete(parts: Checkpointable, models: list, folder: str) -> None:
         missing += sharded.missing(folder, len(models), len(parts.optimizers))
         models = []  # their state is in the DCP folders
     for i in range(len(models)):
-        if not any(os.path.exists(os.path.join(folder, numbered(name, i, ext)))
-                   for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin"))):  # fmt: skip
+        if not any(
+            os.path.exists(os.path.join(folder, numbered(name, i, ext)))
+            for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin"))
+        ):
             missing.append(numbered(SAFE_MODEL_NAME, i, ".safetensors"))
     missing += [numbered(OPTIMIZER_NAME, i, ".bin") for i in range(len(parts.optimizers) if sharded is None else 0)]
     missing += [numbered(SCHEDULER_NAME, i, ".bin") for i in range(len(parts.schedulers))]
     missing = [name for name in missing if not os.path.exists(os.path.join(folder, name))]
     if missing:
-        raise FileNotFoundError(f"'{folder}' is not a complete checkpoint for what was prepared: missing "
-                                f"{', '.join(missing)}")  # fmt: skip
+        raise FileNotFoundError(
+            f"'{folder}' is not a complete checkpoint for what was prepared: missing {', '.join(missing)}"
+        )
     found = [f for f in os.listdir(folder) if re.fullmatch(rf"{CUSTOM_CHECKPOINT_NAME}_\d+\.pkl", f)]
     if len(found) != len(parts.custom_objects):
-        raise RuntimeError(f"'{folder}' holds {len(found)} custom checkpoints but {len(parts.custom_objects)} "
-                           "objects are registered (register_for_checkpointing): load a checkpoint saved with the "
-                           "same registrations")  # fmt: skip
+        raise RuntimeError(
+            f"'{folder}' holds {len(found)} custom checkpoints but {len(parts.custom_objects)} "
+            "objects are registered (register_for_checkpointing): load a checkpoint saved with the "
+            "same registrations"
+        )
 
 
 def _sharded_states(parts: Checkpointable, models: list, folder: str) -> ShardedStates | FullStates | None:
@@ -724,8 +797,10 @@ def _sharded_states(parts: Checkpointable, models: list, folder: str) -> Sharded
     pytorch_model.bin (an FSDP checkpoint: DCP reshards, full files are read whole); None: whole files."""
     if parts.sharded is not None:
         return parts.sharded
-    whole = any(os.path.exists(os.path.join(folder, numbered(name, 0, ext)))
-                for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin")))  # fmt: skip
+    whole = any(
+        os.path.exists(os.path.join(folder, numbered(name, 0, ext)))
+        for name, ext in ((SAFE_MODEL_NAME, ".safetensors"), (MODEL_NAME, ".bin"))
+    )
     if whole:
         return None
     return next((kind() for kind in (ShardedStates, FullStates) if kind.present(folder, len(models))), None)
@@ -751,7 +826,7 @@ def _strip_wrappers(names: list[str]) -> dict[str, str]:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
             if all(key.startswith(prefix) for key in mapping):
-                mapping = {key[len(prefix):]: name for key, name in mapping.items()}
+                mapping = {key[len(prefix) :]: name for key, name in mapping.items()}
                 changed = True
     return mapping
 
@@ -774,8 +849,10 @@ def load_model_weights(model: torch.nn.Module, folder: str, index: int, strict: 
     _check_names(path, set(state_dict), targets, strict)
     for key, tensor in state_dict.items():
         if key in targets and targets[key].shape != tensor.shape:
-            raise CheckpointError(f"'{path}', tensor '{key}': the checkpoint has shape {list(tensor.shape)}, "
-                                  f"the model {list(targets[key].shape)}")  # fmt: skip
+            raise CheckpointError(
+                f"'{path}', tensor '{key}': the checkpoint has shape {list(tensor.shape)}, "
+                f"the model {list(targets[key].shape)}"
+            )
     with torch.no_grad():
         for key, tensor in state_dict.items():
             if key in targets:
@@ -785,11 +862,14 @@ def load_model_weights(model: torch.nn.Module, folder: str, index: int, strict: 
 def _check_names(path: str, saved: set[str], targets: dict[str, torch.Tensor], strict: bool) -> None:
     # Tied weights are saved once: a missing name is fine when a saved one shares its memory.
     saved_memory = {targets[k].data_ptr() for k in saved if k in targets and targets[k].numel()}
-    missing = [k for k in targets if k not in saved and not (targets[k].numel() and targets[k].data_ptr() in saved_memory)]
+    missing = [
+        k for k in targets if k not in saved and not (targets[k].numel() and targets[k].data_ptr() in saved_memory)
+    ]
     unexpected = sorted(saved - set(targets))
     if strict and (missing or unexpected):
-        raise CheckpointError(f"'{path}' does not fit the model: missing {missing or 'nothing'}, "
-                              f"unexpected {unexpected or 'nothing'}")  # fmt: skip
+        raise CheckpointError(
+            f"'{path}' does not fit the model: missing {missing or 'nothing'}, unexpected {unexpected or 'nothing'}"
+        )
 
 
 def restore_loader_files(loader: Any, folder: str, index: int, load_kwargs: dict) -> None:
@@ -821,8 +901,14 @@ def _numpy_rng_globals() -> list:
     """What unpickling numpy's RNG state needs, under both module paths numpy 1 and 2 pickle it with."""
     core = getattr(np, "_core", None) or np.core
     reconstruct = core.multiarray._reconstruct
-    return [reconstruct, (reconstruct, "numpy.core.multiarray._reconstruct"),
-            (reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    return [
+        reconstruct,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
 
 
 def load_rng_state(folder: str, process_index: int) -> int | None:
@@ -856,8 +942,9 @@ def _restore_files(parts: Checkpointable, models: list, folder: str, load_kwargs
     _load_custom_objects(parts.custom_objects, folder, load_kwargs)
 
 
-def _agree_on_saved_run(parts: Checkpointable, failure: BaseException | None, folder: str, own_rng: dict | None
-                        ) -> tuple[int | None, int]:  # fmt: skip
+def _agree_on_saved_run(
+    parts: Checkpointable, failure: BaseException | None, folder: str, own_rng: dict | None
+) -> tuple[int | None, int]:
     """(the saved step, how many processes saved) as the main process's folder says, the same on every process,
     in one exchange that also tells every process whether any failed to load (then all raise). The count is
     the one the RNG files record, else the number of them (HF's, older accel's)."""
@@ -879,10 +966,14 @@ def _restore_rng_states(parts: Checkpointable, folder: str, own: dict | None, sa
     checkpoint was saved by another number of processes, a process without its own file derives its states from
     process (index mod `saved_by`)'s, distinct per process, and the main process warns naming both numbers."""
     if saved_by and saved_by != parts.num_processes and parts.process_index == 0:
-        logger.warning("'%s' was saved by %d processes and is loaded by %d: the step is the main process's; "
-                       "processes without random states of their own derive them from another process's, so "
-                       "random numbers (and the data order) differ from an uninterrupted run", folder, saved_by,
-                       parts.num_processes)  # fmt: skip
+        logger.warning(
+            "'%s' was saved by %d processes and is loaded by %d: the step is the main process's; "
+            "processes without random states of their own derive them from another process's, so "
+            "random numbers (and the data order) differ from an uninterrupted run",
+            folder,
+            saved_by,
+            parts.num_processes,
+        )
     if own is not None:
         _set_rng_states(own)
         return

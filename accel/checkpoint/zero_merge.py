@@ -35,8 +35,9 @@ def zero_checkpoint_parts(checkpoint_dir: Path) -> tuple[Path, str | None] | Non
     return None
 
 
-def merge_zero_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
-                       remove_checkpoint_dir: bool = False) -> Path:  # fmt: skip
+def merge_zero_weights(
+    checkpoint_dir: str, output_path: str, safe_serialization: bool = True, remove_checkpoint_dir: bool = False
+) -> Path:
     """Writes the fp32 weights of the ZeRO checkpoint in `checkpoint_dir` into `output_path/model.safetensors` (or
     `pytorch_model.bin`); returns the file.
 
@@ -47,8 +48,10 @@ def merge_zero_weights(checkpoint_dir: str, output_path: str, safe_serialization
 
     parts = zero_checkpoint_parts(Path(checkpoint_dir))
     if parts is None:
-        raise MergeError(f"'{checkpoint_dir}' is not a DeepSpeed ZeRO checkpoint (no '{DEEPSPEED_LATEST}' file, no "
-                         f"{_MODEL_STATES} with {_OPTIMIZER_STATES})")  # fmt: skip
+        raise MergeError(
+            f"'{checkpoint_dir}' is not a DeepSpeed ZeRO checkpoint (no '{DEEPSPEED_LATEST}' file, no "
+            f"{_MODEL_STATES} with {_OPTIMIZER_STATES})"
+        )
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError:

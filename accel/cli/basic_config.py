@@ -10,7 +10,6 @@ from accel._env import MIXED_PRECISIONS
 from accel.cli.config_file import ClusterConfig, default_config_path, save_config
 
 
-
 def basic_config(mixed_precision: str = "no") -> ClusterConfig:
     """The config HF Accelerate's `write_basic_config` describes for this machine.
 

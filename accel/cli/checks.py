@@ -95,7 +95,9 @@ def check_training(state: PartialState) -> None:
     fit(wrapped, inputs[shard].to(state.device), targets[shard].to(state.device))
     for name, param in distributed.named_parameters():
         ref = reference.get_parameter(name)
-        require(torch.allclose(param.cpu(), ref, atol=1e-5), f"{name}: {param.tolist()} vs single process {ref.tolist()}")
+        require(
+            torch.allclose(param.cpu(), ref, atol=1e-5), f"{name}: {param.tolist()} vs single process {ref.tolist()}"
+        )
 
 
 CHECKS = [

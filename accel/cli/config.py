@@ -47,6 +47,7 @@ from typing import Any
 from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
 from accel.cli import deepspeed_options
+from accel.cli.basic_config import basic_config
 from accel.cli.config_file import (
     ClusterConfig,
     ConfigError,
@@ -55,7 +56,6 @@ from accel.cli.config_file import (
     load_config,
     save_config,
 )
-from accel.cli.basic_config import basic_config
 
 Option = tuple[str, Any]  # (what the user sees, what the config stores)
 
@@ -74,9 +74,20 @@ MACHINE_TYPE_OPTIONS: list[Option] = [
 DYNAMO_BACKEND_OPTIONS: list[Option] = [
     (name.lower(), name)
     for name in (
-        "EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI", "FX2TRT",
-        "ONNXRT", "TENSORRT", "AOT_TORCHXLA_TRACE_ONCE", "TORCHXLA_TRACE_ONCE", "TVM",
-    )  # fmt: skip
+        "EAGER",
+        "AOT_EAGER",
+        "INDUCTOR",
+        "AOT_TS_NVFUSER",
+        "NVPRIMS_NVFUSER",
+        "CUDAGRAPHS",
+        "OFI",
+        "FX2TRT",
+        "ONNXRT",
+        "TENSORRT",
+        "AOT_TORCHXLA_TRACE_ONCE",
+        "TORCHXLA_TRACE_ONCE",
+        "TVM",
+    )
 ]
 DYNAMO_MODE_OPTIONS: list[Option] = [(mode, mode) for mode in ("default", "reduce-overhead", "max-autotune")]
 RDZV_BACKEND_OPTIONS: list[Option] = [(name, name) for name in ("static", "c10d", "etcd", "etcd-v2")]
@@ -90,8 +101,10 @@ def _named_options(names: Sequence[str]) -> list[Option]:
 SHARDING_STRATEGY_OPTIONS = _named_options(fsdp_options.SHARDING_STRATEGIES)
 AUTO_WRAP_POLICY_OPTIONS = _named_options(fsdp_options.AUTO_WRAP_POLICIES)
 BACKWARD_PREFETCH_OPTIONS = _named_options(fsdp_options.BACKWARD_PREFETCHES)
-STATE_DICT_TYPE_OPTIONS = {1: _named_options(fsdp_options.STATE_DICT_TYPES),
-                           2: _named_options(fsdp_options.FSDP2_STATE_DICT_TYPES)}  # fmt: skip
+STATE_DICT_TYPE_OPTIONS = {
+    1: _named_options(fsdp_options.STATE_DICT_TYPES),
+    2: _named_options(fsdp_options.FSDP2_STATE_DICT_TYPES),
+}
 ZERO_STAGE_OPTIONS: list[Option] = [(str(stage), stage) for stage in deepspeed_options.ZERO_STAGES]
 OFFLOAD_DEVICE_OPTIONS = _named_options(deepspeed_options.OFFLOAD_DEVICES)
 MULTINODE_LAUNCHER_OPTIONS = _named_options(deepspeed_options.MULTINODE_LAUNCHERS)
@@ -302,9 +315,7 @@ def ask_dynamo() -> dict[str, Any]:
     """torch.compile settings; an empty dict (nothing written) when dynamo is not wanted."""
     if not ask_yes_no("Do you wish to optimize your script with torch dynamo?[yes/NO]:", default=False):
         return {}
-    config = {
-        "dynamo_backend": ask_option("Which dynamo backend would you like to use?", DYNAMO_BACKEND_OPTIONS, 2)
-    }
+    config = {"dynamo_backend": ask_option("Which dynamo backend would you like to use?", DYNAMO_BACKEND_OPTIONS, 2)}
     if ask_yes_no("Do you want to customize the defaults sent to torch.compile? [yes/NO]: ", default=False):
         config["dynamo_mode"] = ask_option("Which mode do you want to use?", DYNAMO_MODE_OPTIONS)
         config["dynamo_use_fullgraph"] = ask_yes_no(
@@ -365,26 +376,32 @@ def ask_fsdp_sharding(version: int) -> dict[str, Any]:
 
 def ask_fsdp1_prefetching() -> dict[str, Any]:
     """FSDP1's backward prefetch policy (asked before the state dict type, as HF does)."""
-    backward = ask_fsdp2_runnable("fsdp_backward_prefetch", lambda: ask_option(
-        "What should be your FSDP's backward prefetch policy?", BACKWARD_PREFETCH_OPTIONS))  # fmt: skip
+    backward = ask_fsdp2_runnable(
+        "fsdp_backward_prefetch",
+        lambda: ask_option("What should be your FSDP's backward prefetch policy?", BACKWARD_PREFETCH_OPTIONS),
+    )
     return {"fsdp_backward_prefetch": backward}
 
 
 def ask_fsdp1_parameters() -> dict[str, Any]:
     """FSDP1's forward prefetch and use_orig_params (asked after the state dict type, as HF does)."""
-    forward = ask_fsdp2_runnable("fsdp_forward_prefetch", lambda: ask_yes_no(
-        "Do you want to enable FSDP's forward prefetch policy? [yes/NO]: ", default=False))  # fmt: skip
+    forward = ask_fsdp2_runnable(
+        "fsdp_forward_prefetch",
+        lambda: ask_yes_no("Do you want to enable FSDP's forward prefetch policy? [yes/NO]: ", default=False),
+    )
     use_orig_params = ask_yes_no("Do you want to enable FSDP's `use_orig_params` feature? [YES/no]: ", default=True)
     return {"fsdp_forward_prefetch": forward, "fsdp_use_orig_params": use_orig_params}
 
 
 def ask_fsdp_loading(version: int) -> dict[str, Any]:
     """RAM-efficient loading and, for FSDP1, whether rank 0's module states are broadcast (implied by the first)."""
-    config = {"fsdp_cpu_ram_efficient_loading": ask_yes_no(
-        "Do you want to enable CPU RAM efficient model loading? Only applicable for 🤗 Transformers models. "
-        "[YES/no]: ",
-        default=True,
-    )}  # fmt: skip
+    config = {
+        "fsdp_cpu_ram_efficient_loading": ask_yes_no(
+            "Do you want to enable CPU RAM efficient model loading? Only applicable for 🤗 Transformers models. "
+            "[YES/no]: ",
+            default=True,
+        )
+    }
     if version == 1:
         config["fsdp_sync_module_states"] = config["fsdp_cpu_ram_efficient_loading"] or ask_yes_no(
             "Do you want each individually wrapped FSDP unit to broadcast module parameters from rank 0 at the "
@@ -407,8 +424,10 @@ def ask_fsdp(chosen: bool = False) -> dict[str, Any]:
     config.update(ask_fsdp_wrapping())
     if version == 1:
         config.update(ask_fsdp1_prefetching())
-    config["fsdp_state_dict_type"] = ask_fsdp2_runnable("fsdp_state_dict_type", lambda: ask_option(
-        "What should be your FSDP's state dict type?", STATE_DICT_TYPE_OPTIONS[version]))  # fmt: skip
+    config["fsdp_state_dict_type"] = ask_fsdp2_runnable(
+        "fsdp_state_dict_type",
+        lambda: ask_option("What should be your FSDP's state dict type?", STATE_DICT_TYPE_OPTIONS[version]),
+    )
     if version == 1:
         config.update(ask_fsdp1_parameters())
     config.update(ask_fsdp_loading(version))
@@ -458,8 +477,10 @@ def ask_multinode_launcher() -> str:
         launcher = ask_option("Which Type of launcher do you want to use?", MULTINODE_LAUNCHER_OPTIONS, default=1)
         if launcher == deepspeed_options.STANDARD_LAUNCHER:
             return launcher
-        print(f"{launcher} is not supported by accel: accel starts every machine through torch.distributed.run; "
-              "choose standard and run `accel launch` on each machine.")  # fmt: skip
+        print(
+            f"{launcher} is not supported by accel: accel starts every machine through torch.distributed.run; "
+            "choose standard and run `accel launch` on each machine."
+        )
 
 
 def ask_deepspeed(num_machines: int) -> dict[str, Any]:
@@ -467,8 +488,9 @@ def ask_deepspeed(num_machines: int) -> dict[str, Any]:
     if not ask_yes_no("Do you want to use DeepSpeed? [yes/NO]: ", default=False):
         return {}
     if ask_yes_no("Do you want to specify a json file to a DeepSpeed config? [yes/NO]: ", default=False):
-        config = {"deepspeed_config_file": ask("Please enter the path to the json DeepSpeed config file: ",
-                                               required_text)}  # fmt: skip
+        config = {
+            "deepspeed_config_file": ask("Please enter the path to the json DeepSpeed config file: ", required_text)
+        }
     else:
         config = ask_deepspeed_settings()
     config["zero3_init_flag"] = ask_yes_no(
@@ -531,8 +553,11 @@ def get_user_input() -> ClusterConfig:
     num_processes = ask_num_processes(distributed_type, num_machines) if distributed_type != "NO" else 1
     gpu_ids = None if use_cpu or fsdp_config or deepspeed_config else ask_gpu_ids()  # as HF: none for FSDP, DeepSpeed
     # HF leaves the precision to the DeepSpeed config file when there is one (see accel/cli/launch.py).
-    mixed_precision = None if "deepspeed_config_file" in deepspeed_config else ask_option(
-        "Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)  # fmt: skip
+    mixed_precision = (
+        None
+        if "deepspeed_config_file" in deepspeed_config
+        else ask_option("Do you wish to use mixed precision?", MIXED_PRECISION_OPTIONS)
+    )
     return ClusterConfig(
         compute_environment=compute_environment,
         distributed_type="FSDP" if fsdp_config else distributed_type,
@@ -572,8 +597,7 @@ def run_questionnaire(args: argparse.Namespace) -> int:
         config = get_user_input()
     except StdinClosed as closed:
         print(
-            f"\naccel config: stdin closed before this question was answered: {closed.question!r}. "
-            "Nothing was saved.",
+            f"\naccel config: stdin closed before this question was answered: {closed.question!r}. Nothing was saved.",
             file=sys.stderr,
         )
         return 1
@@ -601,7 +625,9 @@ def run_update(args: argparse.Namespace) -> int:
     file (accel's, else HF Accelerate's)."""
     path = Path(args.config_file).expanduser() if args.config_file else find_config_file()
     if path is None:
-        raise ConfigError(f"no config file to update at {default_config_path()}; pass --config_file or run `accel config`")
+        raise ConfigError(
+            f"no config file to update at {default_config_path()}; pass --config_file or run `accel config`"
+        )
     save_config(load_config(path), path)
     print(f"Successfully updated the configuration file at {path}.")
     return 0
@@ -638,8 +664,12 @@ def _register_update(commands: argparse._SubParsersAction) -> None:
         "back with every current key.",
         allow_abbrev=False,
     )
-    parser.add_argument("--config_file", "--config-file", default=argparse.SUPPRESS,
-                        help="The config file to update (default: accel's default file, else HF Accelerate's).")  # fmt: skip
+    parser.add_argument(
+        "--config_file",
+        "--config-file",
+        default=argparse.SUPPRESS,
+        help="The config file to update (default: accel's default file, else HF Accelerate's).",
+    )
     parser.set_defaults(run=run_update)
 
 

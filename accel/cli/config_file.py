@@ -49,9 +49,21 @@ from accel.settings import DynamoBackend  # torch-free, so the CLI still starts 
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
 DISTRIBUTED_TYPES = (
-    "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
-    "MULTI_HPU", "MULTI_NEURON", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM",
-)  # fmt: skip
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_XPU",
+    "MULTI_HPU",
+    "MULTI_NEURON",
+    "DEEPSPEED",
+    "FSDP",
+    "XLA",
+    "MEGATRON_LM",
+)
 DYNAMO_BACKENDS = tuple(backend.value for backend in DynamoBackend)
 # The modes torch.compile accepts; HF's questionnaire offers the first three.
 DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

@@ -107,24 +107,27 @@ class Option:
     parse: Callable[[Any], Any]
 
 
-OPTIONS: dict[str, Option] = {option.key: option for option in (
-    Option("deepspeed_config_file", "DEEPSPEED_CONFIG_FILE", _text),
-    Option("zero_stage", "DEEPSPEED_ZERO_STAGE", _stage),
-    Option("offload_optimizer_device", "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", _device),
-    Option("offload_param_device", "DEEPSPEED_OFFLOAD_PARAM_DEVICE", _device),
-    # HF's launcher parses these two but never exports them; accel does, for DeepSpeedPlugin reads them.
-    Option("offload_optimizer_nvme_path", "DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", _text),
-    Option("offload_param_nvme_path", "DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", _text),
-    Option("gradient_accumulation_steps", "GRADIENT_ACCUMULATION_STEPS", _steps),
-    Option("gradient_clipping", "GRADIENT_CLIPPING", _clipping),
-    Option("zero3_init_flag", "DEEPSPEED_ZERO3_INIT", _boolean),
-    Option("zero3_save_16bit_model", "DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", _boolean),
-    Option("deepspeed_moe_layer_cls_names", "DEEPSPEED_MOE_LAYER_CLS_NAMES", _class_names),
-    Option("deepspeed_multinode_launcher", None, _launcher),
-    Option("deepspeed_hostfile", None, _text),
-    Option("deepspeed_exclusion_filter", None, _text),
-    Option("deepspeed_inclusion_filter", None, _text),
-)}  # fmt: skip
+OPTIONS: dict[str, Option] = {
+    option.key: option
+    for option in (
+        Option("deepspeed_config_file", "DEEPSPEED_CONFIG_FILE", _text),
+        Option("zero_stage", "DEEPSPEED_ZERO_STAGE", _stage),
+        Option("offload_optimizer_device", "DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", _device),
+        Option("offload_param_device", "DEEPSPEED_OFFLOAD_PARAM_DEVICE", _device),
+        # HF's launcher parses these two but never exports them; accel does, for DeepSpeedPlugin reads them.
+        Option("offload_optimizer_nvme_path", "DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", _text),
+        Option("offload_param_nvme_path", "DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", _text),
+        Option("gradient_accumulation_steps", "GRADIENT_ACCUMULATION_STEPS", _steps),
+        Option("gradient_clipping", "GRADIENT_CLIPPING", _clipping),
+        Option("zero3_init_flag", "DEEPSPEED_ZERO3_INIT", _boolean),
+        Option("zero3_save_16bit_model", "DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", _boolean),
+        Option("deepspeed_moe_layer_cls_names", "DEEPSPEED_MOE_LAYER_CLS_NAMES", _class_names),
+        Option("deepspeed_multinode_launcher", None, _launcher),
+        Option("deepspeed_hostfile", None, _text),
+        Option("deepspeed_exclusion_filter", None, _text),
+        Option("deepspeed_inclusion_filter", None, _text),
+    )
+}
 # The options only DeepSpeed reads; gradient_accumulation_steps is also every launch's own setting.
 DEEPSPEED_ONLY = tuple(key for key in OPTIONS if key != "gradient_accumulation_steps")
 

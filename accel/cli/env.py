@@ -122,7 +122,9 @@ def alias_fact(config: dict | str) -> str:
     if accelerate_alias.installed() or accelerate_alias.asked():
         return f"on: `import accelerate` resolves to accel ({accelerate_alias.describe()})"
     if isinstance(config, dict) and config.get("as_accelerate"):
-        return f"on in ranks that `accel launch` starts (config file: as_accelerate: true; {accelerate_alias.describe()})"
+        return (
+            f"on in ranks that `accel launch` starts (config file: as_accelerate: true; {accelerate_alias.describe()})"
+        )
     return "off (`accel launch --as_accelerate`, ACCEL_AS_ACCELERATE=1 or accel.as_accelerate() turn it on)"
 
 
@@ -136,5 +138,7 @@ def run_env(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("env", help="print the environment, for bug reports", allow_abbrev=False)
-    parser.add_argument("--config_file", "--config-file", default=None, help="config file to show (default: the default one)")
+    parser.add_argument(
+        "--config_file", "--config-file", default=None, help="config file to show (default: the default one)"
+    )
     parser.set_defaults(run=run_env)

@@ -64,8 +64,9 @@ def _transformers_model(model_name: str, trust_remote_code: bool, access_token: 
     from accel.big_modeling import init_empty_weights
 
     try:
-        config = transformers.AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code,
-                                                         token=access_token)  # fmt: skip
+        config = transformers.AutoConfig.from_pretrained(
+            model_name, trust_remote_code=trust_remote_code, token=access_token
+        )
     except (OSError, ValueError) as error:
         raise CommandError(f"cannot load the transformers config of {model_name!r}: {error}") from None
     auto_map = getattr(config, "auto_map", None) or {}
@@ -92,8 +93,9 @@ def _timm_model(model_name: str) -> Any:
         return timm.create_model(name, pretrained=False)
 
 
-def create_empty_model(model_name: str, library_name: str | None, trust_remote_code: bool = False,
-                       access_token: str | None = None) -> Any:  # fmt: skip
+def create_empty_model(
+    model_name: str, library_name: str | None, trust_remote_code: bool = False, access_token: str | None = None
+) -> Any:
     """The model `model_name` (a local folder or a Hub name) on the meta device, in float32.
 
     Args:
@@ -111,7 +113,9 @@ def create_empty_model(model_name: str, library_name: str | None, trust_remote_c
         else:
             library_name = getattr(_library_on_hub(model_name, access_token), "library_name", None)
             if not library_name:
-                raise CommandError(f"{model_name!r} has no library on the Hub; pass --library_name (transformers, timm)")
+                raise CommandError(
+                    f"{model_name!r} has no library on the Hub; pass --library_name (transformers, timm)"
+                )
     print(f"Loading pretrained config for `{model_name}` from `{library_name}`...")
     if library_name == "transformers":
         return _transformers_model(model_name, trust_remote_code, access_token)
@@ -139,11 +143,14 @@ def gather_data(args: argparse.Namespace) -> list[list[Any]]:
     """Rows of [dtype, largest layer bytes, total bytes, training estimate dict], one per `args.dtypes`."""
     from accel.big_modeling import calculate_maximum_sizes
 
-    model = create_empty_model(args.model_name, library_name=args.library_name,
-                               trust_remote_code=args.trust_remote_code)  # fmt: skip
+    model = create_empty_model(
+        args.model_name, library_name=args.library_name, trust_remote_code=args.trust_remote_code
+    )
     total, (largest, _) = calculate_maximum_sizes(model)
-    return [[dtype, largest / _BYTES_DIVISOR[dtype], total / _BYTES_DIVISOR[dtype], estimate_training_usage(total, dtype)]
-            for dtype in args.dtypes]  # fmt: skip
+    return [
+        [dtype, largest / _BYTES_DIVISOR[dtype], total / _BYTES_DIVISOR[dtype], estimate_training_usage(total, dtype)]
+        for dtype in args.dtypes
+    ]
 
 
 # --- the table ------------------------------------------------------------------------------------------------
@@ -161,8 +168,17 @@ def render_table(headers: list[str] | tuple[str, ...], rows: list[list[str]], ti
         return "│" + "│".join(text.center(width) for text, width in zip(texts, widths)) + "│"
 
     inner = sum(widths) + len(widths) - 1
-    return "\n".join([line("┌", "─", "┐"), "│" + title.center(inner) + "│", line("├", "┬", "┤"), cells(headers),
-                      line("├", "┼", "┤"), *(cells(row) for row in rows), line("└", "┴", "┘")])  # fmt: skip
+    return "\n".join(
+        [
+            line("┌", "─", "┐"),
+            "│" + title.center(inner) + "│",
+            line("├", "┬", "┤"),
+            cells(headers),
+            line("├", "┼", "┤"),
+            *(cells(row) for row in rows),
+            line("└", "┴", "┘"),
+        ]
+    )
 
 
 def _as_text(row: list[Any]) -> list[str]:
@@ -179,12 +195,26 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_name", help="a local model folder (with config.json) or a model name on the Hub")
-    parser.add_argument("--library_name", "--library-name", choices=["timm", "transformers"],
-                        help="the model's library (default: read from the folder's config or the Hub)")  # fmt: skip
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
-                        help="the dtypes to estimate for (default: all four)")  # fmt: skip
-    parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true", default=False,
-                        help="allow the model repository's own modeling code to run (only for repositories you trust)")  # fmt: skip
+    parser.add_argument(
+        "--library_name",
+        "--library-name",
+        choices=["timm", "transformers"],
+        help="the model's library (default: read from the folder's config or the Hub)",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=list(DTYPES),
+        choices=DTYPES,
+        help="the dtypes to estimate for (default: all four)",
+    )
+    parser.add_argument(
+        "--trust_remote_code",
+        "--trust-remote-code",
+        action="store_true",
+        default=False,
+        help="allow the model repository's own modeling code to run (only for repositories you trust)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -66,7 +66,13 @@ from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
 
-DYNAMO_KEYS = ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation")
+DYNAMO_KEYS = (
+    "dynamo_backend",
+    "dynamo_mode",
+    "dynamo_use_fullgraph",
+    "dynamo_use_dynamic",
+    "dynamo_use_regional_compilation",
+)
 DEFAULT_PORT = 29500
 _TEE = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
 _RDZV_CONF = re.compile(r"[^=,]+=[^=,]*(,[^=,]+=[^=,]*)*")
@@ -157,14 +163,27 @@ class LaunchConfig:
 # ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_;
 # FSDP's options are HF's FSDP_* variables, which the ranks' FullyShardedDataParallelPlugin reads).
 _DEEPSPEED_VARIABLES = {key: option.variable for key, option in deepspeed_options.OPTIONS.items() if option.variable}
-ENV_NAMES = {"debug": "ACCEL_DEBUG_MODE", "ipex": "ACCEL_USE_IPEX", "enable_cpu_affinity": "ACCEL_CPU_AFFINITY",
-             **{key: option.variable for key, option in fsdp_options.OPTIONS.items()},
-             **{key: f"ACCEL_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()}}  # fmt: skip
+ENV_NAMES = {
+    "debug": "ACCEL_DEBUG_MODE",
+    "ipex": "ACCEL_USE_IPEX",
+    "enable_cpu_affinity": "ACCEL_CPU_AFFINITY",
+    **{key: option.variable for key, option in fsdp_options.OPTIONS.items()},
+    **{key: f"ACCEL_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()},
+}
 # Read when the ACCEL_ name is unset: the ranks read HF's names too, so the launcher must agree with them.
-HF_ENV_NAMES = {"use_fsdp": "ACCELERATE_USE_FSDP", "use_deepspeed": "ACCELERATE_USE_DEEPSPEED",
-                **{key: f"ACCELERATE_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()}}  # fmt: skip
-NOT_FROM_ENV = {"training_script", "training_script_args", "module", "no_python", "main_training_function",
-                "deepspeed_fields_from_accelerate_config"}  # fmt: skip
+HF_ENV_NAMES = {
+    "use_fsdp": "ACCELERATE_USE_FSDP",
+    "use_deepspeed": "ACCELERATE_USE_DEEPSPEED",
+    **{key: f"ACCELERATE_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()},
+}
+NOT_FROM_ENV = {
+    "training_script",
+    "training_script_args",
+    "module",
+    "no_python",
+    "main_training_function",
+    "deepspeed_fields_from_accelerate_config",
+}
 
 
 def env_name(field: str) -> str:
@@ -211,9 +230,20 @@ def _config_file_values(cluster: Any) -> tuple[dict[str, Any], dict[str, str]]:
         "ipex": bool((config.get("ipex_config") or {}).get("ipex", False)),
         "downcast_bf16": config.get("downcast_bf16") in (True, "yes"),  # HF's questionnaire writes 'yes'/'no'
     }
-    for key in ("gpu_ids", "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                "rdzv_backend", "same_network", "mixed_precision", "debug", "enable_cpu_affinity", "as_accelerate"
-                ):  # fmt: skip
+    for key in (
+        "gpu_ids",
+        "num_processes",
+        "num_machines",
+        "machine_rank",
+        "main_process_ip",
+        "main_process_port",
+        "rdzv_backend",
+        "same_network",
+        "mixed_precision",
+        "debug",
+        "enable_cpu_affinity",
+        "as_accelerate",
+    ):
         if config.get(key) is not None:
             values[key] = config[key]
     for key, value in (config.get("dynamo_config") or {}).items():
@@ -264,12 +294,16 @@ def _slurm_machine_rank(environ: Mapping[str, str]) -> tuple[str, int]:
     return slurm.node_rank(environ)
 
 
-_SLURM_FACTS = {"num_machines": slurm.num_nodes, "machine_rank": _slurm_machine_rank,
-                "main_process_ip": slurm.first_node}  # fmt: skip
+_SLURM_FACTS = {
+    "num_machines": slurm.num_nodes,
+    "machine_rank": _slurm_machine_rank,
+    "main_process_ip": slurm.first_node,
+}
 
 
-def values_from_slurm(environ: Mapping[str, str], above: Mapping[str, Any], use_cpu: bool
-                      ) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+def values_from_slurm(
+    environ: Mapping[str, str], above: Mapping[str, Any], use_cpu: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The settings an srun step gives `accel launch` (`srun accel launch`, one task per node), and their variables.
 
     num_machines is the step's node count, machine_rank SLURM_NODEID, main_process_ip the step's first node (its
@@ -382,8 +416,9 @@ def _check_processes(config: LaunchConfig) -> None:
 
 def _check_torchrun_formats(config: LaunchConfig) -> None:
     if not _TEE.fullmatch(config.tee):
-        raise LaunchError(f"tee={config.tee!r}: expected 0, 1, 2 or 3 (none, stdout, stderr, both), or per local "
-                          "rank as 0:1,1:2")  # fmt: skip
+        raise LaunchError(
+            f"tee={config.tee!r}: expected 0, 1, 2 or 3 (none, stdout, stderr, both), or per local rank as 0:1,1:2"
+        )
     if config.rdzv_conf and not _RDZV_CONF.fullmatch(config.rdzv_conf):
         raise LaunchError(f"rdzv_conf={config.rdzv_conf!r}: expected key1=value1,key2=value2")
     if config.main_training_function is not None and config.no_python:
@@ -427,18 +462,26 @@ def _deepspeed_settings(config: LaunchConfig) -> dict[str, Any]:
 def _check_deepspeed(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
     """Normalises the DeepSpeed options and refuses, before anything starts, what cannot run (see the module
     docstring)."""
-    options = {key: parse_value(key, value, origins.get(key, key))
-               for key, value in _deepspeed_settings(config).items()}  # fmt: skip
+    options = {
+        key: parse_value(key, value, origins.get(key, key)) for key, value in _deepspeed_settings(config).items()
+    }
     config = dataclasses.replace(config, **options)
     if config.use_deepspeed and config.use_fsdp:
-        raise LaunchError(f"{origins.get('use_deepspeed', 'use_deepspeed')} and {origins.get('use_fsdp', 'use_fsdp')} "
-                          "cannot be used together: choose DeepSpeed or FSDP")  # fmt: skip
+        raise LaunchError(
+            f"{origins.get('use_deepspeed', 'use_deepspeed')} and {origins.get('use_fsdp', 'use_fsdp')} "
+            "cannot be used together: choose DeepSpeed or FSDP"
+        )
     if not config.use_deepspeed:
-        flags = [origins[key] for key in deepspeed_options.DEEPSPEED_ONLY
-                 if key in options and origins.get(key, "").startswith("-")]  # fmt: skip
+        flags = [
+            origins[key]
+            for key in deepspeed_options.DEEPSPEED_ONLY
+            if key in options and origins.get(key, "").startswith("-")
+        ]
         if flags:
-            raise LaunchError(f"{flags[0]} has no effect without DeepSpeed: add --use_deepspeed (or use a config file "
-                              "with distributed_type: DEEPSPEED)")  # fmt: skip
+            raise LaunchError(
+                f"{flags[0]} has no effect without DeepSpeed: add --use_deepspeed (or use a config file "
+                "with distributed_type: DEEPSPEED)"
+            )
         return config
     refused = deepspeed_options.multinode_refusal(options) if config.num_machines > 1 else None
     if refused is not None:
@@ -453,8 +496,10 @@ def deepspeed_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ)
     PYTHONPATH with the working folder added, as HF adds it."""
     if not config.use_deepspeed:
         # An inherited ACCELERATE_USE_DEEPSPEED=true (turned off here by a higher layer) must not turn it on again.
-        return {"ACCEL_USE_DEEPSPEED": "false", **({"ACCELERATE_USE_DEEPSPEED": "false"}
-                                                   if "ACCELERATE_USE_DEEPSPEED" in environ else {})}  # fmt: skip
+        return {
+            "ACCEL_USE_DEEPSPEED": "false",
+            **({"ACCELERATE_USE_DEEPSPEED": "false"} if "ACCELERATE_USE_DEEPSPEED" in environ else {}),
+        }
     fields = config.deepspeed_fields_from_accelerate_config
     hf_names = deepspeed_options.environment(_deepspeed_settings(config), fields)
     accel_names = {f"ACCEL_{name.removeprefix('ACCELERATE_')}": value for name, value in hf_names.items()}
@@ -477,13 +522,17 @@ def _check_fsdp(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfi
     if not config.use_fsdp:
         flags = [origins[key] for key in options if origins.get(key, "").startswith("-")]
         if flags:
-            raise LaunchError(f"{flags[0]} has no effect without FSDP: add --use_fsdp (or use a config file with "
-                              "distributed_type: FSDP)")  # fmt: skip
+            raise LaunchError(
+                f"{flags[0]} has no effect without FSDP: add --use_fsdp (or use a config file with "
+                "distributed_type: FSDP)"
+            )
         return config
     if options.get("fsdp_cpu_ram_efficient_loading", True) and options.get("fsdp_sync_module_states") is False:
         origin = origins.get("fsdp_sync_module_states", "fsdp_sync_module_states")
-        raise LaunchError(f"{_asked_by(origin, 'false')}: fsdp_cpu_ram_efficient_loading (true unless set to false) "
-                          "needs fsdp_sync_module_states true, as in HF Accelerate")  # fmt: skip
+        raise LaunchError(
+            f"{_asked_by(origin, 'false')}: fsdp_cpu_ram_efficient_loading (true unless set to false) "
+            "needs fsdp_sync_module_states true, as in HF Accelerate"
+        )
     fsdp_translation(config, origins)  # FSDP1 options FSDP2 cannot honour are refused here
     return config
 
@@ -515,8 +564,10 @@ def fsdp_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> d
     FSDP1 options as their FSDP2 translation."""
     if not config.use_fsdp:
         # An inherited ACCELERATE_USE_FSDP=true (turned off here by --multi_gpu) must not turn FSDP on in the ranks.
-        return {"ACCEL_USE_FSDP": "false", **({"ACCELERATE_USE_FSDP": "false"} if "ACCELERATE_USE_FSDP" in environ
-                                               else {})}  # fmt: skip
+        return {
+            "ACCEL_USE_FSDP": "false",
+            **({"ACCELERATE_USE_FSDP": "false"} if "ACCELERATE_USE_FSDP" in environ else {}),
+        }
     translation = fsdp_translation(config)
     options = translation.options if translation is not None else _fsdp_settings(config)
     return {"ACCEL_USE_FSDP": "true", **fsdp_options.environment(options)}
@@ -580,16 +631,23 @@ def torchrun_argv(config: LaunchConfig, log_dir: str | None = None) -> list[str]
     log_dir = config.log_dir or log_dir
     argv = [
         *(["--log_dir", log_dir] if log_dir else []),
-        "--nnodes", str(config.num_machines),
-        "--node_rank", str(config.machine_rank),
-        "--nproc_per_node", str(processes_per_machine(config)),
-        "--max_restarts", str(config.max_restarts),
-        "--monitor_interval", str(config.monitor_interval),
-        "--role", config.role,
-        "--tee", config.tee,
+        "--nnodes",
+        str(config.num_machines),
+        "--node_rank",
+        str(config.machine_rank),
+        "--nproc_per_node",
+        str(processes_per_machine(config)),
+        "--max_restarts",
+        str(config.max_restarts),
+        "--monitor_interval",
+        str(config.monitor_interval),
+        "--role",
+        config.role,
+        "--tee",
+        config.tee,
         *(["--rdzv_conf", config.rdzv_conf] if config.rdzv_conf else []),
         *rendezvous_args(config),
-    ]  # fmt: skip
+    ]
     return [*argv, *_worker_target(config)]
 
 
@@ -615,8 +673,10 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
         env[accelerate_alias.ENV_VARIABLE] = "1"
     if config.downcast_bf16:
         # HF reads ACCELERATE_DOWNCAST_BF16 on TPUs only; accel runs none, so say that it changes nothing here.
-        warnings.warn("downcast_bf16 only affects bf16 training on TPUs (XLA), which accel does not run: it has no "
-                      "effect on CPUs and CUDA GPUs (as in HF Accelerate)")  # fmt: skip
+        warnings.warn(
+            "downcast_bf16 only affects bf16 training on TPUs (XLA), which accel does not run: it has no "
+            "effect on CPUs and CUDA GPUs (as in HF Accelerate)"
+        )
         env["ACCEL_DOWNCAST_BF16"] = "1"
     if config.ipex:
         if availability.is_ipex_available():
@@ -654,8 +714,11 @@ def launch(config: LaunchConfig) -> int:
     if translated is not None:
         print(translated, file=sys.stderr, flush=True)
     if config.as_accelerate:
-        print(f"accel launch: `import accelerate` resolves to accel in every rank ({accelerate_alias.describe()})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"accel launch: `import accelerate` resolves to accel in every rank ({accelerate_alias.describe()})",
+            file=sys.stderr,
+            flush=True,
+        )
     if config.quiet:
         _silence_launcher_logs()
     # torchrun keeps error files and logs under a fresh /tmp/torchelastic_* per run; ours goes once we are done.
@@ -702,8 +765,10 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 USAGE = "accel launch [options] training_script [training_script_args ...]"
-DESCRIPTION = ("Launch a script on several processes. Options can be spelt with underscores (--num_processes) or "
-               "dashes (--num-processes).")
+DESCRIPTION = (
+    "Launch a script on several processes. Options can be spelt with underscores (--num_processes) or "
+    "dashes (--num-processes)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -714,8 +779,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("launch", help="run a training script on the configured processes", usage=USAGE,
-                                   description=DESCRIPTION, allow_abbrev=False)  # fmt: skip
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a training script on the configured processes",
+        usage=USAGE,
+        description=DESCRIPTION,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
     parser.set_defaults(run=run_launch)
     return parser

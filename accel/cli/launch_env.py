@@ -34,12 +34,28 @@ from accel.cli.refusals import refuse_backend
 
 # Namespace attributes that ask for a backend accel does not run, when true.
 _BACKEND_ATTRIBUTES = {
-    "use_megatron_lm": "megatron_lm", "tpu": "tpu",
-    "tpu_use_cluster": "tpu_pod", "use_parallelism_config": "parallelism_config", "mpirun_hostfile": "mpirun",
-}  # fmt: skip
+    "use_megatron_lm": "megatron_lm",
+    "tpu": "tpu",
+    "tpu_use_cluster": "tpu_pod",
+    "use_parallelism_config": "parallelism_config",
+    "mpirun_hostfile": "mpirun",
+}
 # torch.distributed.run's names that HF's prepare_multi_gpu_env sets on `args` for its hand-off to torchrun.
-_TORCHRUN_NAMES = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
-                   "rdzv_endpoint", "rdzv_conf", "standalone", "max_restarts", "monitor_interval", "role", "tee")  # fmt: skip
+_TORCHRUN_NAMES = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_conf",
+    "standalone",
+    "max_restarts",
+    "monitor_interval",
+    "role",
+    "tee",
+)
 
 
 def _refuse_backends(args: argparse.Namespace) -> None:
@@ -69,14 +85,17 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     # HF's launch_command sets it as "key1,key2" before its DeepSpeed launcher runs.
     fields = str(getattr(args, "deepspeed_fields_from_accelerate_config", None) or "")
     values["deepspeed_fields_from_accelerate_config"] = tuple(field for field in fields.split(",") if field)
-    origins = {key: f"args.{key}" for key in ("mixed_precision", "use_deepspeed", "use_fsdp", *fsdp_options.OPTIONS,
-                                              *deepspeed_options.OPTIONS)}  # fmt: skip
+    origins = {
+        key: f"args.{key}"
+        for key in ("mixed_precision", "use_deepspeed", "use_fsdp", *fsdp_options.OPTIONS, *deepspeed_options.OPTIONS)
+    }
     return validate(LaunchConfig(**values), origins)
 
 
 def _with_hf_spellings(variables: dict[str, str]) -> dict[str, str]:
-    mirrored = {f"ACCELERATE_{name[len('ACCEL_'):]}": value for name, value in variables.items()
-                if name.startswith("ACCEL_")}  # fmt: skip
+    mirrored = {
+        f"ACCELERATE_{name[len('ACCEL_') :]}": value for name, value in variables.items() if name.startswith("ACCEL_")
+    }
     return {**variables, **mirrored}
 
 
@@ -143,8 +162,9 @@ def prepare_deepspeed_cmd_env(args: argparse.Namespace) -> tuple[None, dict[str,
     return None, _environment(config)
 
 
-def prepare_tpu(args: argparse.Namespace, current_env: dict[str, str], pod: bool = False
-                ) -> tuple[argparse.Namespace, dict[str, str]]:  # fmt: skip
+def prepare_tpu(
+    args: argparse.Namespace, current_env: dict[str, str], pod: bool = False
+) -> tuple[argparse.Namespace, dict[str, str]]:
     """HF's TPU launch preparation; refused: accel does not run TPUs."""
     raise refuse_backend("tpu_pod" if pod else "tpu", f"prepare_tpu(args, current_env, pod={pod})")
 

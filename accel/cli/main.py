@@ -22,7 +22,9 @@ _USAGE_ERRORS = (CommandError, ConfigError, UnsupportedFeatureError)
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: a misspelt flag (--num_proc) must be an error, not a guess.
-    parser = argparse.ArgumentParser("accel", description="Run PyTorch training on any device setup.", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        "accel", description="Run PyTorch training on any device setup.", allow_abbrev=False
+    )
     subparsers = parser.add_subparsers(title="commands")
     for module in SUBCOMMANDS:
         module.register(subparsers)

@@ -38,15 +38,29 @@ def merge_command(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint_directory", help="the folder of sharded weights saved by FSDP or DeepSpeed")
     parser.add_argument("output_path", help="the folder to write the merged weights into")
-    parser.add_argument("--unsafe_serialization", "--unsafe-serialization", action="store_true", default=False,
-                        help="write pytorch_model.bin (pickle) instead of model.safetensors (not recommended)")  # fmt: skip
-    parser.add_argument("--remove_checkpoint_dir", "--remove-checkpoint-dir", action="store_true", default=False,
-                        help="remove the checkpoint folder after merging")  # fmt: skip
+    parser.add_argument(
+        "--unsafe_serialization",
+        "--unsafe-serialization",
+        action="store_true",
+        default=False,
+        help="write pytorch_model.bin (pickle) instead of model.safetensors (not recommended)",
+    )
+    parser.add_argument(
+        "--remove_checkpoint_dir",
+        "--remove-checkpoint-dir",
+        action="store_true",
+        default=False,
+        help="remove the checkpoint folder after merging",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("merge-weights", help="merge a sharded FSDP or DeepSpeed checkpoint into one file",
-                                   description=DESCRIPTION, allow_abbrev=False)  # fmt: skip
+    parser = subparsers.add_parser(
+        "merge-weights",
+        help="merge a sharded FSDP or DeepSpeed checkpoint into one file",
+        description=DESCRIPTION,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
     parser.set_defaults(run=merge_command)
     return parser

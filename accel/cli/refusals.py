@@ -32,7 +32,9 @@ BACKENDS = {
     "parallelism_config": Backend("The N-d parallelism config (tensor, context, sequence parallelism)", _DDP),
     "fp8": Backend("FP8 training (TransformerEngine, MS-AMP, torchao)", "Use `--mixed_precision bf16` or `fp16`."),
     "tpu": Backend("TPU / XLA training", "accel runs on CPUs and CUDA GPUs (`--cpu`, `--multi_gpu`)."),
-    "tpu_pod": Backend("Running on TPU pods", "accel runs on CPUs and CUDA GPUs; start `accel launch` on each machine."),
+    "tpu_pod": Backend(
+        "Running on TPU pods", "accel runs on CPUs and CUDA GPUs; start `accel launch` on each machine."
+    ),
     "sagemaker": Backend(
         "Launching on Amazon SageMaker",
         "Start `accel launch --num_machines N --machine_rank R --main_process_ip IP` on each machine instead.",
@@ -52,8 +54,10 @@ BACKENDS = {
 DISTRIBUTED_TYPE_BACKENDS = {
     "MEGATRON_LM": "megatron_lm",
     "XLA": "tpu",
-    **{kind: "other_devices" for kind in ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
-                                          "MULTI_HPU", "MULTI_NEURON")},  # fmt: skip
+    **{
+        kind: "other_devices"
+        for kind in ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
+    },
 }
 
 

@@ -16,8 +16,10 @@ def run_test(args: argparse.Namespace) -> int:
         command += ["--config_file", args.config_file]
     result = subprocess.run([*command, str(CHECK_SCRIPT)], check=False)
     if result.returncode != 0:
-        print(f"accel test: FAILED (exit code {result.returncode}); the failing check and rank are named above",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"accel test: FAILED (exit code {result.returncode}); the failing check and rank are named above",
+            file=sys.stderr,
+        )
     return result.returncode
 
 
@@ -25,5 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "test", help="check that the configured setup runs distributed training", allow_abbrev=False
     )
-    parser.add_argument("--config_file", "--config-file", default=None, help="config file to test (default: the default one)")
+    parser.add_argument(
+        "--config_file", "--config-file", default=None, help="config file to test (default: the default one)"
+    )
     parser.set_defaults(run=run_test)

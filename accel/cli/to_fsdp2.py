@@ -84,12 +84,19 @@ def to_fsdp2_command(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("to-fsdp2", help="convert a config file from FSDP1 to FSDP2",
-                                   description="Convert an accel / HF Accelerate config file from FSDP1 to FSDP2.",
-                                   allow_abbrev=False)  # fmt: skip
+    parser = subparsers.add_parser(
+        "to-fsdp2",
+        help="convert a config file from FSDP1 to FSDP2",
+        description="Convert an accel / HF Accelerate config file from FSDP1 to FSDP2.",
+        allow_abbrev=False,
+    )
     parser.add_argument("--config_file", "--config-file", required=True, help="the config file to convert")
-    parser.add_argument("--overwrite", action="store_true", default=False,
-                        help="replace the output file if it exists (or the config file, without --output_file)")  # fmt: skip
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=False,
+        help="replace the output file if it exists (or the config file, without --output_file)",
+    )
     parser.add_argument("--output_file", "--output-file", default=None, help="where to write the converted config")
     parser.set_defaults(run=to_fsdp2_command)
     return parser

@@ -17,8 +17,9 @@ def tpu_command_launcher(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("tpu-config", help="set up TPU pods (not supported by accel)",
-                                   description=_DESCRIPTION, allow_abbrev=False)  # fmt: skip
+    parser = subparsers.add_parser(
+        "tpu-config", help="set up TPU pods (not supported by accel)", description=_DESCRIPTION, allow_abbrev=False
+    )
     config = parser.add_argument_group("Config Arguments")
     config.add_argument("--config_file", "--config-file", default=None, help="config file to read the defaults from")
     config.add_argument("--tpu_name", "--tpu-name", default=None, help="the TPU to use")
@@ -27,10 +28,15 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     pod.add_argument("--use_alpha", "--use-alpha", action="store_true", help="use `gcloud alpha`")
     pod.add_argument("--command_file", "--command-file", default=None, help="file of commands to run on the pod")
     pod.add_argument("--command", action="append", nargs="+", help="a command to run on the pod (repeatable)")
-    pod.add_argument("--install_accelerate", "--install-accelerate", action="store_true",
-                     help="install accelerate on the pod")  # fmt: skip
-    pod.add_argument("--accelerate_version", "--accelerate-version", default="latest",
-                     help="the accelerate version to install on the pod")  # fmt: skip
+    pod.add_argument(
+        "--install_accelerate", "--install-accelerate", action="store_true", help="install accelerate on the pod"
+    )
+    pod.add_argument(
+        "--accelerate_version",
+        "--accelerate-version",
+        default="latest",
+        help="the accelerate version to install on the pod",
+    )
     pod.add_argument("--debug", action="store_true", help="print the command instead of running it")
     parser.set_defaults(run=tpu_command_launcher)
     return parser

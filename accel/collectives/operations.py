@@ -35,11 +35,34 @@ from accel.unsupported import refuse
 
 REDUCTIONS = ("mean", "sum", "max", "min", "none")
 # HF's list of the distributed types whose collectives go through torch.distributed.
-TORCH_DISTRIBUTED_OPERATION_TYPES = ["DEEPSPEED", "MULTI_GPU", "FSDP", "MEGATRON_LM", "TP", "MULTI_NPU", "MULTI_MLU",
-                                     "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_CPU", "MULTI_HPU", "MULTI_NEURON"]
+TORCH_DISTRIBUTED_OPERATION_TYPES = [
+    "DEEPSPEED",
+    "MULTI_GPU",
+    "FSDP",
+    "MEGATRON_LM",
+    "TP",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_XPU",
+    "MULTI_CPU",
+    "MULTI_HPU",
+    "MULTI_NEURON",
+]
 # HF's codes for the dtypes `gather_tensor_shape` reports.
-TENSOR_TYPE_TO_INT = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5,
-                      torch.int8: 6, torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10}
+TENSOR_TYPE_TO_INT = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+}
 TENSOR_INT_TO_DTYPE = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
@@ -414,14 +437,18 @@ def wait_for_everyone() -> None:
 
 
 @contextlib.contextmanager
-def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
-                       ) -> Iterator[None]:  # fmt: skip
+def GatheredParameters(
+    params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True
+) -> Iterator[None]:
     """DeepSpeed ZeRO-3's context that gathers partitioned parameters; outside ZeRO-3 a context that does nothing.
 
     accel does not run DeepSpeed, so parameters are never partitioned and this is the no-op context HF Accelerate
     gives without ZeRO-3: code written for both runs unchanged. Under a DeepSpeed state it refuses.
     """
     if is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED:
-        raise refuse("DeepSpeed ZeRO-3 parameter gathering", "GatheredParameters(...)",
-                     "accel runs DDP, where every process holds whole parameters: no gathering is needed.")  # fmt: skip
+        raise refuse(
+            "DeepSpeed ZeRO-3 parameter gathering",
+            "GatheredParameters(...)",
+            "accel runs DDP, where every process holds whole parameters: no gathering is needed.",
+        )
     yield

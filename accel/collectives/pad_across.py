@@ -22,8 +22,9 @@ class CannotPadNestedTensorWarning(UserWarning):
     """`pad_across_processes` met a nested tensor (torch.nested), which it leaves as it is."""
 
 
-def _with_padded(tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Tensor], padded: list[torch.Tensor]
-                 ) -> Any:  # fmt: skip
+def _with_padded(
+    tensor: Any, leaves: list[torch.Tensor], regular: list[torch.Tensor], padded: list[torch.Tensor]
+) -> Any:
     """`tensor` with each of its `regular` leaves (those of `leaves` that are not nested) replaced by `padded`."""
     if isinstance(tensor, torch.Tensor):  # the common case: one leaf, padded or not (a nested one is not in `regular`)
         return padded[0] if padded else tensor
@@ -39,8 +40,11 @@ def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """The leaves that are not nested tensors (torch.nested: no shape to pad to), warning when there are any."""
     regular = [leaf for leaf in leaves if not leaf.is_nested]
     if len(regular) < len(leaves):
-        warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
-                      CannotPadNestedTensorWarning, stacklevel=4)  # fmt: skip
+        warnings.warn(
+            "Cannot pad nested tensors without more information. Leaving unprocessed.",
+            CannotPadNestedTensorWarning,
+            stacklevel=4,
+        )
     return regular
 
 
@@ -87,5 +91,3 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     # returning early on its own would leave the others waiting in the collective).
     padded = select_transport(regular).pad_to_largest(regular, dim, pad_index, pad_first)
     return _with_padded(tensor, leaves, regular, padded)
-
-

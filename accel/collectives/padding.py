@@ -61,7 +61,8 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
     """`tensor` padded along `dim` to the largest of `shapes` (every process's shape of it)."""
     if len({len(shape) for shape in shapes}) != 1:
         raise DistributedOperationException(
-            f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})")
+            f"pad_across_processes: ranks hold tensors of different ranks (shapes {shapes})"
+        )
     if dim >= tensor.dim() or dim < -tensor.dim():
         return tensor  # HF leaves tensors without that dim untouched
     dim = dim % tensor.dim()
@@ -71,15 +72,19 @@ def _pad_to_largest(tensor: torch.Tensor, shapes: list, dim: int, pad_index: Any
     return pad_tensor(tensor, dim, max_size, pad_index, pad_first)
 
 
-def pad_to_largest_shapes(leaves: list[torch.Tensor], shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any,
-                          pad_first: bool) -> list[torch.Tensor]:  # fmt: skip
+def pad_to_largest_shapes(
+    leaves: list[torch.Tensor], shapes: list[list[tuple[int, ...]]], dim: int, pad_index: Any, pad_first: bool
+) -> list[torch.Tensor]:
     """`leaves` each padded to the largest of its shapes in `shapes` (every process's shapes of its leaves)."""
     counts = [len(rank_shapes) for rank_shapes in shapes]
     if len(set(counts)) > 1:  # every rank sees the same counts, so all raise (none goes on to hang)
         raise DistributedOperationException(
-            f"pad_across_processes: the processes pass different numbers of tensors ({counts})")
-    return [_pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
-            for i, leaf in enumerate(leaves)]  # fmt: skip
+            f"pad_across_processes: the processes pass different numbers of tensors ({counts})"
+        )
+    return [
+        _pad_to_largest(leaf, [rank_shapes[i] for rank_shapes in shapes], dim, pad_index, pad_first)
+        for i, leaf in enumerate(leaves)
+    ]
 
 
 def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:

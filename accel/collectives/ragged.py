@@ -23,9 +23,25 @@ import torch
 from accel.collectives.errors import DistributedOperationException
 
 # Stable indices for the header (any order works if every rank runs the same accel).
-_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-           torch.float32, torch.float64, torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
-           torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 _DTYPE_INDEX = {dtype: index for index, dtype in enumerate(_DTYPES)}
 _PREFIX_WORDS = 2
 FIRST_CAPACITY = 4096
@@ -126,11 +142,14 @@ def _check_agreement(index: int, shapes: list[tuple[torch.dtype, list[int]]]) ->
     if any(d != dtype or len(s) != len(shape) or s[1:] != shape[1:] for d, s in shapes):
         listing = ", ".join(f"process {rank}: {d} {s}" for rank, (d, s) in enumerate(shapes))
         raise DistributedOperationException(
-            f"gather: tensor {index} must have the same dtype and sizes apart from dim 0 on every process; got {listing}")
+            f"gather: tensor {index} must have the same dtype and sizes apart from dim 0 on every process; "
+            f"got {listing}"
+        )
 
 
-def all_gather_ragged(leaves: list[torch.Tensor], state: dict[str, Any], world_size: int,
-                      all_gather_into: Callable) -> list[torch.Tensor]:
+def all_gather_ragged(
+    leaves: list[torch.Tensor], state: dict[str, Any], world_size: int, all_gather_into: Callable
+) -> list[torch.Tensor]:
     """The ragged all-gather; `state["capacity"]` carries the slot size from one call to the next."""
     device = leaves[0].device if leaves else torch.device("cpu")
     packed = pack(leaves, device)

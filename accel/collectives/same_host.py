@@ -54,8 +54,7 @@ class Facts:
 
 def local_facts(native: bool) -> Facts:
     """This rank's facts; `native` says whether the caller's native code is loaded here."""
-    return Facts(_host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(),
-                 _cpu_quota())  # fmt: skip
+    return Facts(_host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(), _cpu_quota())
 
 
 def why_not(everyone: list[Facts]) -> str | None:

@@ -193,8 +193,14 @@ def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: t
         from accel import _C
 
         backend = _C.SharedMemoryBackend(
-            rounds.rank, rounds.world_size, leader.host.token, leader.slot_bytes, timeout.total_seconds(),
-            oversubscribed, leader.one_shot_bytes)  # fmt: skip
+            rounds.rank,
+            rounds.world_size,
+            leader.host.token,
+            leader.slot_bytes,
+            timeout.total_seconds(),
+            oversubscribed,
+            leader.one_shot_bytes,
+        )
         return backend.locator()
 
     locators, failure = rounds.on_every_rank("create", create)

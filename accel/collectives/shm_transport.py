@@ -70,8 +70,9 @@ class SharedMemoryTransport(Transport):
     def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
         return self.all_gather_object([tuple(leaf.shape) for leaf in leaves])
 
-    def pad_to_largest(self, leaves: list[torch.Tensor], dim: int, pad_index: Any, pad_first: bool
-                       ) -> list[torch.Tensor]:  # fmt: skip
+    def pad_to_largest(
+        self, leaves: list[torch.Tensor], dim: int, pad_index: Any, pad_first: bool
+    ) -> list[torch.Tensor]:
         """One exchange of shapes through shared memory (nothing pickled); padding in the same native call."""
         padded, indices = ops.shm_pad_across_processes(self.handle, _inputs(leaves), dim, pad_index, pad_first)
         if not indices:
@@ -97,8 +98,10 @@ class SharedMemoryTransport(Transport):
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
         flat = [leaf.detach().reshape(-1) for leaf in leaves]
         gathered = self.all_gather(flat, call="reduce")
-        return [_reduce_in_rank_order(g.view(self.world_size, -1), op).view(leaf.shape).to(leaf.dtype)
-                for g, leaf in zip(gathered, leaves)]
+        return [
+            _reduce_in_rank_order(g.view(self.world_size, -1), op).view(leaf.shape).to(leaf.dtype)
+            for g, leaf in zip(gathered, leaves)
+        ]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data, lengths = self._all_bytes(_pickled(obj), "gather_object")
@@ -231,8 +234,9 @@ class _Group:
     timeout: timedelta  # bounds every wait in the group
 
 
-def _set_up(reference: TorchDistributedTransport, group: _Group, oversubscribed: bool
-            ) -> tuple[SharedMemoryTransport | None, str | None]:  # fmt: skip
+def _set_up(
+    reference: TorchDistributedTransport, group: _Group, oversubscribed: bool
+) -> tuple[SharedMemoryTransport | None, str | None]:
     """Creates every rank's segment, shares the locators, attaches every rank to every other, then closes the
     descriptors (peers opened the segments through them). Every rank gets the same outcome, or the first failure.
     A rank killed at any point leaves nothing behind: the segments have no name anywhere."""
@@ -240,8 +244,9 @@ def _set_up(reference: TorchDistributedTransport, group: _Group, oversubscribed:
 
     def create() -> list[int]:
         nonlocal handle
-        handle = ops.shm_group_create(group.rank, group.world_size, group.token, _slot_bytes(),
-                                      group.timeout.total_seconds(), oversubscribed)  # fmt: skip
+        handle = ops.shm_group_create(
+            group.rank, group.world_size, group.token, _slot_bytes(), group.timeout.total_seconds(), oversubscribed
+        )
         return ops.shm_group_locator(handle)
 
     locators, failure = same_host.on_every_rank(create, reference.all_gather_object)

@@ -53,8 +53,9 @@ class Transport(abc.ABC):
     def all_gather_shapes(self, leaves: list[torch.Tensor]) -> list[list[tuple[int, ...]]]:
         """Every rank's list of leaf shapes, in rank order."""
 
-    def pad_to_largest(self, leaves: list[torch.Tensor], dim: int, pad_index: Any, pad_first: bool
-                       ) -> list[torch.Tensor]:  # fmt: skip
+    def pad_to_largest(
+        self, leaves: list[torch.Tensor], dim: int, pad_index: Any, pad_first: bool
+    ) -> list[torch.Tensor]:
         """Each leaf padded along `dim` to the largest size the ranks' corresponding leaves have there (HF's
         `pad_across_processes`); a leaf already that large, or without `dim`, is returned as it is.
 

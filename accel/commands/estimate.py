@@ -21,5 +21,11 @@ def estimate_command_parser(subparsers: argparse._SubParsersAction | None = None
     return parser
 
 
-__all__ = ["create_ascii_table", "create_empty_model", "estimate_command", "estimate_command_parser",
-           "estimate_training_usage", "gather_data"]  # fmt: skip
+__all__ = [
+    "create_ascii_table",
+    "create_empty_model",
+    "estimate_command",
+    "estimate_command_parser",
+    "estimate_training_usage",
+    "gather_data",
+]

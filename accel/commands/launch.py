@@ -13,8 +13,9 @@ def launch_command_parser(subparsers: argparse._SubParsersAction | None = None) 
         parser = _launch.register(subparsers)
         parser.set_defaults(func=launch_command)
         return parser
-    parser = argparse.ArgumentParser("accel launch", usage=_launch.USAGE, description=_launch.DESCRIPTION,
-                                     allow_abbrev=False)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        "accel launch", usage=_launch.USAGE, description=_launch.DESCRIPTION, allow_abbrev=False
+    )
     _launch.add_arguments(parser)
     return parser
 

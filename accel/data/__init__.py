@@ -4,11 +4,11 @@ from accel.data.dispatcher import DataLoaderDispatcher
 from accel.data.even_batches import override_even_batches
 from accel.data.loaders import DataLoaderAdapter, DataLoaderStateMixin, get_sampler
 from accel.data.prepare import prepare_data_loader
+from accel.data.rng import RNGType, set_seed, synchronize_rng_state, synchronize_rng_states
+from accel.data.samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
 from accel.data.shard_loader import DataLoaderShard
 from accel.data.skip import SkipDataLoader, skip_first_batches
 from accel.data.truncation import gather_for_metrics, gather_for_metrics_truncation
-from accel.data.rng import RNGType, set_seed, synchronize_rng_state, synchronize_rng_states
-from accel.data.samplers import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
 
 __all__ = [
     "BatchSamplerShard",

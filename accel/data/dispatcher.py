@@ -35,6 +35,7 @@ def _with_last_flag(items: Iterator) -> Iterator[tuple[Any, bool]]:
 
 def take_rows(data: Any, count: int) -> Any:
     """`count` rows of `data`, cycling over its rows (`data` needs at least one)."""
+
     def cycle(tensor: torch.Tensor) -> torch.Tensor:
         if tensor.dim() == 0:
             return tensor
@@ -78,8 +79,9 @@ def pack(data: Any) -> tuple[Any, torch.Tensor]:
 
 def unpack(structure: Any, buffer: torch.Tensor) -> Any:
     """The batch `pack` packed: tensors are views of `buffer`, on its device."""
+
     def tensor(spec: TensorSpec) -> torch.Tensor:
-        raw = buffer[spec.offset:spec.offset + spec.nbytes]
+        raw = buffer[spec.offset : spec.offset + spec.nbytes]
         return raw.view(spec.dtype).reshape(spec.shape)
 
     return pytree.recursively_apply(tensor, structure, test_type=lambda leaf: isinstance(leaf, TensorSpec))
@@ -128,11 +130,27 @@ class DataLoaderDispatcher(DataLoaderAdapter):
         **kwargs: `torch.utils.data.DataLoader` arguments.
     """
 
-    def __init__(self, dataset, split_batches: bool = False, skip_batches: int = 0, even_batches: bool = True,
-                 device=None, slice_fn: Callable | None = None, _drop_last: bool = False,
-                 _non_blocking: bool = False, iteration: int = 0, **kwargs):
-        super().__init__(dataset, _drop_last=_drop_last, _non_blocking=_non_blocking, skip_batches=skip_batches,
-                         iteration=iteration, **kwargs)
+    def __init__(
+        self,
+        dataset,
+        split_batches: bool = False,
+        skip_batches: int = 0,
+        even_batches: bool = True,
+        device=None,
+        slice_fn: Callable | None = None,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        iteration: int = 0,
+        **kwargs,
+    ):
+        super().__init__(
+            dataset,
+            _drop_last=_drop_last,
+            _non_blocking=_non_blocking,
+            skip_batches=skip_batches,
+            iteration=iteration,
+            **kwargs,
+        )
         self.split_batches = split_batches
         self.even_batches = even_batches
         self.device = device if device is not None else PartialState().device
@@ -265,8 +283,9 @@ class DataLoaderDispatcher(DataLoaderAdapter):
         if self._evened(batch):
             padding = self._gathered_rows(batch) - batch.rows
             data = pytree.concatenate_batches([data, take_rows(data, padding)])
-        return self.slice_fn(data, slice(start, end), process_index=self.state.process_index,
-                             num_processes=self.state.num_processes)
+        return self.slice_fn(
+            data, slice(start, end), process_index=self.state.process_index, num_processes=self.state.num_processes
+        )
 
     def __len__(self) -> int:
         processes, rank = self.state.num_processes, self.state.process_index

@@ -31,8 +31,9 @@ def override_even_batches(loaders: list, even_batches: bool) -> Callable[[], Non
     them. Warns about loaders that have none (iterable datasets), as HF Accelerate does."""
     owners = [_even_batches_owner(loader) for loader in loaders]
     if any(owner is None for owner in owners):
-        warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some dataloaders given "
-                      "were iterable")  # fmt: skip
+        warnings.warn(
+            "Overriding even_batches is only supported for map-style datasets, yet some dataloaders given were iterable"
+        )
     saved = [(owner, owner.even_batches) for owner in owners if owner is not None]
     for owner, _ in saved:
         owner.even_batches = even_batches

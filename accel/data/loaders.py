@@ -23,8 +23,19 @@ from accel.gradient_state import GradientState
 __all__ = ["DataLoaderAdapter", "DataLoaderStateMixin", "get_sampler"]
 
 # The DataLoader arguments a prepared loader copies from the original (the sampling ones are rebuilt).
-_COPIED_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-                  "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+_COPIED_KWARGS = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
 
 
 def copied_kwargs(dataloader: DataLoader) -> dict:
@@ -166,8 +177,16 @@ class DataLoaderAdapter(DataLoader, DataLoaderStateMixin):
             cls = _stateful_variant(cls)
         return super().__new__(cls)
 
-    def __init__(self, dataset, use_stateful_dataloader: bool = False, _drop_last: bool = False,
-                 _non_blocking: bool = False, skip_batches: int = 0, iteration: int = 0, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        dataset,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        skip_batches: int = 0,
+        iteration: int = 0,
+        **kwargs,
+    ):
         super().__init__(dataset, **kwargs)
         self._drop_last = _drop_last
         self._non_blocking = _non_blocking
@@ -240,6 +259,8 @@ def _stateful_variant(cls: type) -> type:
         # to simulate torchdata's absence is imported again rather than taken from the package's attributes.
         stateful = importlib.import_module("accel.data.stateful")
     except ImportError as error:
-        raise ImportError("use_stateful_dataloader=True needs torchdata's StatefulDataLoader (torchdata >= 0.8: "
-                          f"pip install torchdata): {error}") from error
+        raise ImportError(
+            "use_stateful_dataloader=True needs torchdata's StatefulDataLoader (torchdata >= 0.8: "
+            f"pip install torchdata): {error}"
+        ) from error
     return stateful.stateful_variant(cls)

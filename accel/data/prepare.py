@@ -149,8 +149,11 @@ def prepare_data_loader(
         _check_split_batches(dataloader, num_processes)
     rng_types = list(rng_types) if rng_types is not None else None
     dataset = dataloader.dataset
-    batch_sampler = None if isinstance(dataset, IterableDataset) else (
-        dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler)
+    batch_sampler = (
+        None
+        if isinstance(dataset, IterableDataset)
+        else (dataloader.sampler if isinstance(dataloader.sampler, BatchSampler) else dataloader.batch_sampler)
+    )
     sampler = get_sampler(dataloader)
     if batch_sampler is not None and use_seedable_sampler and isinstance(sampler, RandomSampler):
         sampler = _seedable(sampler, data_seed)
@@ -160,16 +163,22 @@ def prepare_data_loader(
     kwargs = copied_kwargs(dataloader)
     kwargs["use_stateful_dataloader"] = use_stateful_dataloader
     if dispatch_batches:
-        return _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn_for_dispatch,
-                           non_blocking, kwargs)
-    dataset, batch_sampler, synchronized_generator = _shard(dataset, batch_sampler, sampler, dataloader,
-                                                            num_processes, process_index, split_batches,
-                                                            even_batches)
+        return _dispatcher(
+            dataloader, batch_sampler, split_batches, even_batches, device, slice_fn_for_dispatch, non_blocking, kwargs
+        )
+    dataset, batch_sampler, synchronized_generator = _shard(
+        dataset, batch_sampler, sampler, dataloader, num_processes, process_index, split_batches, even_batches
+    )
     if rng_types is not None and synchronized_generator is None and "generator" in rng_types:
         rng_types.remove("generator")
-    common = dict(device=device if put_on_device else None, rng_types=rng_types,
-                  synchronized_generator=synchronized_generator, _drop_last=dataloader.drop_last,
-                  _non_blocking=non_blocking, **kwargs)
+    common = dict(
+        device=device if put_on_device else None,
+        rng_types=rng_types,
+        synchronized_generator=synchronized_generator,
+        _drop_last=dataloader.drop_last,
+        _non_blocking=non_blocking,
+        **kwargs,
+    )
     if batch_sampler is None:
         batch_size = dataloader.batch_size
         if split_batches and num_processes > 1:
@@ -185,8 +194,9 @@ def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_i
     if num_processes == 1:
         return dataset, batch_sampler, None
     if isinstance(dataset, IterableDataset):
-        shard = IterableDatasetShard(dataset, dataloader.batch_size, dataloader.drop_last, num_processes,
-                                     process_index, split_batches)
+        shard = IterableDatasetShard(
+            dataset, dataloader.batch_size, dataloader.drop_last, num_processes, process_index, split_batches
+        )
         return shard, None, getattr(dataset, "generator", None)
     generator = None if isinstance(sampler, SeedableRandomSampler) else _synchronized_generator(sampler)
     shard = BatchSamplerShard(batch_sampler, num_processes, process_index, split_batches, even_batches)
@@ -194,9 +204,17 @@ def _shard(dataset, batch_sampler, sampler, dataloader, num_processes, process_i
 
 
 def _dispatcher(dataloader, batch_sampler, split_batches, even_batches, device, slice_fn, non_blocking, kwargs):
-    common = dict(split_batches=split_batches, even_batches=even_batches, device=device, slice_fn=slice_fn,
-                  _drop_last=dataloader.drop_last, _non_blocking=non_blocking, **kwargs)
+    common = dict(
+        split_batches=split_batches,
+        even_batches=even_batches,
+        device=device,
+        slice_fn=slice_fn,
+        _drop_last=dataloader.drop_last,
+        _non_blocking=non_blocking,
+        **kwargs,
+    )
     if batch_sampler is None:
-        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
-                                    drop_last=dataloader.drop_last, **common)
+        return DataLoaderDispatcher(
+            dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, **common
+        )
     return DataLoaderDispatcher(dataloader.dataset, batch_sampler=batch_sampler, **common)

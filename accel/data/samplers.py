@@ -94,8 +94,14 @@ class BatchSamplerShard(BatchSampler):
         ```
     """
 
-    def __init__(self, batch_sampler, num_processes: int = 1, process_index: int = 0, split_batches: bool = False,
-                 even_batches: bool = True):
+    def __init__(
+        self,
+        batch_sampler,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ):
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
@@ -221,8 +227,15 @@ class IterableDatasetShard(IterableDataset):
         ```
     """
 
-    def __init__(self, dataset, batch_size: int = 1, drop_last: bool = False, num_processes: int = 1,
-                 process_index: int = 0, split_batches: bool = False):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+    ):
         if split_batches and num_processes > 1:
             _check_split(batch_size, num_processes, "IterableDatasetShard")
         self.dataset = dataset

@@ -37,10 +37,26 @@ class DataLoaderShard(DataLoaderAdapter):
         **kwargs: `torch.utils.data.DataLoader` arguments.
     """
 
-    def __init__(self, dataset, device=None, rng_types=None, synchronized_generator=None, skip_batches: int = 0,
-                 _drop_last: bool = False, _non_blocking: bool = False, iteration: int = 0, **kwargs):
-        super().__init__(dataset, _drop_last=_drop_last, _non_blocking=_non_blocking, skip_batches=skip_batches,
-                         iteration=iteration, **kwargs)
+    def __init__(
+        self,
+        dataset,
+        device=None,
+        rng_types=None,
+        synchronized_generator=None,
+        skip_batches: int = 0,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        iteration: int = 0,
+        **kwargs,
+    ):
+        super().__init__(
+            dataset,
+            _drop_last=_drop_last,
+            _non_blocking=_non_blocking,
+            skip_batches=skip_batches,
+            iteration=iteration,
+            **kwargs,
+        )
         self.device = device
         self.rng_types = rng_types
         self.synchronized_generator = synchronized_generator

@@ -28,8 +28,7 @@ class SkipDataLoader(DataLoaderShard):
     """
 
     def __init__(self, dataset, skip_batches: int = 0, use_stateful_dataloader: bool = False, **kwargs):
-        super().__init__(dataset, skip_batches=skip_batches, use_stateful_dataloader=use_stateful_dataloader,
-                         **kwargs)  # fmt: skip
+        super().__init__(dataset, skip_batches=skip_batches, use_stateful_dataloader=use_stateful_dataloader, **kwargs)
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
@@ -51,15 +50,25 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         return _skipped_dispatcher(dataloader, num_batches)
     kwargs = copied_kwargs(dataloader)
     if isinstance(dataloader, DataLoaderShard):
-        kwargs.update(device=dataloader.device, rng_types=dataloader.rng_types,
-                      synchronized_generator=dataloader.synchronized_generator, _drop_last=dataloader._drop_last,
-                      _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+        kwargs.update(
+            device=dataloader.device,
+            rng_types=dataloader.rng_types,
+            synchronized_generator=dataloader.synchronized_generator,
+            _drop_last=dataloader._drop_last,
+            _non_blocking=dataloader._non_blocking,
+            iteration=dataloader.iteration,
+        )
     else:
         kwargs.update(_drop_last=dataloader.drop_last)
     if isinstance(dataloader.dataset, IterableDataset):
         skipping = DataLoaderShard if isinstance(dataloader, DataLoaderShard) else SkipDataLoader
-        return skipping(dataloader.dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last,
-                        skip_batches=num_batches, **kwargs)
+        return skipping(
+            dataloader.dataset,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            skip_batches=num_batches,
+            **kwargs,
+        )
     if isinstance(dataloader.sampler, BatchSampler):
         skipped = SkipBatchSampler(dataloader.sampler, num_batches)
         kwargs.update(sampler=skipped, batch_size=dataloader.batch_size)
@@ -73,13 +82,24 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
 
 def _skipped_dispatcher(dataloader: DataLoaderDispatcher, num_batches: int) -> DataLoaderDispatcher:
     kwargs = copied_kwargs(dataloader)
-    kwargs.update(split_batches=dataloader.split_batches, even_batches=dataloader.even_batches,
-                  device=dataloader.device, slice_fn=dataloader.slice_fn, _drop_last=dataloader._drop_last,
-                  _non_blocking=dataloader._non_blocking, iteration=dataloader.iteration)
+    kwargs.update(
+        split_batches=dataloader.split_batches,
+        even_batches=dataloader.even_batches,
+        device=dataloader.device,
+        slice_fn=dataloader.slice_fn,
+        _drop_last=dataloader._drop_last,
+        _non_blocking=dataloader._non_blocking,
+        iteration=dataloader.iteration,
+    )
     sampler = dataloader._index_batch_sampler()
     if sampler is None:
-        return DataLoaderDispatcher(dataloader.dataset, batch_size=dataloader.batch_size,
-                                    drop_last=dataloader.drop_last, skip_batches=num_batches, **kwargs)
+        return DataLoaderDispatcher(
+            dataloader.dataset,
+            batch_size=dataloader.batch_size,
+            drop_last=dataloader.drop_last,
+            skip_batches=num_batches,
+            **kwargs,
+        )
     # A global batch joins num_processes batches of the wrapped sampler unless they are split.
     per_step = 1 if dataloader.split_batches else dataloader.state.num_processes
     skipped = SkipBatchSampler(sampler, num_batches * per_step)

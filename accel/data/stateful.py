@@ -66,8 +66,12 @@ class _SavesPosition:
 
     def _record_position(self, position: dict, finished: bool) -> None:
         # Resuming after the last batch starts the next epoch, whose number set_epoch must get.
-        snapshot = {**position, _FINISHED: finished, _ITERATION: self.iteration + (1 if finished else 0),
-                    _SKIP: self.skip_batches if finished else 0}  # fmt: skip
+        snapshot = {
+            **position,
+            _FINISHED: finished,
+            _ITERATION: self.iteration + (1 if finished else 0),
+            _SKIP: self.skip_batches if finished else 0,
+        }
         if _GENERATOR in snapshot:  # the next epoch draws from the generator as it is now; this one from its start
             at_start, now = snapshot[_GENERATOR]
             snapshot[_GENERATOR] = now if finished else at_start
@@ -95,7 +99,6 @@ class _SavesPosition:
         if generator_state is not None:
             self._snapshot[_GENERATOR] = generator_state
         StatefulDataLoader.load_state_dict(self, state_dict)
-
 
     def __reduce_ex__(self, protocol: int):
         # The variant class is made at run time: pickle the plain class, and make its variant again on loading.

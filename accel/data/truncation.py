@@ -43,8 +43,9 @@ def _truncated_leaves(leaves: list[torch.Tensor], gradient_state: GradientState)
     return [_cut(leaf, *cut) if leaf.dim() > 0 else leaf for leaf in leaves]
 
 
-def gather_for_metrics_truncation(gathered: Any, gradient_state: GradientState | None = None,
-                                  use_gather_object: bool = False) -> Any:
+def gather_for_metrics_truncation(
+    gathered: Any, gradient_state: GradientState | None = None, use_gather_object: bool = False
+) -> Any:
     """Drops the copies that evened-out last batches added to data already gathered across processes.
 
     Contract: `gathered` is what `gather` (or `gather_object`) returned for per-sample data of the current
@@ -78,8 +79,9 @@ def gather_for_metrics_truncation(gathered: Any, gradient_state: GradientState |
     return pytree.recursively_apply(lambda tensor: _cut(tensor, *cut) if tensor.dim() > 0 else tensor, gathered)
 
 
-def gather_for_metrics(input_data: Any, gradient_state: GradientState | None = None,
-                       use_gather_object: bool = False) -> Any:
+def gather_for_metrics(
+    input_data: Any, gradient_state: GradientState | None = None, use_gather_object: bool = False
+) -> Any:
     """Gathers across processes and drops the samples that sharding duplicated at the end of the data, so an
     evaluation pass sees each sample exactly once (`Accelerator.gather_for_metrics`).
 

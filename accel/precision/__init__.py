@@ -122,8 +122,9 @@ def restore_forward(model: torch.nn.Module) -> torch.nn.Module:
 PRECISIONS = {"no": FullPrecision, "bf16": BF16Precision, "fp16": FP16Precision}
 
 
-def precision_for(mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None,
-                  scaler_kwargs: dict | None = None) -> Precision:
+def precision_for(
+    mixed_precision: str, device: torch.device, autocast_kwargs: dict | None = None, scaler_kwargs: dict | None = None
+) -> Precision:
     if mixed_precision == "fp8":
         raise refuse("FP8 training", "mixed_precision='fp8'", "Use mixed_precision='bf16' or 'fp16' (or 'no').")
     return PRECISIONS[mixed_precision](device, autocast_kwargs, scaler_kwargs)

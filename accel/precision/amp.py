@@ -55,8 +55,11 @@ def get_grad_scaler(distributed_type: DistributedType | None = None, **kwargs: A
     """
     if distributed_type in (DistributedType.FSDP, DistributedType.XLA):
         name = DistributedType(distributed_type).value
-        raise refuse(f"the {name} gradient scaler", f"get_grad_scaler(distributed_type={name})",
-                     "accel trains with DDP on CPUs or GPUs; call get_grad_scaler() without a distributed_type.")
+        raise refuse(
+            f"the {name} gradient scaler",
+            f"get_grad_scaler(distributed_type={name})",
+            "accel trains with DDP on CPUs or GPUs; call get_grad_scaler() without a distributed_type.",
+        )
     return FusedGradScaler("cuda" if torch.cuda.is_available() else "cpu", **kwargs)
 
 

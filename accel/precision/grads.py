@@ -187,8 +187,9 @@ def clip_grad_norm_(
     return total_norm
 
 
-def _sum_of_squares_across_shards(local: list[torch.Tensor], sharded: list[bool], measured: Measured,
-                                  sharding: Sharding) -> torch.Tensor:  # fmt: skip
+def _sum_of_squares_across_shards(
+    local: list[torch.Tensor], sharded: list[bool], measured: Measured, sharding: Sharding
+) -> torch.Tensor:
     """The sum of squares of gradients of which every process holds a shard (summed across processes, in one
     all-reduce) plus that of gradients every process holds whole (ignored parameters: counted once)."""
     shards = [g for g, is_shard in zip(local, sharded) if is_shard]
@@ -198,8 +199,9 @@ def _sum_of_squares_across_shards(local: list[torch.Tensor], sharded: list[bool]
     return total + total_sum_of_squares_(whole, measured) if whole else total
 
 
-def _clip_shards_and_whole_reference_(local: list[torch.Tensor], sharded: list[bool], max_norm: float,
-                                      norm_type: float, sharding: Sharding) -> torch.Tensor:  # fmt: skip
+def _clip_shards_and_whole_reference_(
+    local: list[torch.Tensor], sharded: list[bool], max_norm: float, norm_type: float, sharding: Sharding
+) -> torch.Tensor:
     """torch's clip (its norm, clip coefficient and 1e-6) over gradients some of which are shards and some whole on
     every process (FSDP's ignored parameters), which torch's own cannot mix: the shards' part is combined across
     processes, the whole gradients' part counted once."""

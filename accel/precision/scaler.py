@@ -40,8 +40,9 @@ class FusedGradScaler(torch.amp.GradScaler):
         finally:
             self._measured = None
 
-    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         with torch.no_grad():
@@ -51,17 +52,22 @@ class FusedGradScaler(torch.amp.GradScaler):
             # Usually every gradient is dense and on one device: one kernel call, no per-gradient Python.
             device = grads[0].device if grads else None
             measured = grads and grad_ops.try_unscale_fused_(
-                grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))  # fmt: skip
+                grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+            )
             if measured:
                 self._record(measured)
             else:
                 for device, device_grads in self._grads_by_device(optimizer).items():
-                    self._record(grad_ops.unscale_(
-                        device_grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)))  # fmt: skip
+                    self._record(
+                        grad_ops.unscale_(
+                            device_grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                        )
+                    )
         return per_device_found_inf._per_device_tensors
 
-    def _unscale_shards_(self, grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
-                         ) -> dict[torch.device, torch.Tensor]:  # fmt: skip
+    def _unscale_shards_(
+        self, grads: list[torch.Tensor], inv_scale: torch.Tensor, found_inf: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
         """The unscale of sharded gradients: this process's shards (one device), the flag maxed over shards."""
         local = self.sharding.local_gradients(grads)
         found = found_inf.to(local[0].device) if local else found_inf
@@ -120,8 +126,11 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
 
 def unscaled_but_not_stepped(scaler: torch.amp.GradScaler, except_optimizer: torch.optim.Optimizer) -> bool:
     """Whether another optimizer than `except_optimizer` was unscaled in this iteration and has not stepped yet."""
-    return any(record["stage"] is OptState.UNSCALED
-               for key, record in scaler._per_optimizer_states.items() if key != id(except_optimizer))  # fmt: skip
+    return any(
+        record["stage"] is OptState.UNSCALED
+        for key, record in scaler._per_optimizer_states.items()
+        if key != id(except_optimizer)
+    )
 
 
 def stepped_without_update(scaler: torch.amp.GradScaler) -> bool:

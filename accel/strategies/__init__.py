@@ -35,4 +35,13 @@ def strategy_for(state: PartialState, precision: Precision, settings: StrategySe
     return strategy
 
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDP2Strategy", "STRATEGIES", "SingleDeviceStrategy", "Strategy", "StrategySettings", "strategy_for"]
+__all__ = [
+    "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDP2Strategy",
+    "STRATEGIES",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "StrategySettings",
+    "strategy_for",
+]

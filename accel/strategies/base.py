@@ -147,11 +147,13 @@ class Strategy(abc.ABC):
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         """`model` (already placed) wrapped for this setup and compiled with `dynamo_plugin`."""
 
-    def unwrap(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-               ) -> torch.nn.Module:  # fmt: skip
+    def unwrap(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
         """The user's module inside this setup's wrappers (see `accel.module_tree.extract_model_from_parallel`)."""
-        return extract_model_from_parallel(model, keep_fp32_wrapper=keep_fp32_wrapper,
-                                           keep_torch_compile=keep_torch_compile)  # fmt: skip
+        return extract_model_from_parallel(
+            model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile
+        )
 
     # --- optimizers -------------------------------------------------------------------------------------------
 
@@ -166,23 +168,30 @@ class Strategy(abc.ABC):
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward passes of `model` accumulate gradients without synchronizing them."""
 
-    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, sync_gradients: bool = True,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def backward(
+        self, loss: torch.Tensor, accumulation_steps: int = 1, sync_gradients: bool = True, **kwargs: Any
+    ) -> None:
         """Backpropagates `loss` divided by the accumulation steps (HF's rule) through the precision (which scales it
         for fp16); `sync_gradients` says whether this backward ends an accumulation (an engine that steps inside
         its backward reads it)."""
         self.precision.backward(loss_per_step(loss, accumulation_steps), **kwargs)
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
-                        optimizers: list[torch.optim.Optimizer]) -> torch.Tensor:  # fmt: skip
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        optimizers: list[torch.optim.Optimizer],
+    ) -> torch.Tensor:
         """Unscales `optimizers`' gradients (fp16), then clips `parameters`' as `torch.nn.utils.clip_grad_norm_`
         does; returns the total norm. The fused path measures the norm during the unscale (or in one read-only
         pass), from the gradients this process holds, summed across shards where each holds a part."""
         measured = self.precision.unscale(optimizers)
         return grad_ops.clip_grad_norm_(parameters, max_norm, norm_type, measured=measured, sharding=self)
 
-    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float,
-                         optimizers: list[torch.optim.Optimizer]) -> None:  # fmt: skip
+    def clip_grad_value_(
+        self, parameters: Iterable[torch.Tensor], clip_value: float, optimizers: list[torch.optim.Optimizer]
+    ) -> None:
         """Unscales (fp16), then clamps every gradient to [-clip_value, clip_value]."""
         self.precision.unscale(optimizers)
         torch.nn.utils.clip_grad_value_(parameters, clip_value)

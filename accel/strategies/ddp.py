@@ -45,9 +45,11 @@ class DDPStrategy(Strategy):
     def _ddp(self, model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=device_ids, output_device=device_ids[0] if device_ids else None,
+            model,
+            device_ids=device_ids,
+            output_device=device_ids[0] if device_ids else None,
             **self.ddp_kwargs.ddp_kwargs(),
-        )  # fmt: skip
+        )
         self.ddp_kwargs.register_comm_hook(wrapped)
         wrapped.register_forward_pre_hook(_refuse_to_train_in_uneven_step)
         return wrapped
@@ -67,5 +69,8 @@ def _refuse_to_train_in_uneven_step(module: torch.nn.parallel.DistributedDataPar
     if torch.is_grad_enabled():
         uneven.exchange("a DDP model's forward with gradients enabled", supported=False)
     elif module.will_sync_module_buffers():
-        uneven.exchange("a DDP model's forward that broadcasts its buffers (DistributedDataParallelKwargs("
-                        "broadcast_buffers=False), or evaluate accelerator.unwrap_model(model))", supported=False)
+        uneven.exchange(
+            "a DDP model's forward that broadcasts its buffers (DistributedDataParallelKwargs("
+            "broadcast_buffers=False), or evaluate accelerator.unwrap_model(model))",
+            supported=False,
+        )

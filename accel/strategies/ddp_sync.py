@@ -47,8 +47,10 @@ def joinable(obj: Any) -> Joinable:
         return obj
     found = find_ddp(obj) if isinstance(obj, torch.nn.Module) else getattr(obj, "optimizer", None)
     if not isinstance(found, Joinable):
-        raise TypeError(f"join_uneven_inputs needs DDP models or joinable optimizers (torch.distributed.algorithms."
-                        f"Joinable); got {type(obj).__name__}. Prepare the model with Accelerator.prepare first.")  # fmt: skip
+        raise TypeError(
+            f"join_uneven_inputs needs DDP models or joinable optimizers (torch.distributed.algorithms."
+            f"Joinable); got {type(obj).__name__}. Prepare the model with Accelerator.prepare first."
+        )
     return found
 
 

@@ -54,6 +54,7 @@ from accel.strategies.deepspeed_wrappers import (
 
 logger = logging.getLogger(__name__)
 
+
 def import_deepspeed(device: torch.device) -> Any:
     """The `deepspeed` module, set up for accel (see the module docstring) to run on `device`'s kind of accelerator;
     an ImportError naming the install command when it is missing."""
@@ -69,8 +70,12 @@ def import_deepspeed(device: torch.device) -> Any:
     _announce_builds()
     # torch 2.13 deprecates the two collectives ZeRO calls at every step, warning from each call site: the user can
     # do nothing about DeepSpeed's calls, and the warnings would bury the training's output.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                            "is deprecated", category=FutureWarning)  # fmt: skip
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+        "is deprecated",
+        category=FutureWarning,
+    )
     return deepspeed
 
 
@@ -92,8 +97,11 @@ def _announce_builds() -> None:
     def announced(self, verbose=True):
         if self.name not in OpBuilder._loaded_ops:
             where = os.environ.get("TORCH_EXTENSIONS_DIR", "torch's extensions cache (~/.cache/torch_extensions)")
-            print(f"accel: DeepSpeed is building its '{self.name}' op (once, cached in {where}) ...",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"accel: DeepSpeed is building its '{self.name}' op (once, cached in {where}) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         return build(self, verbose)
 
     announced._accel_announces = True
@@ -134,10 +142,16 @@ def forget_destroyed_groups(deepspeed: Any) -> None:
     """
     groups = deepspeed.utils.groups
     release = getattr(groups, "_release_process_group_references", None)
-    cached = [groups._WORLD_GROUP, groups._DATA_PARALLEL_GROUP, groups._MODEL_PARALLEL_GROUP,
-              groups._TENSOR_MODEL_PARALLEL_GROUP, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP,
-              *groups._EXPERT_PARALLEL_GROUP.values(), *groups._EXPERT_DATA_PARALLEL_GROUP.values(),
-              *groups._ALL_TO_ALL_GROUP.values()]  # fmt: skip
+    cached = [
+        groups._WORLD_GROUP,
+        groups._DATA_PARALLEL_GROUP,
+        groups._MODEL_PARALLEL_GROUP,
+        groups._TENSOR_MODEL_PARALLEL_GROUP,
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP,
+        *groups._EXPERT_PARALLEL_GROUP.values(),
+        *groups._EXPERT_DATA_PARALLEL_GROUP.values(),
+        *groups._ALL_TO_ALL_GROUP.values(),
+    ]
     if release is not None and not all(_registered(group) for group in cached if group is not None):
         release(group=None)
 
@@ -190,9 +204,12 @@ class DeepSpeedStrategy(Strategy):
     def prepare_together(self, objects: list[Any], joint: JointPreparation) -> Prepared:
         """Dataloaders through the Accelerator, then the model, optimizer and scheduler into one engine."""
         if sum(isinstance(obj, torch.nn.Module) for obj in objects) > 1:
-            raise AssertionError("You can't use same `Accelerator()` instance with multiple models when using DeepSpeed")
-        result = [joint.prepare_data_loader(obj) if isinstance(obj, torch.utils.data.DataLoader) else obj
-                  for obj in objects]  # fmt: skip
+            raise AssertionError(
+                "You can't use same `Accelerator()` instance with multiple models when using DeepSpeed"
+            )
+        result = [
+            joint.prepare_data_loader(obj) if isinstance(obj, torch.utils.data.DataLoader) else obj for obj in objects
+        ]
         prepared = Prepared(result)
         config = EngineConfig(self.plugin, joint)
         prepared.gradient_accumulation_steps = config.accumulation_steps()
@@ -206,10 +223,16 @@ class DeepSpeedStrategy(Strategy):
         wrapped_optimizer = DeepSpeedOptimizerWrapper(ds_optimizer) if ds_optimizer is not None else None
         wrapped_scheduler = None
         if scheduler is not None:
-            wrapped_scheduler = (DeepSpeedSchedulerWrapper(ds_scheduler, wrapped_optimizer) if ds_scheduler is not None
-                                 else AcceleratedScheduler(scheduler, wrapped_optimizer,
-                                                           step_with_optimizer=joint.step_scheduler_with_optimizer,
-                                                           split_batches=joint.split_batches))  # fmt: skip
+            wrapped_scheduler = (
+                DeepSpeedSchedulerWrapper(ds_scheduler, wrapped_optimizer)
+                if ds_scheduler is not None
+                else AcceleratedScheduler(
+                    scheduler,
+                    wrapped_optimizer,
+                    step_with_optimizer=joint.step_scheduler_with_optimizer,
+                    split_batches=joint.split_batches,
+                )
+            )
         prepared.replace([(model, engine), (optimizer, wrapped_optimizer), (scheduler, wrapped_scheduler)])
         prepared.models.append(engine)
         prepared.optimizers += [wrapped_optimizer] if wrapped_optimizer is not None else []
@@ -218,9 +241,11 @@ class DeepSpeedStrategy(Strategy):
         if self.engine_wrapper is None:
             self.engine_wrapper = DeepSpeedEngineWrapper(engine)
         else:
-            logger.warning("A wrapped DeepSpeed engine reference is currently tied for this `Accelerator()` instance. "
-                           "If you want to call `accelerator.backward()` referencing a new model/engine, please create "
-                           "a separate `Accelerator()` instance and call `accelerator.prepare()` on it.")  # fmt: skip
+            logger.warning(
+                "A wrapped DeepSpeed engine reference is currently tied for this `Accelerator()` instance. "
+                "If you want to call `accelerator.backward()` referencing a new model/engine, please create "
+                "a separate `Accelerator()` instance and call `accelerator.prepare()` on it."
+            )
         return prepared
 
     def _initialize(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, config: dict) -> tuple:
@@ -250,8 +275,10 @@ class DeepSpeedStrategy(Strategy):
             engine.compile(backend=kwargs.pop("backend"), compile_kwargs=kwargs)
 
     def setup_model(self, model: torch.nn.Module, device_placement: bool, dynamo_plugin: Any = None) -> torch.nn.Module:
-        raise RuntimeError("Under DeepSpeed, models are prepared through accelerator.prepare(model, optimizer, ...): "
-                           "the engine is built from them together")  # fmt: skip
+        raise RuntimeError(
+            "Under DeepSpeed, models are prepared through accelerator.prepare(model, optimizer, ...): "
+            "the engine is built from them together"
+        )
 
     def wrap(self, model: torch.nn.Module, dynamo_plugin: Any) -> torch.nn.Module:
         return self.setup_model(model, True, dynamo_plugin)
@@ -262,8 +289,9 @@ class DeepSpeedStrategy(Strategy):
 
     # --- gradients --------------------------------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1, sync_gradients: bool = True,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def backward(
+        self, loss: torch.Tensor, accumulation_steps: int = 1, sync_gradients: bool = True, **kwargs: Any
+    ) -> None:
         """The engine's backward (it scales the loss for accumulation itself), and at an accumulation boundary its
         step: clipping, the optimizer step, zeroing the gradients, the scheduler it drives."""
         if self.engine_wrapper is None:
@@ -277,8 +305,13 @@ class DeepSpeedStrategy(Strategy):
             return model.no_sync()
         return contextlib.nullcontext()
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float,
-                        optimizers: list[torch.optim.Optimizer]) -> Any:  # fmt: skip
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        optimizers: list[torch.optim.Optimizer],
+    ) -> Any:
         """The engine clips (the config's `gradient_clipping`) in its step; this returns the norm it measured at the
         last step (HF's behaviour), or None before any engine."""
         return None if self.engine_wrapper is None else self.engine_wrapper.get_global_grad_norm()
@@ -293,10 +326,12 @@ class DeepSpeedStrategy(Strategy):
 
         return DeepSpeedStates()
 
-    def unwrap(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
-               ) -> torch.nn.Module:  # fmt: skip
-        return super().unwrap(getattr(model, "module", model) if _is_engine(model) else model,
-                              keep_fp32_wrapper, keep_torch_compile)  # fmt: skip
+    def unwrap(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        return super().unwrap(
+            getattr(model, "module", model) if _is_engine(model) else model, keep_fp32_wrapper, keep_torch_compile
+        )
 
     def model_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
         """HF's rule: under ZeRO-3 the 16-bit weights gathered from every process (every process calls it; the
@@ -306,9 +341,10 @@ class DeepSpeedStrategy(Strategy):
             if not model.zero_gather_16bit_weights_on_model_save():
                 raise ValueError(
                     "Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in DeepSpeed "
-                    "config is False. To save the model weights in 16bit, set `stage3_gather_16bit_weights_on_model_save`"
-                    " to True in DeepSpeed config file or set `zero3_save_16bit_model` to True when using `accel "
-                    "config`. To save the full checkpoint, run `model.save_checkpoint(save_dir)` and use "
+                    "config is False. To save the model weights in 16bit, set "
+                    "`stage3_gather_16bit_weights_on_model_save` to True in DeepSpeed config file or set "
+                    "`zero3_save_16bit_model` to True when using `accel config`. To save the full checkpoint, run "
+                    "`model.save_checkpoint(save_dir)` and use "
                     "`zero_to_fp32.py` (or `accel merge-weights`) to recover weights."
                 )
             return model._zero3_consolidated_16bit_state_dict()
@@ -371,13 +407,18 @@ class EngineConfig:
     def accumulation_steps(self) -> int:
         """The config's accumulation steps ("auto": the Accelerator's), which the Accelerator then uses (HF warns
         when they differ and takes DeepSpeed's)."""
-        self.plugin.fill_match("gradient_accumulation_steps", must_match=False,
-                               gradient_accumulation_steps=self.joint.gradient_accumulation_steps)  # fmt: skip
+        self.plugin.fill_match(
+            "gradient_accumulation_steps",
+            must_match=False,
+            gradient_accumulation_steps=self.joint.gradient_accumulation_steps,
+        )
         steps = self.plugin.get_value("gradient_accumulation_steps")
         if steps != self.joint.gradient_accumulation_steps:
-            logger.warning(f"Gradient accumulation steps mismatch: GradientAccumulationPlugin has "
-                           f"{self.joint.gradient_accumulation_steps}, DeepSpeed config has {steps}. Using DeepSpeed's "
-                           "value.")  # fmt: skip
+            logger.warning(
+                f"Gradient accumulation steps mismatch: GradientAccumulationPlugin has "
+                f"{self.joint.gradient_accumulation_steps}, DeepSpeed config has {steps}. Using DeepSpeed's "
+                "value."
+            )
         return steps
 
     def micro_batch_size(self) -> int | None:
@@ -406,38 +447,54 @@ class EngineConfig:
         config = self.values
         if optimizer is not None:
             if "optimizer" in config and not isinstance(optimizer, DummyOptim):
-                raise ValueError("You cannot specify an optimizer in the config file and in the code at the same time. "
-                                 "Please remove the optimizer from the config file or create "
-                                 "`accelerate.utils.DummyOptim` in the code.")  # fmt: skip
+                raise ValueError(
+                    "You cannot specify an optimizer in the config file and in the code at the same time. "
+                    "Please remove the optimizer from the config file or create "
+                    "`accelerate.utils.DummyOptim` in the code."
+                )
             if "optimizer" not in config and isinstance(optimizer, DummyOptim):
                 raise ValueError("You cannot create a `DummyOptim` without specifying an optimizer in the config file.")
             if isinstance(optimizer, torch.optim.Optimizer):
                 config["zero_allow_untested_optimizer"] = True
         if scheduler is not None:
             if "scheduler" in config and not isinstance(scheduler, DummyScheduler):
-                raise ValueError("You cannot specify a scheduler in the config file and in the code at the same time. "
-                                 "Please remove the scheduler from the config file or create "
-                                 "`accelerate.utils.DummyScheduler` in the code.")  # fmt: skip
-            if ("scheduler" not in config and isinstance(scheduler, DummyScheduler)
-                    and scheduler.lr_scheduler_callable is None):  # fmt: skip
-                raise ValueError("Either specify a scheduler in the config file or pass in the "
-                                 "`lr_scheduler_callable` parameter when using `accelerate.utils.DummyScheduler`.")
+                raise ValueError(
+                    "You cannot specify a scheduler in the config file and in the code at the same time. "
+                    "Please remove the scheduler from the config file or create "
+                    "`accelerate.utils.DummyScheduler` in the code."
+                )
+            if (
+                "scheduler" not in config
+                and isinstance(scheduler, DummyScheduler)
+                and scheduler.lr_scheduler_callable is None
+            ):
+                raise ValueError(
+                    "Either specify a scheduler in the config file or pass in the "
+                    "`lr_scheduler_callable` parameter when using `accelerate.utils.DummyScheduler`."
+                )
         if isinstance(optimizer, DummyOptim) and scheduler is not None and not isinstance(scheduler, DummyScheduler):
-            raise ValueError("You can only specify `accelerate.utils.DummyScheduler` in the code when using "
-                             "`accelerate.utils.DummyOptim`.")  # fmt: skip
+            raise ValueError(
+                "You can only specify `accelerate.utils.DummyScheduler` in the code when using "
+                "`accelerate.utils.DummyOptim`."
+            )
 
     def fill(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, device: torch.device) -> None:
         """Fills every "auto" value (HF's keys and rules), then accel's CPU defaults."""
-        kwargs: dict[str, Any] = {"gradient_clipping": 1.0,
-                                  "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "gradient_clipping": 1.0,
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
+        }
         batch_size = self.micro_batch_size()
         if batch_size is not None:
             kwargs["train_micro_batch_size_per_gpu"] = batch_size
-            kwargs["train_batch_size"] = (batch_size * self.plugin.get_value("gradient_accumulation_steps")
-                                          * self.joint.num_processes)  # fmt: skip
+            kwargs["train_batch_size"] = (
+                batch_size * self.plugin.get_value("gradient_accumulation_steps") * self.joint.num_processes
+            )
         kwargs.update(self._hidden_size_values(model))
         if isinstance(optimizer, DummyOptim):
-            kwargs.update({"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay})
+            kwargs.update(
+                {"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay}
+            )
         if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
             kwargs.update(self._dummy_scheduler_values(scheduler))
         self.plugin.deepspeed_config_process(must_match=False, **kwargs)
@@ -445,14 +502,19 @@ class EngineConfig:
             _cpu_defaults(self.values)
 
     def _hidden_size_values(self, model: torch.nn.Module) -> dict[str, Any]:
-        keys = ["zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.stage3_param_persistence_threshold"]  # fmt: skip
+        keys = [
+            "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_prefetch_bucket_size",
+            "zero_optimization.stage3_param_persistence_threshold",
+        ]
         auto = [key for key in keys if self.plugin.is_auto(key)]
         if not auto:
             return {}
-        reasoning = ("therefore it's not possible to automatically fill out the following `auto` entries in the "
-                     f"DeepSpeed config file: {auto}. You can fix that by replacing `auto` values for these keys with "
-                     "an integer value of your choice.")  # fmt: skip
+        reasoning = (
+            "therefore it's not possible to automatically fill out the following `auto` entries in the "
+            f"DeepSpeed config file: {auto}. You can fix that by replacing `auto` values for these keys with "
+            "an integer value of your choice."
+        )
         if not hasattr(model, "config"):
             raise ValueError("Can't find `model.config` entry, " + reasoning)
         if hasattr(model.config, "hidden_size"):
@@ -460,20 +522,26 @@ class EngineConfig:
         elif hasattr(model.config, "hidden_sizes"):
             hidden = max(model.config.hidden_sizes)
         else:
-            raise ValueError("Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning)
+            raise ValueError(
+                "Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`, " + reasoning
+            )
         return {keys[0]: hidden * hidden, keys[1]: int(0.9 * hidden * hidden), keys[2]: 10 * hidden}
 
     def _dummy_scheduler_values(self, scheduler: DummyScheduler) -> dict[str, Any]:
         optimizer = scheduler.optimizer
         defaults = getattr(optimizer, "defaults", None)
         max_lr = getattr(optimizer, "lr", None) if defaults is None else defaults["lr"]
-        values = {"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": max_lr,
-                  # DeepSpeed 0.19.6 and later refuse 0 warm-up steps (DummyScheduler's default), as HF notes.
-                  "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps)}  # fmt: skip
+        values = {
+            "scheduler.params.warmup_min_lr": 0,
+            "scheduler.params.warmup_max_lr": max_lr,
+            # DeepSpeed 0.19.6 and later refuse 0 warm-up steps (DummyScheduler's default), as HF notes.
+            "scheduler.params.warmup_num_steps": max(1, scheduler.warmup_num_steps),
+        }
         if scheduler.total_num_steps is not None:
             total = scheduler.total_num_steps
-            values["scheduler.params.total_num_steps"] = (total if self.joint.split_batches
-                                                          else math.ceil(total / self.joint.num_processes))  # fmt: skip
+            values["scheduler.params.total_num_steps"] = (
+                total if self.joint.split_batches else math.ceil(total / self.joint.num_processes)
+            )
         return values
 
 

@@ -91,8 +91,10 @@ class FSDP2Strategy(Strategy):
         if isinstance(getattr(model, "_orig_mod", model), FSDPModule):
             return model  # prepared already
         if not dist.is_initialized():  # fully_shard would start a new default group itself, which never meets
-            raise RuntimeError("FSDP2 shards over the default process group, which was destroyed (end_training, or "
-                               "torch.distributed.destroy_process_group): prepare models in a new process")  # fmt: skip
+            raise RuntimeError(
+                "FSDP2 shards over the default process group, which was destroyed (end_training, or "
+                "torch.distributed.destroy_process_group): prepare models in a new process"
+            )
         before = _named_parameters(model)
         self.plugin.set_auto_wrap_policy(model)
         wraps = wrap_policy(self.plugin)
@@ -134,8 +136,10 @@ class FSDP2Strategy(Strategy):
     def _record_sharded(self, before: dict[str, torch.nn.Parameter], after: dict[str, torch.nn.Parameter]) -> None:
         missing = [name for name in before if name not in after]
         if missing:
-            raise KeyError(f"FSDP2: parameters missing after sharding: {missing[:5]} (a model whose tied weights its "
-                           "checkpoint keeps apart? set model.config.tie_word_embeddings = False)")  # fmt: skip
+            raise KeyError(
+                f"FSDP2: parameters missing after sharding: {missing[:5]} (a model whose tied weights its "
+                "checkpoint keeps apart? set model.config.tie_word_embeddings = False)"
+            )
         self._sharded_of.update({id(param): after[name] for name, param in before.items()})
         for optimizer in self._optimizers:
             self._switch_parameters(optimizer)
@@ -275,8 +279,9 @@ def _as_dtensor(value: Any, before: Any, param: DTensor) -> Any:
         return before
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape != param._local_tensor.shape:
         return value
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())  # fmt: skip
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 # --- preparing a model ------------------------------------------------------------------------------------------
@@ -295,15 +300,27 @@ def fsdp2_plugin(plugin: FullyShardedDataParallelPlugin) -> tuple[FullyShardedDa
     options = translation.options
     policy = plugin.mixed_precision_policy
     translated = dataclasses.replace(
-        plugin, fsdp_version=2, sharding_strategy=None, reshard_after_forward=options["fsdp_reshard_after_forward"],
+        plugin,
+        fsdp_version=2,
+        sharding_strategy=None,
+        reshard_after_forward=options["fsdp_reshard_after_forward"],
         cpu_offload=bool(getattr(plugin.cpu_offload, "offload_params", False)),
-        mixed_precision_policy=None if policy is None else {"param_dtype": policy.param_dtype,
-                                                            "reduce_dtype": policy.reduce_dtype,
-                                                            "output_dtype": policy.param_dtype},
-        state_dict_type=options["fsdp_state_dict_type"], backward_prefetch=None, use_orig_params=None,
-        sync_module_states=None, forward_prefetch=None, param_init_fn=None, state_dict_config=None,
+        mixed_precision_policy=None
+        if policy is None
+        else {
+            "param_dtype": policy.param_dtype,
+            "reduce_dtype": policy.reduce_dtype,
+            "output_dtype": policy.param_dtype,
+        },
+        state_dict_type=options["fsdp_state_dict_type"],
+        backward_prefetch=None,
+        use_orig_params=None,
+        sync_module_states=None,
+        forward_prefetch=None,
+        param_init_fn=None,
+        state_dict_config=None,
         optim_state_dict_config=None,
-    )  # fmt: skip
+    )
     logger.warning("FSDP: fsdp_version 1 options run on FSDP2: %s", "; ".join(translation.changes))
     return translated, options.get("fsdp_sharding_strategy")
 
@@ -321,8 +338,9 @@ def fsdp_mesh(state: Any, mesh_strategy: str | None) -> DeviceMesh | None:
         return None
     from accel.backends.parallelism import init_mesh
 
-    state.device_mesh = init_mesh(state.device.type, fsdp_mesh_shape(mesh_strategy, state.num_processes),
-                                  ("dp_replicate", "dp_shard"))  # fmt: skip
+    state.device_mesh = init_mesh(
+        state.device.type, fsdp_mesh_shape(mesh_strategy, state.num_processes), ("dp_replicate", "dp_shard")
+    )
     return state.device_mesh
 
 
@@ -334,8 +352,9 @@ def fsdp_mesh_shape(mesh_strategy: str, num_processes: int) -> tuple[int, int]:
         return num_processes, 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
     if local < 1 or num_processes % local:
-        raise ValueError(f"FSDP {mesh_strategy}: {num_processes} processes do not split into machines of "
-                         f"LOCAL_WORLD_SIZE={local}")  # fmt: skip
+        raise ValueError(
+            f"FSDP {mesh_strategy}: {num_processes} processes do not split into machines of LOCAL_WORLD_SIZE={local}"
+        )
     return num_processes // local, local
 
 
@@ -374,15 +393,18 @@ def wrap_policy(plugin: FullyShardedDataParallelPlugin) -> Callable[[torch.nn.Mo
     return None
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, wraps: Callable[[torch.nn.Module], bool] | None,
-                                   offload: bool) -> None:  # fmt: skip
+def apply_activation_checkpointing(
+    model: torch.nn.Module, wraps: Callable[[torch.nn.Module], bool] | None, offload: bool
+) -> None:
     """Recomputes the activations of every block that gets its own FSDP unit (optionally keeping the checkpointed
     inputs in CPU memory), as HF does before sharding."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 
     if wraps is None:
-        raise ValueError("FSDP activation_checkpointing needs an auto-wrap policy (transformer layer classes or a "
-                         "minimum parameter count) naming the blocks to checkpoint")  # fmt: skip
+        raise ValueError(
+            "FSDP activation_checkpointing needs an auto-wrap policy (transformer layer classes or a "
+            "minimum parameter count) naming the blocks to checkpoint"
+        )
     for name, module in list(_children_bottom_up(model))[:-1]:
         if wraps(module):
             wrapped = checkpoint_wrapper(module, preserve_rng_state=False)
@@ -413,8 +435,11 @@ def shard_model(model: torch.nn.Module, wraps: Callable[[torch.nn.Module], bool]
     if embed is not None and not tied and not isinstance(embed, FSDPModule):
         fully_shard(embed, **kwargs)
     # Tied embeddings form one unit with the tail: a parameter may belong to one FSDP unit only.
-    tail = [m for m in ((final_norm(model), embed, head) if tied else (final_norm(model), head))
-            if m is not None and not isinstance(m, FSDPModule)]  # fmt: skip
+    tail = [
+        m
+        for m in ((final_norm(model), embed, head) if tied else (final_norm(model), head))
+        if m is not None and not isinstance(m, FSDPModule)
+    ]
     if tail:
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
     if not isinstance(model, FSDPModule):
@@ -435,14 +460,20 @@ def take_main_process_weights(model: torch.nn.Module) -> tuple[dict[str, torch.T
         for name, param in module._parameters.items():
             if param is not None:
                 if id(param) not in on_meta:
-                    on_meta[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"),
-                                                            requires_grad=param.requires_grad)  # fmt: skip
+                    on_meta[id(param)] = torch.nn.Parameter(
+                        torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+                    )
                 module._parameters[name] = on_meta[id(param)]
     return weights, [names for names in names_by_id.values() if len(names) > 1]
 
 
-def load_main_process_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], tied: list[list[str]],
-                              device: torch.device, cpu_offload: bool) -> None:  # fmt: skip
+def load_main_process_weights(
+    model: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    tied: list[list[str]],
+    device: torch.device,
+    cpu_offload: bool,
+) -> None:
     """Fills the sharded model (its parameters on meta) from the main process's full state dict, broadcast one
     tensor at a time, each process keeping its shard (buffers and ignored parameters whole): a process other than
     the main one holds its shards and one full tensor at most. Loading assigns new parameters, one per name: tied
@@ -476,8 +507,10 @@ def _check_same_layout(state: dict[str, torch.Tensor], device: torch.device) -> 
     differs = torch.tensor([difference is not None], dtype=torch.int32, device=device)
     dist.all_reduce(differs, op=dist.ReduceOp.MAX)
     if differs.item():
-        raise ValueError("FSDP cpu_ram_efficient_loading: the processes' models differ, so the main process's "
-                         f"weights cannot load into them: {difference or 'on another process'}")  # fmt: skip
+        raise ValueError(
+            "FSDP cpu_ram_efficient_loading: the processes' models differ, so the main process's "
+            f"weights cannot load into them: {difference or 'on another process'}"
+        )
 
 
 def _first_difference(ours: list[tuple], main: list[tuple]) -> str | None:
@@ -530,5 +563,7 @@ def _children_bottom_up(model: torch.nn.Module) -> Iterable[tuple[str, torch.nn.
 
 def _named_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """Parameters by their name in the user's model (activation checkpointing's and compile's wrappers left out)."""
-    return {name.replace(_CHECKPOINT_WRAPPED, "").removeprefix("_orig_mod."): param
-            for name, param in model.named_parameters()}  # fmt: skip
+    return {
+        name.replace(_CHECKPOINT_WRAPPED, "").removeprefix("_orig_mod."): param
+        for name, param in model.named_parameters()
+    }

@@ -57,8 +57,12 @@ def _new_lines(lines: list[str], template: list[str]) -> list[str]:
     return found
 
 
-def compare_against_test(base_filename: str | os.PathLike, feature_filename: str | os.PathLike, parser_only: bool,
-                         secondary_filename: str | os.PathLike | None = None) -> list[str]:  # fmt: skip
+def compare_against_test(
+    base_filename: str | os.PathLike,
+    feature_filename: str | os.PathLike,
+    parser_only: bool,
+    secondary_filename: str | os.PathLike | None = None,
+) -> list[str]:
     """The lines `feature_filename` adds to `examples/nlp_example.py` (read from the current folder) that
     `base_filename` lacks: an empty list when the complete example has the feature.
 

@@ -137,18 +137,27 @@ def _transformers_at_least(version: str) -> bool:
 
 
 # Devices.
-require_cpu = _requirement(lambda: torch_device == "cpu", "test requires only a CPU",
-                           "Runs the test only when no accelerator is present.")  # fmt: skip
-require_non_cpu = _requirement(lambda: torch_device != "cpu", "test requires a GPU",
-                               "Runs the test only when an accelerator is present.")  # fmt: skip
-require_cuda = _requirement(lambda: availability.is_cuda_available() and _no_xla(), "test requires a GPU",
-                            "Runs the test only with a CUDA GPU (and no TorchXLA).")  # fmt: skip
+require_cpu = _requirement(
+    lambda: torch_device == "cpu", "test requires only a CPU", "Runs the test only when no accelerator is present."
+)
+require_non_cpu = _requirement(
+    lambda: torch_device != "cpu", "test requires a GPU", "Runs the test only when an accelerator is present."
+)
+require_cuda = _requirement(
+    lambda: availability.is_cuda_available() and _no_xla(),
+    "test requires a GPU",
+    "Runs the test only with a CUDA GPU (and no TorchXLA).",
+)
 require_cuda_or_hpu = _requirement(
     lambda: (availability.is_cuda_available() and _no_xla()) or availability.is_hpu_available(),
-    "test requires a GPU or HPU", "Runs the test only with a CUDA GPU (no TorchXLA) or an HPU.")  # fmt: skip
+    "test requires a GPU or HPU",
+    "Runs the test only with a CUDA GPU (no TorchXLA) or an HPU.",
+)
 require_cuda_or_xpu = _requirement(
     lambda: (availability.is_cuda_available() and _no_xla()) or availability.is_xpu_available(),
-    "test requires a CUDA GPU or XPU", "Runs the test only with a CUDA GPU (no TorchXLA) or an XPU.")  # fmt: skip
+    "test requires a CUDA GPU or XPU",
+    "Runs the test only with a CUDA GPU (no TorchXLA) or an XPU.",
+)
 require_xpu = _requirement(lambda: availability.is_xpu_available(), "test requires a XPU", "Needs an XPU.")
 require_non_xpu = _requirement(lambda: torch_device != "xpu", "test requires a non-XPU", "Skipped on an XPU.")
 require_non_hpu = _requirement(lambda: torch_device != "hpu", "test requires a non-HPU", "Skipped on an HPU.")
@@ -156,47 +165,84 @@ require_mlu = _requirement(lambda: availability.is_mlu_available(), "test requir
 require_sdaa = _requirement(lambda: availability.is_sdaa_available(), "test require a SDAA", "Needs an SDAA.")
 require_musa = _requirement(lambda: availability.is_musa_available(), "test require a MUSA", "Needs a MUSA device.")
 require_npu = _requirement(lambda: availability.is_npu_available(), "test require a NPU", "Needs an NPU.")
-require_neuron = _requirement(lambda: availability.is_neuron_available(), "test require Neuron Cores",
-                              "Needs AWS Neuron cores.")  # fmt: skip
-require_mps = _requirement(lambda: availability.is_mps_available(), "test requires a `mps` backend support in `torch`",
-                           "Needs Apple's MPS backend.")  # fmt: skip
-require_tpu = _requirement(lambda: availability.is_torch_xla_available(check_is_tpu=True), "test requires TPU",
-                           "Needs a TPU (accel does not run on TPUs: such tests are for code that asks).")  # fmt: skip
+require_neuron = _requirement(
+    lambda: availability.is_neuron_available(), "test require Neuron Cores", "Needs AWS Neuron cores."
+)
+require_mps = _requirement(
+    lambda: availability.is_mps_available(),
+    "test requires a `mps` backend support in `torch`",
+    "Needs Apple's MPS backend.",
+)
+require_tpu = _requirement(
+    lambda: availability.is_torch_xla_available(check_is_tpu=True),
+    "test requires TPU",
+    "Needs a TPU (accel does not run on TPUs: such tests are for code that asks).",
+)
 require_non_torch_xla = _requirement(_no_xla, "test requires an env without TorchXLA", "Skipped where TorchXLA is.")
-require_single_device = _requirement(lambda: torch_device != "cpu" and device_count == 1,
-                                     "test requires a single device accelerator", "Needs exactly one accelerator.")  # fmt: skip
-require_single_gpu = _requirement(lambda: torch.cuda.device_count() == 1, "test requires a GPU", "Needs exactly one GPU.")
-require_single_xpu = _requirement(lambda: availability.is_xpu_available() and torch.xpu.device_count() == 1,
-                                  "test requires a XPU", "Needs exactly one XPU.")  # fmt: skip
-require_multi_device = _requirement(lambda: device_count > 1, "test requires multiple hardware accelerators",
-                                    "Needs two or more accelerators.")  # fmt: skip
-require_multi_gpu = _requirement(lambda: torch.cuda.device_count() > 1, "test requires multiple GPUs",
-                                 "Needs two or more GPUs.")  # fmt: skip
-require_multi_xpu = _requirement(lambda: availability.is_xpu_available() and torch.xpu.device_count() > 1,
-                                 "test requires multiple XPUs", "Needs two or more XPUs.")  # fmt: skip
+require_single_device = _requirement(
+    lambda: torch_device != "cpu" and device_count == 1,
+    "test requires a single device accelerator",
+    "Needs exactly one accelerator.",
+)
+require_single_gpu = _requirement(
+    lambda: torch.cuda.device_count() == 1, "test requires a GPU", "Needs exactly one GPU."
+)
+require_single_xpu = _requirement(
+    lambda: availability.is_xpu_available() and torch.xpu.device_count() == 1,
+    "test requires a XPU",
+    "Needs exactly one XPU.",
+)
+require_multi_device = _requirement(
+    lambda: device_count > 1, "test requires multiple hardware accelerators", "Needs two or more accelerators."
+)
+require_multi_gpu = _requirement(
+    lambda: torch.cuda.device_count() > 1, "test requires multiple GPUs", "Needs two or more GPUs."
+)
+require_multi_xpu = _requirement(
+    lambda: availability.is_xpu_available() and torch.xpu.device_count() > 1,
+    "test requires multiple XPUs",
+    "Needs two or more XPUs.",
+)
 require_multi_gpu_or_xpu = _requirement(
     lambda: (availability.is_cuda_available() or availability.is_xpu_available()) and device_count > 1,
-    "test requires multiple GPUs or XPUs", "Needs two or more GPUs or XPUs.")  # fmt: skip
+    "test requires multiple GPUs or XPUs",
+    "Needs two or more GPUs or XPUs.",
+)
 
 # Precisions and parallelism.
 require_fp16 = _requirement(lambda: availability.is_fp16_available(), "test requires FP16 support", "Needs fp16.")
-require_fp8 = _requirement(_fp8_usable, "test requires FP8 support",
-                           "Needs an FP8 library and hardware (accel refuses FP8 training: for code that asks).")  # fmt: skip
-require_fsdp2 = _requirement(lambda: availability.is_torch_version(">=", "2.5.0"), "test requires FSDP2 (torch >= 2.5.0)",
-                             "Needs torch 2.5+ (FSDP2).")  # fmt: skip
-require_tp = _requirement(lambda: availability.is_torch_version(">=", "2.3.0") and _transformers_at_least("4.52.0"),
-                          "test requires torch version >= 2.3.0 and transformers version >= 4.52.0",
-                          "Needs torch 2.3+ and transformers 4.52+ (tensor parallelism).")  # fmt: skip
-require_pippy = _requirement(lambda: availability.is_pippy_available() and not availability.is_habana_gaudi1(),
-                             "test requires pippy", "Needs torch.distributed.pipelining (not on Gaudi 1).")  # fmt: skip
+require_fp8 = _requirement(
+    _fp8_usable,
+    "test requires FP8 support",
+    "Needs an FP8 library and hardware (accel refuses FP8 training: for code that asks).",
+)
+require_fsdp2 = _requirement(
+    lambda: availability.is_torch_version(">=", "2.5.0"),
+    "test requires FSDP2 (torch >= 2.5.0)",
+    "Needs torch 2.5+ (FSDP2).",
+)
+require_tp = _requirement(
+    lambda: availability.is_torch_version(">=", "2.3.0") and _transformers_at_least("4.52.0"),
+    "test requires torch version >= 2.3.0 and transformers version >= 4.52.0",
+    "Needs torch 2.3+ and transformers 4.52+ (tensor parallelism).",
+)
+require_pippy = _requirement(
+    lambda: availability.is_pippy_available() and not availability.is_habana_gaudi1(),
+    "test requires pippy",
+    "Needs torch.distributed.pipelining (not on Gaudi 1).",
+)
 
 # Libraries.
 require_huggingface_suite = _requirement(
     lambda: availability.is_transformers_available() and availability.is_datasets_available(),
-    "test requires the Hugging Face suite", "Needs transformers and datasets.")  # fmt: skip
-require_trackers = _requirement(_any_tracker,
-                                "test requires at least one tracker to be available and for `comet_ml` to not be installed",
-                                "Needs wandb, tensorboard, trackio or swanlab, and comet_ml absent.")  # fmt: skip
+    "test requires the Hugging Face suite",
+    "Needs transformers and datasets.",
+)
+require_trackers = _requirement(
+    _any_tracker,
+    "test requires at least one tracker to be available and for `comet_ml` to not be installed",
+    "Needs wandb, tensorboard, trackio or swanlab, and comet_ml absent.",
+)
 _LIBRARIES = {  # decorator name -> (availability function, skip reason)
     "require_peft": ("peft", "test requires PEFT"),
     "require_datasets": ("datasets", "test requires the datasets library"),
@@ -219,14 +265,23 @@ _LIBRARIES = {  # decorator name -> (availability function, skip reason)
     "require_mlflow": ("mlflow", "test requires mlflow"),
     "require_import_timer": ("import_timer", "test requires tuna interpreter"),
     "require_transformer_engine": ("transformer_engine", "test requires transformers engine"),
-    "require_transformer_engine_mxfp8": ("transformer_engine_mxfp8", "test requires transformers engine MXFP8 block scaling"),
+    "require_transformer_engine_mxfp8": (
+        "transformer_engine_mxfp8",
+        "test requires transformers engine MXFP8 block scaling",
+    ),
     "require_torchao": ("torchao", "test requires torchao"),
     "require_matplotlib": ("matplotlib", "test requires matplotlib"),
-    "require_torchdata_stateful_dataloader": ("torchdata_stateful_dataloader", "test requires torchdata.stateful_dataloader"),
-}  # fmt: skip
+    "require_torchdata_stateful_dataloader": (
+        "torchdata_stateful_dataloader",
+        "test requires torchdata.stateful_dataloader",
+    ),
+}
 for _name, (_library, _reason) in _LIBRARIES.items():
-    globals()[_name] = _requirement(getattr(availability, f"is_{_library}_available"), _reason,
-                                    f"Runs the test only when accel.availability.is_{_library}_available().")  # fmt: skip
+    globals()[_name] = _requirement(
+        getattr(availability, f"is_{_library}_available"),
+        _reason,
+        f"Runs the test only when accel.availability.is_{_library}_available().",
+    )
     globals()[_name].__name__ = globals()[_name].__qualname__ = _name
 del _name, _library, _reason
 
@@ -235,9 +290,9 @@ def require_torch_min_version(test_case: Callable | None = None, version: str | 
     """Runs the test only with torch `version` or newer; `@require_torch_min_version(version="2.4")` form too."""
     if test_case is None:
         return partial(require_torch_min_version, version=version)
-    return unittest.skipUnless(availability.is_torch_version(">=", version), f"test requires torch version >= {version}")(
-        test_case
-    )
+    return unittest.skipUnless(
+        availability.is_torch_version(">=", version), f"test requires torch version >= {version}"
+    )(test_case)
 
 
 # --- test case classes -------------------------------------------------------------------------------------------
@@ -382,8 +437,14 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def execute_subprocess_async(cmd: Sequence[Any], env: dict | None = None, stdin: Any = None, timeout: float = 180,
-                             quiet: bool = False, echo: bool = True) -> _RunOutput:  # fmt: skip
+def execute_subprocess_async(
+    cmd: Sequence[Any],
+    env: dict | None = None,
+    stdin: Any = None,
+    timeout: float = 180,
+    quiet: bool = False,
+    echo: bool = True,
+) -> _RunOutput:
     """Runs `cmd`, streaming its output (unless `quiet`) while collecting it, and returns a `_RunOutput`.
 
     Bounded by `timeout` seconds: past it the command and every process it started (its process group) are killed
@@ -394,13 +455,18 @@ def execute_subprocess_async(cmd: Sequence[Any], env: dict | None = None, stdin:
     command = " ".join(cmd)
     if echo:
         print("\nRunning: ", command)
-    process = subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
     out: list[str] = []
     err: list[str] = []
     readers = [
-        threading.Thread(target=_tee, args=(process.stdout, out, None if quiet else sys.stdout, "stdout:"), daemon=True),
-        threading.Thread(target=_tee, args=(process.stderr, err, None if quiet else sys.stderr, "stderr:"), daemon=True),
+        threading.Thread(
+            target=_tee, args=(process.stdout, out, None if quiet else sys.stdout, "stdout:"), daemon=True
+        ),
+        threading.Thread(
+            target=_tee, args=(process.stderr, err, None if quiet else sys.stderr, "stderr:"), daemon=True
+        ),
     ]
     for reader in readers:
         reader.start()
@@ -409,7 +475,9 @@ def execute_subprocess_async(cmd: Sequence[Any], env: dict | None = None, stdin:
     except subprocess.TimeoutExpired:
         _kill_group(process)
         _join(readers)
-        raise TimeoutError(f"'{command}' did not finish within {timeout} s and was killed\n\n{_output(out, err)}") from None
+        raise TimeoutError(
+            f"'{command}' did not finish within {timeout} s and was killed\n\n{_output(out, err)}"
+        ) from None
     except BaseException:
         _kill_group(process)
         raise
@@ -425,7 +493,7 @@ def _join(readers: list[threading.Thread]) -> None:
 
 
 def _output(out: list[str], err: list[str]) -> str:
-    return ("The combined stderr from workers follows:\n" + "\n".join(err) + "\n\nstdout:\n" + "\n".join(out[-200:]))
+    return "The combined stderr from workers follows:\n" + "\n".join(err) + "\n\nstdout:\n" + "\n".join(out[-200:])
 
 
 class SubprocessCallException(Exception):
@@ -440,8 +508,11 @@ def run_command(command: list[Any], return_stdout: bool = False, env: dict | Non
     """
     command = [str(part) if isinstance(part, Path) else part for part in command]
     try:
-        output = subprocess.check_output(command, stderr=subprocess.STDOUT, env=os.environ.copy() if env is None else env)
+        output = subprocess.check_output(
+            command, stderr=subprocess.STDOUT, env=os.environ.copy() if env is None else env
+        )
     except subprocess.CalledProcessError as error:
-        raise SubprocessCallException(f"Command `{' '.join(command)}` failed with the following error:\n\n"
-                                      f"{error.output.decode()}") from error  # fmt: skip
+        raise SubprocessCallException(
+            f"Command `{' '.join(command)}` failed with the following error:\n\n{error.output.decode()}"
+        ) from error
     return output.decode("utf-8") if return_stdout else None

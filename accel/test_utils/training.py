@@ -66,8 +66,9 @@ def mocked_dataloaders(accelerator: Any, batch_size: int = 16) -> tuple[DataLoad
     label_to_id = {label: i for i, label in enumerate(datasets["train"].unique("label"))}
 
     def tokenize(examples: dict) -> dict:
-        outputs = tokenizer(examples["sentence1"], examples["sentence2"], truncation=True, max_length=None,
-                            padding="max_length")  # fmt: skip
+        outputs = tokenizer(
+            examples["sentence1"], examples["sentence2"], truncation=True, max_length=None, padding="max_length"
+        )
         if "label" in examples:
             outputs["labels"] = [label_to_id[label] for label in examples["label"]]
         return outputs
@@ -79,11 +80,15 @@ def mocked_dataloaders(accelerator: Any, batch_size: int = 16) -> tuple[DataLoad
             return tokenizer.pad(examples, padding="max_length", max_length=128, return_tensors="pt")
         return tokenizer.pad(examples, padding="longest", return_tensors="pt")
 
-    return (DataLoader(tokenized["train"], shuffle=True, collate_fn=collate, batch_size=2),
-            DataLoader(tokenized["validation"], shuffle=False, collate_fn=collate, batch_size=1))  # fmt: skip
+    return (
+        DataLoader(tokenized["train"], shuffle=True, collate_fn=collate, batch_size=2),
+        DataLoader(tokenized["validation"], shuffle=False, collate_fn=collate, batch_size=1),
+    )
 
 
-def mocked_dataloaders_for_autoregressive_models(accelerator: Any, batch_size: int = 16) -> tuple[DataLoader, DataLoader]:
+def mocked_dataloaders_for_autoregressive_models(
+    accelerator: Any, batch_size: int = 16
+) -> tuple[DataLoader, DataLoader]:
     """MRPC first sentences as causal-LM batches (labels = inputs shifted by one, padding as -100), tokenized with
     SmolLM-360M's tokenizer (needs datasets and transformers)."""
     from transformers import AutoTokenizer
@@ -97,15 +102,22 @@ def mocked_dataloaders_for_autoregressive_models(accelerator: Any, batch_size: i
     tokenized = _tokenized(_mrpc(), tokenize, accelerator)
 
     def collate(examples: list) -> Any:
-        longest = 128 if accelerator.distributed_type == DistributedType.XLA else max(len(e["input_ids"]) for e in examples)
+        longest = (
+            128 if accelerator.distributed_type == DistributedType.XLA else max(len(e["input_ids"]) for e in examples)
+        )
         multiple = {"fp8": 16, "no": None}.get(accelerator.mixed_precision, 8)  # round shapes for mixed precision
-        batch = tokenizer.pad(examples, padding="max_length", max_length=longest + 1, pad_to_multiple_of=multiple,
-                              return_tensors="pt")  # fmt: skip
-        batch["labels"] = torch.where(batch["input_ids"][:, 1:] == tokenizer.pad_token_id, -100, batch["input_ids"][:, 1:])
+        batch = tokenizer.pad(
+            examples, padding="max_length", max_length=longest + 1, pad_to_multiple_of=multiple, return_tensors="pt"
+        )
+        batch["labels"] = torch.where(
+            batch["input_ids"][:, 1:] == tokenizer.pad_token_id, -100, batch["input_ids"][:, 1:]
+        )
         batch["input_ids"] = batch["input_ids"][:, :-1]
         if "attention_mask" in batch:
             batch["attention_mask"] = batch["attention_mask"][:, :-1]
         return batch
 
-    return (DataLoader(tokenized["train"], shuffle=False, collate_fn=collate, batch_size=2),
-            DataLoader(tokenized["validation"], shuffle=False, collate_fn=collate, batch_size=1))  # fmt: skip
+    return (
+        DataLoader(tokenized["train"], shuffle=False, collate_fn=collate, batch_size=2),
+        DataLoader(tokenized["validation"], shuffle=False, collate_fn=collate, batch_size=1),
+    )

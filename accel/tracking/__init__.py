@@ -19,6 +19,7 @@ from accel.tracking.comet_tracker import CometMLTracker
 from accel.tracking.dvclive_tracker import DVCLiveTracker
 from accel.tracking.jsonl_tracker import JSONLTracker
 from accel.tracking.mlflow_tracker import MLflowTracker
+from accel.tracking.plot import plot_runs
 from accel.tracking.registry import (
     LOGGER_TYPE_TO_CLASS,
     LoggerType,
@@ -29,21 +30,41 @@ from accel.tracking.registry import (
     register_tracker_class,
 )
 from accel.tracking.runs import Run, read_runs
-from accel.tracking.plot import plot_runs
 from accel.tracking.tensorboard_tracker import TensorBoardTracker
 from accel.tracking.wandb_tracker import SwanLabTracker, TrackioTracker, WandBTracker
 
 # HF's module also exposes the availability checks it imports; they live in accel.availability.
-_AVAILABILITY = frozenset(f"is_{kind}_available" for kind in
-                          ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb"))  # fmt: skip
+_AVAILABILITY = frozenset(
+    f"is_{kind}_available"
+    for kind in ("aim", "clearml", "comet_ml", "dvclive", "mlflow", "swanlab", "tensorboard", "trackio", "wandb")
+)
 
 __all__ = [
-    "AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker", "InactiveTracker",
-    "JSONLTracker", "LOGGER_TYPE_TO_CLASS", "LoggerType", "MLflowTracker", "MissingTrackerPackageError", "Run",
-    "SwanLabTracker", "TensorBoardTracker", "TrackioTracker", "WandBTracker", "filter_trackers",
-    "get_available_trackers", "is_tracker_available", "on_main_process", "plot_runs", "read_runs",
-    "register_tracker_class", *sorted(_AVAILABILITY),
-]  # fmt: skip
+    "AimTracker",
+    "ClearMLTracker",
+    "CometMLTracker",
+    "DVCLiveTracker",
+    "GeneralTracker",
+    "InactiveTracker",
+    "JSONLTracker",
+    "LOGGER_TYPE_TO_CLASS",
+    "LoggerType",
+    "MLflowTracker",
+    "MissingTrackerPackageError",
+    "Run",
+    "SwanLabTracker",
+    "TensorBoardTracker",
+    "TrackioTracker",
+    "WandBTracker",
+    "filter_trackers",
+    "get_available_trackers",
+    "is_tracker_available",
+    "on_main_process",
+    "plot_runs",
+    "read_runs",
+    "register_tracker_class",
+    *sorted(_AVAILABILITY),
+]
 
 
 def __getattr__(name):

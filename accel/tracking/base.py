@@ -54,7 +54,9 @@ class GeneralTracker:
     def __init__(self, _blank: bool = False):
         if _blank:
             return
-        missing = [f"`{attribute}`" for attribute in ("name", "requires_logging_directory") if not hasattr(self, attribute)]
+        missing = [
+            f"`{attribute}`" for attribute in ("name", "requires_logging_directory") if not hasattr(self, attribute)
+        ]
         if "tracker" not in dir(self):  # usually a property that only works after start(): look, don't call
             missing.append("`tracker`")
         if missing:

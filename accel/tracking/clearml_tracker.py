@@ -11,10 +11,10 @@ SERIES_PREFIXES = ("eval", "test", "train")
 
 
 def title_and_series(key: str) -> tuple[str, str]:
-    """"eval_loss" -> ("loss", "eval"); keys without a known prefix are in the "train" series."""
+    """ "eval_loss" -> ("loss", "eval"); keys without a known prefix are in the "train" series."""
     for prefix in SERIES_PREFIXES:
         if key.startswith(prefix + "_"):
-            return key[len(prefix) + 1:], prefix
+            return key[len(prefix) + 1 :], prefix
     return key, "train"
 
 
@@ -81,8 +81,15 @@ class ClearMLTracker(GeneralTracker):
             reporter.report_image(title=title, series=series, iteration=step, image=image, **kwargs)
 
     @on_main_process
-    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
-                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def log_table(
+        self,
+        table_name: str,
+        columns: list[str] | None = None,
+        data: list[list[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Reports `dataframe`, or `data` with `columns` as its first row."""
         table = dataframe
         if dataframe is None:

@@ -84,7 +84,7 @@ class JSONLTracker(GeneralTracker):
         line = json.dumps(record, allow_nan=True) + "\n"
         data = line.encode()
         while data:  # a regular file takes it in one write; the loop only covers a short write (full disk)
-            data = data[os.write(self.fd, data):]
+            data = data[os.write(self.fd, data) :]
         if self.fsync:
             os.fsync(self.fd)
 

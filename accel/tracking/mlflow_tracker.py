@@ -30,9 +30,16 @@ class MLflowTracker(GeneralTracker):
     name = "mlflow"
     requires_logging_directory = False
 
-    def __init__(self, experiment_name: str | None = None, logging_dir: str | os.PathLike | None = None,
-                 run_id: str | None = None, tags: dict[str, Any] | str | None = None, nested_run: bool | None = False,
-                 run_name: str | None = None, description: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        experiment_name: str | None = None,
+        logging_dir: str | os.PathLike | None = None,
+        run_id: str | None = None,
+        tags: dict[str, Any] | str | None = None,
+        nested_run: bool | None = False,
+        run_name: str | None = None,
+        description: str | None = None,
+    ):
         super().__init__()
         tags = os.environ.get("MLFLOW_TAGS", tags)
         nested_run = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
@@ -49,9 +56,14 @@ class MLflowTracker(GeneralTracker):
     def start(self) -> None:
         import mlflow
 
-        self.active_run = mlflow.start_run(run_id=self.run_id, experiment_id=self._experiment_id(mlflow),
-                                           run_name=self.run_name, nested=self.nested_run, tags=self.tags,
-                                           description=self.description)  # fmt: skip
+        self.active_run = mlflow.start_run(
+            run_id=self.run_id,
+            experiment_id=self._experiment_id(mlflow),
+            run_name=self.run_name,
+            nested=self.nested_run,
+            tags=self.tags,
+            description=self.description,
+        )
 
     def _experiment_id(self, mlflow: Any) -> str:
         found = mlflow.search_experiments(filter_string=f"name = '{self.experiment_name}'")
@@ -79,7 +91,7 @@ class MLflowTracker(GeneralTracker):
                 params[key] = value
         items = list(params.items())
         for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            mlflow.log_params(dict(items[start:start + MAX_PARAMS_TAGS_PER_BATCH]))
+            mlflow.log_params(dict(items[start : start + MAX_PARAMS_TAGS_PER_BATCH]))
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:

@@ -17,8 +17,13 @@ PANEL_WIDTH, PANEL_HEIGHT, MAX_COLUMNS = 5.0, 3.4, 3
 MIN_POINTS_TO_SMOOTH = 10  # a per-epoch metric has a handful of points: an average would only make it lag
 
 
-def plot_runs(runs: Iterable[Run | str | os.PathLike], output: str | os.PathLike, metrics: Sequence[str] | None = None,
-              smoothing: float = 0.0, title: str | None = None) -> list[str]:  # fmt: skip
+def plot_runs(
+    runs: Iterable[Run | str | os.PathLike],
+    output: str | os.PathLike,
+    metrics: Sequence[str] | None = None,
+    smoothing: float = 0.0,
+    title: str | None = None,
+) -> list[str]:
     """Draws the scalars of `runs` to the image `output` (PNG, or any format matplotlib infers from the suffix).
 
     Args:
@@ -46,13 +51,14 @@ def plot_runs(runs: Iterable[Run | str | os.PathLike], output: str | os.PathLike
     names = _metric_names(loaded, metrics)
     columns = 2 if len(names) == 4 else min(MAX_COLUMNS, len(names))
     rows = math.ceil(len(names) / columns)
-    figure = figure_class(figsize=(PANEL_WIDTH * columns, PANEL_HEIGHT * rows + (0.4 if title else 0)),
-                          layout="constrained")  # fmt: skip
+    figure = figure_class(
+        figsize=(PANEL_WIDTH * columns, PANEL_HEIGHT * rows + (0.4 if title else 0)), layout="constrained"
+    )
     canvas_class(figure)
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for axis, name in zip(axes, names):
         _draw_panel(axis, name, loaded, smoothing)
-    for axis in axes[len(names):]:
+    for axis in axes[len(names) :]:
         axis.set_visible(False)
     if title:
         figure.suptitle(title)
@@ -65,8 +71,9 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ImportError("accel plot needs matplotlib: pip install matplotlib (or pip install 'accel[tracking]')"
-                          ) from error  # fmt: skip
+        raise ImportError(
+            "accel plot needs matplotlib: pip install matplotlib (or pip install 'accel[tracking]')"
+        ) from error
     return Figure, FigureCanvasAgg
 
 
@@ -95,8 +102,15 @@ def _draw_panel(axis, name: str, runs: list[Run], smoothing: float) -> None:
         if smoothing and len(values) >= MIN_POINTS_TO_SMOOTH:
             axis.plot(steps, values, color=color, alpha=0.25, linewidth=1)
             values = smoothed(values, smoothing)
-        axis.plot(steps, values, color=color, label=run.name, linewidth=1.6, marker="o" if len(steps) < 30 else None,
-                  markersize=3)  # fmt: skip
+        axis.plot(
+            steps,
+            values,
+            color=color,
+            label=run.name,
+            linewidth=1.6,
+            marker="o" if len(steps) < 30 else None,
+            markersize=3,
+        )
         drawn += 1
     axis.set_title(name)
     axis.set_xlabel("step")

@@ -77,8 +77,7 @@ class MissingTrackerPackageError(ImportError):
         install = f"pip install {PIP_REQUIREMENTS[kind]}"
         if kind in IN_TRACKING_EXTRA:
             install += " (or pip install 'accel[tracking]')"
-        super().__init__(f"log_with={kind!r} needs the `{kind}` package, which is not installed: {install}",
-                         name=kind)  # fmt: skip
+        super().__init__(f"log_with={kind!r} needs the `{kind}` package, which is not installed: {install}", name=kind)
         self.kind = kind
 
 
@@ -107,8 +106,10 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> None:
     if not getattr(tracker_class, "name", None):
         raise ValueError("The tracker class to register must define a non-empty `name` attribute.")
     if not hasattr(tracker_class, "requires_logging_directory"):
-        raise ValueError("The tracker class to register must define a `requires_logging_directory` class attribute "
-                         "(True if it needs a logging directory, else False).")  # fmt: skip
+        raise ValueError(
+            "The tracker class to register must define a `requires_logging_directory` class attribute "
+            "(True if it needs a logging directory, else False)."
+        )
     if tracker_class.name in LOGGER_TYPE_TO_CLASS:
         warnings.warn(f"A tracker named {tracker_class.name!r} is already registered; {tracker_class} replaces it.")
     LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
@@ -145,8 +146,10 @@ def filter_trackers(log_with: Any, logging_dir: str | os.PathLike | None = None)
         if isinstance(kind, LoggerType) and not is_tracker_available(kind):
             raise MissingTrackerPackageError(kind.value)
         if LOGGER_TYPE_TO_CLASS[str(kind)].requires_logging_directory and logging_dir is None:
-            raise ValueError(f"Logging with `{kind}` requires a `logging_dir` to be passed in "
-                             "(Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...)).")  # fmt: skip
+            raise ValueError(
+                f"Logging with `{kind}` requires a `logging_dir` to be passed in "
+                "(Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...))."
+            )
         chosen.append(kind)
     return chosen
 
@@ -168,8 +171,9 @@ def _kind_of(entry: Any) -> LoggerType | str:
     elif isinstance(entry, str):
         close = difflib.get_close_matches(entry, valid, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unsupported logging capability: {entry!r}. Choose between {valid}, or pass a GeneralTracker "
-                     f"instance.{hint}")  # fmt: skip
+    raise ValueError(
+        f"Unsupported logging capability: {entry!r}. Choose between {valid}, or pass a GeneralTracker instance.{hint}"
+    )
 
 
 def _installed_with_directory(logging_dir: str | os.PathLike | None) -> list[LoggerType]:
@@ -180,7 +184,9 @@ def _installed_with_directory(logging_dir: str | os.PathLike | None) -> list[Log
     needing = [kind for kind in installed if LOGGER_TYPE_TO_CLASS[kind.value].requires_logging_directory]
     shown = [kind.value for kind in needing if kind is not LoggerType.JSONL]  # jsonl is accel's extra: no noise
     if shown:  # HF Accelerate would crash later in init_trackers (os.path.join(None, ...))
-        warnings.warn(f"log_with='all' leaves out {', '.join(shown)}: they write files and no logging directory "
-                      "was given (Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...))",
-                      stacklevel=stacklevel_outside_accel())  # fmt: skip
+        warnings.warn(
+            f"log_with='all' leaves out {', '.join(shown)}: they write files and no logging directory "
+            "was given (Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...))",
+            stacklevel=stacklevel_outside_accel(),
+        )
     return [kind for kind in installed if kind not in needing]

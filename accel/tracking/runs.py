@@ -54,7 +54,9 @@ def read_runs(paths: Iterable[str | os.PathLike]) -> list[Run]:
             raise FileNotFoundError(f"{path}: no such file or folder")
         found = _run_folders(path)
         if not found:
-            raise FileNotFoundError(f"{path}: no logged run here (looked for {METRICS_FILE} and {EVENTS_PREFIX}* files)")
+            raise FileNotFoundError(
+                f"{path}: no logged run here (looked for {METRICS_FILE} and {EVENTS_PREFIX}* files)"
+            )
         runs.extend(_read_run(folder, kind, _label(path, folder)) for folder, kind in found)
     return runs
 
@@ -140,8 +142,10 @@ def _read_event_series(folder: str) -> dict[str, list[tuple[float, float]]]:
     try:
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError as error:
-        raise ImportError(f"{folder} holds TensorBoard event files; reading them needs tensorboard: "
-                          "pip install tensorboard (or pip install 'accel[tracking]')") from error  # fmt: skip
+        raise ImportError(
+            f"{folder} holds TensorBoard event files; reading them needs tensorboard: "
+            "pip install tensorboard (or pip install 'accel[tracking]')"
+        ) from error
     accumulator = event_accumulator.EventAccumulator(folder, size_guidance={event_accumulator.SCALARS: 0})
     accumulator.Reload()
     series: dict[str, list[tuple[float, float]]] = {}

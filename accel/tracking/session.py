@@ -34,16 +34,24 @@ class TrackerSession:
     def __init__(self, log_with: Any, logging_dir: str | os.PathLike | None):
         self.log_with = filter_trackers(log_with, logging_dir)
         if log_with is not None and not self.log_with:
-            warnings.warn(f"`log_with={log_with}` was passed but no supported trackers are currently installed.",
-                          stacklevel=stacklevel_outside_accel())
+            warnings.warn(
+                f"`log_with={log_with}` was passed but no supported trackers are currently installed.",
+                stacklevel=stacklevel_outside_accel(),
+            )
         self.trackers: list[GeneralTracker] = []  # those running on this process
         self.names: list[str] = []  # every tracker's name, also those running elsewhere
         self.initialized = False
         self.finished: set[int] = set()
         self.warned_uninitialized = False
 
-    def init(self, project_name: str, config: dict | None, init_kwargs: dict | None,
-             logging_dir: str | os.PathLike | None, is_main_process: bool) -> None:  # fmt: skip
+    def init(
+        self,
+        project_name: str,
+        config: dict | None,
+        init_kwargs: dict | None,
+        logging_dir: str | os.PathLike | None,
+        is_main_process: bool,
+    ) -> None:
         """Builds the named trackers, starts those that run here and stores `config` in them.
 
         If one fails to start, those already started are finished before the error propagates.
@@ -90,10 +98,14 @@ class TrackerSession:
         if self.warned_uninitialized or not is_main_process:
             return
         self.warned_uninitialized = True
-        cause = "call Accelerator.init_trackers(project_name) first" if self.log_with else \
-            "no tracker was asked for: pass Accelerator(log_with=...) and call init_trackers"
-        warnings.warn(f"Accelerator.log: nothing was logged ({cause}); warned once",
-                      stacklevel=stacklevel_outside_accel())
+        cause = (
+            "call Accelerator.init_trackers(project_name) first"
+            if self.log_with
+            else "no tracker was asked for: pass Accelerator(log_with=...) and call init_trackers"
+        )
+        warnings.warn(
+            f"Accelerator.log: nothing was logged ({cause}); warned once", stacklevel=stacklevel_outside_accel()
+        )
 
     def get(self, name: str, unwrap: bool) -> Any:
         """The tracker named `name` (its backend object with `unwrap`); an inert placeholder where it does not run."""
@@ -102,8 +114,10 @@ class TrackerSession:
                 return tracker.tracker if unwrap else tracker
         if name in self.names or not self.trackers:
             return InactiveTracker(name)
-        raise ValueError(f"{name} is not an available tracker stored inside the `Accelerator`; "
-                         f"it has {[tracker.name for tracker in self.trackers]}")  # fmt: skip
+        raise ValueError(
+            f"{name} is not an available tracker stored inside the `Accelerator`; "
+            f"it has {[tracker.name for tracker in self.trackers]}"
+        )
 
     def finish(self) -> None:
         """Finishes every tracker running here, once; all of them even if one fails (the first error is raised)."""
@@ -120,8 +134,9 @@ class TrackerSession:
             raise errors[0]
 
 
-def _build(tracker_class: type[GeneralTracker], project_name: str, logging_dir: str | os.PathLike | None,
-           kwargs: dict) -> GeneralTracker:  # fmt: skip
+def _build(
+    tracker_class: type[GeneralTracker], project_name: str, logging_dir: str | os.PathLike | None, kwargs: dict
+) -> GeneralTracker:
     if tracker_class.requires_logging_directory:
         return tracker_class(project_name, logging_dir, **kwargs)
     return tracker_class(project_name, **kwargs)

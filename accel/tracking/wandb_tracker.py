@@ -77,8 +77,15 @@ class WandBTracker(_LogsImages):
     package = "wandb"
 
     @on_main_process
-    def log_table(self, table_name: str, columns: list[str] | None = None, data: list[list[Any]] | None = None,
-                  dataframe: Any = None, step: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def log_table(
+        self,
+        table_name: str,
+        columns: list[str] | None = None,
+        data: list[list[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Logs a `wandb.Table` built from `columns` + `data` or from `dataframe`."""
         table = self.module.Table(columns=columns, data=data, dataframe=dataframe)
         self.log({table_name: table}, step=step, **kwargs)

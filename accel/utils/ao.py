@@ -9,6 +9,9 @@ from accel.backends.fp8 import (
 )
 
 __all__ = [
-    "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers", "filter_linear_layers",
-    "find_first_last_linear_layers", "has_ao_layers"
-]  # fmt: skip
+    "convert_model_to_fp8_ao",
+    "filter_first_and_last_linear_layers",
+    "filter_linear_layers",
+    "find_first_last_linear_layers",
+    "has_ao_layers",
+]

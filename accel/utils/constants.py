@@ -5,6 +5,7 @@ from accel.availability import (
     STR_OPERATION_TO_FUNC,
     XPU_PROFILING_AVAILABLE_PYTORCH_VERSION,
 )
+from accel.backends.fsdp import FSDP_AUTO_WRAP_POLICY, FSDP_SHARDING_STRATEGY  # transformers' TrainingArguments
 from accel.checkpoint import (
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -20,7 +21,6 @@ from accel.checkpoint import (
     WEIGHTS_NAME,
     WEIGHTS_PATTERN_NAME,
 )
-from accel.backends.fsdp import FSDP_AUTO_WRAP_POLICY, FSDP_SHARDING_STRATEGY  # transformers' TrainingArguments
 from accel.collectives.operations import TORCH_DISTRIBUTED_OPERATION_TYPES
 from accel.environment import TORCH_LAUNCH_PARAMS
 from accel.launchers import ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION

@@ -17,7 +17,13 @@ from accel.strategies.deepspeed_wrappers import (
 )
 
 __all__ = [
-    "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedPlugin", "DeepSpeedSchedulerWrapper",
-    "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "get_active_deepspeed_plugin",
-    "map_pytorch_optim_to_deepspeed"
-]  # fmt: skip
+    "DeepSpeedEngineWrapper",
+    "DeepSpeedOptimizerWrapper",
+    "DeepSpeedPlugin",
+    "DeepSpeedSchedulerWrapper",
+    "DummyOptim",
+    "DummyScheduler",
+    "HfDeepSpeedConfig",
+    "get_active_deepspeed_plugin",
+    "map_pytorch_optim_to_deepspeed",
+]

@@ -21,11 +21,22 @@ from accel.backends.fsdp import (
 )
 
 __all__ = [
-    "disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading", "ensure_weights_retied",
-    "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict", "fsdp2_prepare_model",
-    "fsdp2_switch_optimizer_parameters", "get_fsdp2_grad_scaler", "get_module_class_from_name",
-    "get_parameters_from_modules", "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer"
-]  # fmt: skip
+    "disable_fsdp_ram_efficient_loading",
+    "enable_fsdp_ram_efficient_loading",
+    "ensure_weights_retied",
+    "fsdp2_apply_ac",
+    "fsdp2_canonicalize_names",
+    "fsdp2_load_full_state_dict",
+    "fsdp2_prepare_model",
+    "fsdp2_switch_optimizer_parameters",
+    "get_fsdp2_grad_scaler",
+    "get_module_class_from_name",
+    "get_parameters_from_modules",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,10 @@ from accel.cli.launch_env import (
 from accel.launchers import PrepareForLaunch
 
 __all__ = [
-    "PrepareForLaunch", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env", "prepare_sagemager_args_inputs",
-    "prepare_simple_launcher_cmd_env", "prepare_tpu",
-]  # fmt: skip
+    "PrepareForLaunch",
+    "prepare_deepspeed_cmd_env",
+    "prepare_multi_gpu_env",
+    "prepare_sagemager_args_inputs",
+    "prepare_simple_launcher_cmd_env",
+    "prepare_tpu",
+]

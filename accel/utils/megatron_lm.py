@@ -13,6 +13,11 @@ from accel.backends.megatron import (
 )
 
 __all__ = [
-    "AbstractTrainStep", "BertTrainStep", "GPTTrainStep", "MegatronLMDummyDataLoader",
-    "MegatronLMDummyScheduler", "T5TrainStep", "avg_losses_across_data_parallel_group"
-]  # fmt: skip
+    "AbstractTrainStep",
+    "BertTrainStep",
+    "GPTTrainStep",
+    "MegatronLMDummyDataLoader",
+    "MegatronLMDummyScheduler",
+    "T5TrainStep",
+    "avg_losses_across_data_parallel_group",
+]

@@ -14,6 +14,11 @@ from accel.big_modeling.offload import (
 )
 
 __all__ = [
-    "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict", "load_offloaded_weight",
-    "offload_state_dict", "offload_weight", "save_offload_index",
-]  # fmt: skip
+    "OffloadedWeightsLoader",
+    "PrefixedDataset",
+    "extract_submodules_state_dict",
+    "load_offloaded_weight",
+    "offload_state_dict",
+    "offload_weight",
+    "save_offload_index",
+]

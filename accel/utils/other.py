@@ -10,8 +10,8 @@ from accel.availability import (
 )
 from accel.big_modeling.sizes import id_tensor_storage
 from accel.checkpoint.object_io import TORCH_SAFE_GLOBALS, clean_state_dict_for_safetensors, load, save
+from accel.cli.basic_config import write_basic_config
 from accel.collectives.operations import wait_for_everyone
-from accel.pytree import merge_dicts
 from accel.compilation import (
     compile_regions,
     compile_regions_deepspeed,
@@ -31,7 +31,7 @@ from accel.module_tree import (
     model_has_dtensor,
     recursive_getattr,
 )
+from accel.pytree import merge_dicts
 from accel.state import DistributedType, PartialState
-from accel.cli.basic_config import write_basic_config
 
 __all__ = [name for name in dir() if not name.startswith("_")]

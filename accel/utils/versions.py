@@ -3,7 +3,8 @@
 from accel import availability
 from accel.availability import STR_OPERATION_TO_FUNC, compare_versions, is_torch_version
 
-__all__ = ["STR_OPERATION_TO_FUNC", "compare_versions", "is_torch_version", "torch_version"]
+# torch_version is served by __getattr__ below (read when asked, as HF's module constant is)
+__all__ = ["STR_OPERATION_TO_FUNC", "compare_versions", "is_torch_version", "torch_version"]  # noqa: F822
 
 
 def __getattr__(name):

@@ -64,8 +64,11 @@ def load_table(info: dict) -> list[str]:
     rows = [row(label, _ms(info, name), _spread(info, name)) for name, label in LOAD]
     lines = scaffold.table(["load_checkpoint_in_model (251 MiB, page cache)", "median", "range over rounds"], rows)
     if "hf/accel" in info:
-        lines += ["", f"accel loads {info['hf/accel']:.1f}× faster than HF Accelerate "
-                      f"({info.get('raw_read/accel', 0):.0%} of the raw read's time)."]  # fmt: skip
+        lines += [
+            "",
+            f"accel loads {info['hf/accel']:.1f}× faster than HF Accelerate "
+            f"({info.get('raw_read/accel', 0):.0%} of the raw read's time).",
+        ]
     return lines
 
 

@@ -16,18 +16,30 @@ import scaffold
 from scaffold import MISSING, at_least, quartile_ratio, row
 
 CONTENDERS = ["accel_zero2", "raw_zero2", "accel_zero3", "raw_zero3", "accel_zero1", "accel_ddp", "accel_fsdp2"]
-LABELS = {"accel_zero1": "accel ZeRO-1", "accel_zero2": "accel ZeRO-2", "accel_zero3": "accel ZeRO-3",
-          "raw_zero2": "DeepSpeed ZeRO-2, gloo", "raw_zero3": "DeepSpeed ZeRO-3, gloo", "accel_ddp": "accel DDP",
-          "accel_fsdp2": "accel FSDP2"}  # fmt: skip
-RATIOS = {"accel_zero2/raw_zero2": "accel ZeRO-2 / DeepSpeed ZeRO-2 over gloo",
-          "accel_zero3/raw_zero3": "accel ZeRO-3 / DeepSpeed ZeRO-3 over gloo",
-          "accel_zero2/accel_ddp": "accel ZeRO-2 / accel DDP", "accel_zero1/accel_ddp": "accel ZeRO-1 / accel DDP",
-          "accel_zero3/accel_fsdp2": "accel ZeRO-3 / accel FSDP2"}  # fmt: skip
+LABELS = {
+    "accel_zero1": "accel ZeRO-1",
+    "accel_zero2": "accel ZeRO-2",
+    "accel_zero3": "accel ZeRO-3",
+    "raw_zero2": "DeepSpeed ZeRO-2, gloo",
+    "raw_zero3": "DeepSpeed ZeRO-3, gloo",
+    "accel_ddp": "accel DDP",
+    "accel_fsdp2": "accel FSDP2",
+}
+RATIOS = {
+    "accel_zero2/raw_zero2": "accel ZeRO-2 / DeepSpeed ZeRO-2 over gloo",
+    "accel_zero3/raw_zero3": "accel ZeRO-3 / DeepSpeed ZeRO-3 over gloo",
+    "accel_zero2/accel_ddp": "accel ZeRO-2 / accel DDP",
+    "accel_zero1/accel_ddp": "accel ZeRO-1 / accel DDP",
+    "accel_zero3/accel_fsdp2": "accel ZeRO-3 / accel FSDP2",
+}
 GOALS = {"accel_zero2/raw_zero2", "accel_zero3/raw_zero3"}
 MIB = 2**20
 # What the memory goal bounds, per contender: ZeRO-1/2 partition the optimizer state, ZeRO-3 the parameters too.
-MEMORY_GOAL = {"accel_zero1": "optimizer_state_bytes", "accel_zero2": "optimizer_state_bytes",
-               "accel_zero3": "parameter_bytes"}  # fmt: skip
+MEMORY_GOAL = {
+    "accel_zero1": "optimizer_state_bytes",
+    "accel_zero2": "optimizer_state_bytes",
+    "accel_zero3": "parameter_bytes",
+}
 # ZeRO pads each rank's partition to an alignment; what the bound allows on top of DDP's half.
 PARTITION_SLACK_BYTES = 64 * 1024
 
@@ -37,13 +49,30 @@ def median_of(info: dict, key: str, name: str) -> float:
 
 
 def speed_table(info: dict) -> list[str]:
-    rows = [row(LABELS[name], f"{median_of(info, 'steps_per_s', name):.2f}", f"{1e3 / median_of(info, 'steps_per_s', name):.0f}",
-                f"{median_of(info, 'cpu_ms_per_step', name):.0f}",
-                f"{median_of(info, 'collective_ms_per_step', name):.1f}" if name.startswith(("accel_zero", "raw")) else MISSING,
-                info["backends"][name])
-            for name in CONTENDERS]  # fmt: skip
-    return scaffold.table(["contender", "steps/s (median; slower rank)", "ms per step", "CPU ms per step (mean of ranks, "
-                           "median)", "ms per step in ZeRO's collectives", "gradients move through"], rows)  # fmt: skip
+    rows = [
+        row(
+            LABELS[name],
+            f"{median_of(info, 'steps_per_s', name):.2f}",
+            f"{1e3 / median_of(info, 'steps_per_s', name):.0f}",
+            f"{median_of(info, 'cpu_ms_per_step', name):.0f}",
+            f"{median_of(info, 'collective_ms_per_step', name):.1f}"
+            if name.startswith(("accel_zero", "raw"))
+            else MISSING,
+            info["backends"][name],
+        )
+        for name in CONTENDERS
+    ]
+    return scaffold.table(
+        [
+            "contender",
+            "steps/s (median; slower rank)",
+            "ms per step",
+            "CPU ms per step (mean of ranks, median)",
+            "ms per step in ZeRO's collectives",
+            "gradients move through",
+        ],
+        rows,
+    )
 
 
 def where_it_goes(info: dict) -> list[str]:
@@ -54,16 +83,24 @@ def where_it_goes(info: dict) -> list[str]:
     bound = step["raw_zero2"] / engine
     goal = info["speed_goal"]
     zero3 = info["ratios"]["accel_zero3/raw_zero3"]["median"]
+    accel_step, accel_comm, raw_step, raw_comm = (
+        step["accel_zero2"],
+        comm["accel_zero2"],
+        step["raw_zero2"],
+        comm["raw_zero2"],
+    )
     return [
-        f"Where a ZeRO-2 step goes: accel's takes {step['accel_zero2']:.0f} ms, {comm['accel_zero2']:.1f} of them in ZeRO's",
+        f"Where a ZeRO-2 step goes: accel's takes {accel_step:.0f} ms, {accel_comm:.1f} of them in ZeRO's",
         "collectives (the gradients' all-reduce, the parameters' all-gather); DeepSpeed's own over gloo takes",
-        f"{step['raw_zero2']:.0f} ms, {comm['raw_zero2']:.1f} in the same collectives. The shared-memory group makes them",
-        f"{comm['raw_zero2'] / max(comm['accel_zero2'], 1e-9):.1f}× faster; the other {engine:.0f} ms are the model's "
-        f"compute and DeepSpeed's engine (DDP's whole step is {step['accel_ddp']:.0f} ms). With collectives that took no",
+        f"{raw_step:.0f} ms, {raw_comm:.1f} in the same collectives. The shared-memory group makes them",
+        f"{raw_comm / max(accel_comm, 1e-9):.1f}× faster; the other {engine:.0f} ms are the model's "
+        f"compute and DeepSpeed's engine (DDP's whole step is {step['accel_ddp']:.0f} ms). With collectives that "
+        "took no",
         f"time at all, ZeRO-2 would run {bound:.2f}× DeepSpeed's over gloo"
         + (f": the {goal}× goal is out of the process group's reach on this model" if bound < goal else "")
         + f"; ZeRO-3, whose many per-layer gathers are latency-bound, runs {zero3:.2f}× (goal {goal}×).",
     ]
+
 
 def ratio_table(info: dict) -> list[str]:
     rows = []
@@ -71,11 +108,13 @@ def ratio_table(info: dict) -> list[str]:
         ratio = info["ratios"][key]
         goal = at_least(info["speed_goal"], ratio["median"]) if key in GOALS else MISSING
         numerator, denominator = key.split("/")
-        cpu = (statistics.median(info["cpu_ms_per_step"][denominator])
-               / statistics.median(info["cpu_ms_per_step"][numerator]))  # fmt: skip
+        cpu = statistics.median(info["cpu_ms_per_step"][denominator]) / statistics.median(
+            info["cpu_ms_per_step"][numerator]
+        )
         rows.append(row(label, f"**{quartile_ratio(ratio, 2)}**", goal, f"{cpu:.2f}×"))
-    return scaffold.table(["steps per second", "median of per-round ratios", "goal", "same, in CPU time per step"],
-                          rows)  # fmt: skip
+    return scaffold.table(
+        ["steps per second", "median of per-round ratios", "goal", "same, in CPU time per step"], rows
+    )
 
 
 def memory_table(info: dict) -> list[str]:
@@ -87,12 +126,25 @@ def memory_table(info: dict) -> list[str]:
             key = MEMORY_GOAL[name]
             bound = max(info[key]["accel_ddp"]) / 2 + PARTITION_SLACK_BYTES
             goal = f"{'met' if max(info[key][name]) <= bound else 'NOT met'} (≤ {bound / MIB:.2f})"
-        rows.append(row(LABELS[name], " / ".join(f"{b / MIB:.2f}" for b in optimizer),
-                        " / ".join(f"{b / MIB:.2f}" for b in parameters), goal,
-                        " / ".join(f"{mib:.0f}" for mib in info["peak_rss_mib"][name])))  # fmt: skip
-    return scaffold.table(["contender", "optimizer state MiB, rank 0 / 1", "parameters held MiB, rank 0 / 1",
-                           "goal: ZeRO-1/2 optimizer state, ZeRO-3 parameters ≤ DDP's / 2", "peak RSS MiB, rank 0 / 1"],
-                          rows)  # fmt: skip
+        rows.append(
+            row(
+                LABELS[name],
+                " / ".join(f"{b / MIB:.2f}" for b in optimizer),
+                " / ".join(f"{b / MIB:.2f}" for b in parameters),
+                goal,
+                " / ".join(f"{mib:.0f}" for mib in info["peak_rss_mib"][name]),
+            )
+        )
+    return scaffold.table(
+        [
+            "contender",
+            "optimizer state MiB, rank 0 / 1",
+            "parameters held MiB, rank 0 / 1",
+            "goal: ZeRO-1/2 optimizer state, ZeRO-3 parameters ≤ DDP's / 2",
+            "peak RSS MiB, rank 0 / 1",
+        ],
+        rows,
+    )
 
 
 def plot(info: dict, path) -> None:
@@ -101,14 +153,24 @@ def plot(info: dict, path) -> None:
         labels = [LABELS[n].replace(" ", "\n") for n in CONTENDERS]
         colours = ["C0" if n.startswith("accel") else "C1" for n in CONTENDERS]
         speed.bar(ticks, [statistics.median(info["steps_per_s"][n]) for n in CONTENDERS], color=colours)
-        speed.set(xticks=ticks, ylabel="median steps per second", title="GPT-2 3.4 M, 2 CPU processes (higher is better)")
+        speed.set(
+            xticks=ticks, ylabel="median steps per second", title="GPT-2 3.4 M, 2 CPU processes (higher is better)"
+        )
         speed.set_xticklabels(labels, fontsize=7)
         speed.grid(True, axis="y", alpha=0.3)
         width = 0.4
-        memory.bar([t - width / 2 for t in ticks], [info["optimizer_state_bytes"][n][0] / MIB for n in CONTENDERS],
-                   width, label="optimizer state")  # fmt: skip
-        memory.bar([t + width / 2 for t in ticks], [info["parameter_bytes"][n][0] / MIB for n in CONTENDERS], width,
-                   label="parameters held")  # fmt: skip
+        memory.bar(
+            [t - width / 2 for t in ticks],
+            [info["optimizer_state_bytes"][n][0] / MIB for n in CONTENDERS],
+            width,
+            label="optimizer state",
+        )
+        memory.bar(
+            [t + width / 2 for t in ticks],
+            [info["parameter_bytes"][n][0] / MIB for n in CONTENDERS],
+            width,
+            label="parameters held",
+        )
         memory.set(xticks=ticks, ylabel="MiB on rank 0", title="state per rank")
         memory.set_xticklabels(labels, fontsize=7)
         memory.grid(True, axis="y", alpha=0.3)
@@ -133,7 +195,7 @@ def main(out_dir: str, *paths: str) -> None:
         "- `accel ZeRO-N`: the loop on accel's API (`prepare`, `backward`, `clip_grad_norm_`, `optimizer.step`) as a",
         "  user launches it: `accel launch --cpu --num_processes 2 --use_deepspeed --zero_stage N`; DeepSpeed's",
         "  engine runs on accel's shared-memory process group;",
-        "- `DeepSpeed ZeRO-N, gloo`: DeepSpeed used directly (`deepspeed.init_distributed(\"gloo\")`,",
+        '- `DeepSpeed ZeRO-N, gloo`: DeepSpeed used directly (`deepspeed.init_distributed("gloo")`,',
         "  `deepspeed.initialize` with the same config, `engine.backward`, `engine.step`) under torchrun: what a",
         "  DeepSpeed user has on CPU processes. HF Accelerate cannot run the accel job on CPU processes: `accelerate",
         "  launch --cpu --use_deepspeed` is rejected, `--use_deepspeed` alone records a world of 1 on both ranks and",
@@ -163,7 +225,7 @@ def main(out_dir: str, *paths: str) -> None:
         "",
         "## Loss parity",
         "",
-        f"Every step's loss (both ranks, first round) against accel's DDP: the largest relative difference is",
+        "Every step's loss (both ranks, first round) against accel's DDP: the largest relative difference is",
         f"**{losses[worst]:.1e}** ({LABELS[worst]}); DeepSpeed used directly and accel's ZeRO see the same batches",
         f"per rank (accel ZeRO-2 against DeepSpeed ZeRO-2: {losses['raw_zero2']:.1e} vs {losses['accel_zero2']:.1e}",
         "from DDP).",

@@ -18,14 +18,24 @@ import scaffold
 from scaffold import MISSING, at_least, quartile_ratio, row
 
 CONTENDERS = ["accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo"]
-LABELS = {"accel_fsdp": "accel FSDP2", "accel_ddp": "accel DDP", "raw_shm": "torch fully_shard, shm",
-          "raw_gloo": "torch fully_shard, gloo"}  # fmt: skip
-RATIOS = {"accel_fsdp/raw_gloo": "accel FSDP2 / torch fully_shard over gloo",
-          "accel_fsdp/raw_shm": "accel FSDP2 / torch fully_shard over shm",
-          "raw_shm/raw_gloo": "torch fully_shard: shm / gloo",
-          "accel_fsdp/accel_ddp": "accel FSDP2 / accel DDP"}  # fmt: skip
-PHASES = {"forward_backward": "forward + backward (gathers, reduce-scatters)", "clip": "clip_grad_norm_",
-          "optimizer": "optimizer.step", "zero_grad": "zero_grad"}  # fmt: skip
+LABELS = {
+    "accel_fsdp": "accel FSDP2",
+    "accel_ddp": "accel DDP",
+    "raw_shm": "torch fully_shard, shm",
+    "raw_gloo": "torch fully_shard, gloo",
+}
+RATIOS = {
+    "accel_fsdp/raw_gloo": "accel FSDP2 / torch fully_shard over gloo",
+    "accel_fsdp/raw_shm": "accel FSDP2 / torch fully_shard over shm",
+    "raw_shm/raw_gloo": "torch fully_shard: shm / gloo",
+    "accel_fsdp/accel_ddp": "accel FSDP2 / accel DDP",
+}
+PHASES = {
+    "forward_backward": "forward + backward (gathers, reduce-scatters)",
+    "clip": "clip_grad_norm_",
+    "optimizer": "optimizer.step",
+    "zero_grad": "zero_grad",
+}
 MIB = 2**20
 
 
@@ -36,9 +46,14 @@ def split(benchmarks: list[tuple[str, dict]]) -> tuple[dict | None, list[dict]]:
 
 
 def speed_table(info: dict) -> list[str]:
-    rows = [row(LABELS[name], f"{statistics.median(info['steps_per_s'][name]):.2f}",
-                f"{statistics.median(info['cpu_ms_per_step'][name]):.0f}")
-            for name in CONTENDERS]  # fmt: skip
+    rows = [
+        row(
+            LABELS[name],
+            f"{statistics.median(info['steps_per_s'][name]):.2f}",
+            f"{statistics.median(info['cpu_ms_per_step'][name]):.0f}",
+        )
+        for name in CONTENDERS
+    ]
     return scaffold.table(["contender", "steps/s (median)", "CPU ms per step (mean of ranks, median)"], rows)
 
 
@@ -48,11 +63,13 @@ def ratio_table(info: dict) -> list[str]:
         ratio = info["ratios"][key]
         goal = at_least(info["speed_goal"], ratio["median"]) if key == "accel_fsdp/raw_gloo" else MISSING
         numerator, denominator = key.split("/")
-        cpu = (statistics.median(info["cpu_ms_per_step"][denominator])
-               / statistics.median(info["cpu_ms_per_step"][numerator]))  # fmt: skip
+        cpu = statistics.median(info["cpu_ms_per_step"][denominator]) / statistics.median(
+            info["cpu_ms_per_step"][numerator]
+        )
         rows.append(row(label, f"**{quartile_ratio(ratio, 2)}**", goal, f"{cpu:.2f}×"))
-    return scaffold.table(["steps per second", "median of per-round ratios", "goal", "same, in CPU time per step"],
-                          rows)  # fmt: skip
+    return scaffold.table(
+        ["steps per second", "median of per-round ratios", "goal", "same, in CPU time per step"], rows
+    )
 
 
 def phase_table(info: dict) -> list[str]:
@@ -61,12 +78,21 @@ def phase_table(info: dict) -> list[str]:
     cpu_phases = info.get("cpu_phase_ms", {})
     for name in CONTENDERS:
         wall, cpu = info["phase_ms"][name], cpu_phases.get(name, {})
-        cells = [f"{wall[phase]:.1f} / {cpu[phase]:.1f}" if phase in cpu else f"{wall[phase]:.1f} / {MISSING}"
-                 for phase in PHASES]  # fmt: skip
-        rows.append(row(LABELS[name], *cells, f"{1e3 / statistics.median(info['steps_per_s'][name]):.0f}",
-                        f"{statistics.median(info['cpu_ms_per_step'][name]):.0f}"))  # fmt: skip
-    return scaffold.table(["contender", *(f"{label}, wall / CPU ms" for label in PHASES.values()), "ms per step",
-                           "CPU ms per step"], rows)  # fmt: skip
+        cells = [
+            f"{wall[phase]:.1f} / {cpu[phase]:.1f}" if phase in cpu else f"{wall[phase]:.1f} / {MISSING}"
+            for phase in PHASES
+        ]
+        rows.append(
+            row(
+                LABELS[name],
+                *cells,
+                f"{1e3 / statistics.median(info['steps_per_s'][name]):.0f}",
+                f"{statistics.median(info['cpu_ms_per_step'][name]):.0f}",
+            )
+        )
+    return scaffold.table(
+        ["contender", *(f"{label}, wall / CPU ms" for label in PHASES.values()), "ms per step", "CPU ms per step"], rows
+    )
 
 
 def where_it_goes(info: dict) -> list[str]:
@@ -104,15 +130,31 @@ def memory_table(info: dict) -> list[str]:
     rows = []
     for name in CONTENDERS:
         ranks = info["resident_bytes"][name]
-        parts = " / ".join(f"{statistics.mean(rank[part] for rank in ranks) / MIB:.1f}"
-                           for part in ("parameters", "gradients", "optimizer"))  # fmt: skip
+        parts = " / ".join(
+            f"{statistics.mean(rank[part] for rank in ranks) / MIB:.1f}"
+            for part in ("parameters", "gradients", "optimizer")
+        )
         total = resident_mib(info, name)
         goal = MISSING if name == "accel_ddp" else f"≤ {bound:.1f} {'met' if max(total) <= bound else 'NOT met'}"
-        rows.append(row(LABELS[name], parts, " / ".join(f"{mib:.2f}" for mib in total), goal,
-                        " / ".join(f"{mib:.0f}" for mib in info["peak_rss_mib"][name])))  # fmt: skip
-    return scaffold.table(["contender", "parameters / gradients / optimizer MiB (mean of ranks)",
-                           "resident MiB, rank 0 / rank 1", "goal: ≤ DDP / 2 + largest block",
-                           "peak RSS MiB, rank 0 / rank 1"], rows)  # fmt: skip
+        rows.append(
+            row(
+                LABELS[name],
+                parts,
+                " / ".join(f"{mib:.2f}" for mib in total),
+                goal,
+                " / ".join(f"{mib:.0f}" for mib in info["peak_rss_mib"][name]),
+            )
+        )
+    return scaffold.table(
+        [
+            "contender",
+            "parameters / gradients / optimizer MiB (mean of ranks)",
+            "resident MiB, rank 0 / rank 1",
+            "goal: ≤ DDP / 2 + largest block",
+            "peak RSS MiB, rank 0 / rank 1",
+        ],
+        rows,
+    )
 
 
 def save_table(saves: list[dict]) -> list[str]:
@@ -122,14 +164,32 @@ def save_table(saves: list[dict]) -> list[str]:
         goal = info.get("goal")
         met = MISSING if goal is None else f"≤ {goal}× {'met' if info['ratio']['median'] <= goal else 'NOT met'}"
         note = " (its DCP shards still written before it returns)" if info.get("synchronous") else ""
-        rows.append(row(info["measure"] + note, scaffold.time_in(info["accel"], 1e3), info["reference_name"],
-                        scaffold.time_in(info["reference"], 1e3), f"**{quartile_ratio(info['ratio'], 2)}**", met,
-                        info["repeats"]))  # fmt: skip
+        rows.append(
+            row(
+                info["measure"] + note,
+                scaffold.time_in(info["accel"], 1e3),
+                info["reference_name"],
+                scaffold.time_in(info["reference"], 1e3),
+                f"**{quartile_ratio(info['ratio'], 2)}**",
+                met,
+                info["repeats"],
+            )
+        )
         for other in info.get("also", []):
-            rows.append(row("same", "", other["reference_name"], scaffold.time_in(other["reference"], 1e3),
-                            quartile_ratio(other["ratio"], 2), MISSING, info["repeats"]))  # fmt: skip
-    return scaffold.table(["measure", "accel ms", "reference", "reference ms", "accel / reference", "goal",
-                           "repeats"], rows)  # fmt: skip
+            rows.append(
+                row(
+                    "same",
+                    "",
+                    other["reference_name"],
+                    scaffold.time_in(other["reference"], 1e3),
+                    quartile_ratio(other["ratio"], 2),
+                    MISSING,
+                    info["repeats"],
+                )
+            )
+    return scaffold.table(
+        ["measure", "accel ms", "reference", "reference ms", "accel / reference", "goal", "repeats"], rows
+    )
 
 
 def save_section(saves: list[dict]) -> list[str]:
@@ -148,7 +208,7 @@ def save_section(saves: list[dict]) -> list[str]:
         "the copy on a larger one.",
         "`save_state` writes HF's layout: `pytorch_model_fsdp_0/` and `optimizer_0/` (two DCP saves), RNG states",
         "and the rest, in a staging folder published atomically; the reference is one `dcp.save` of",
-        "`{\"model\": get_model_state_dict, \"optimizer\": get_optimizer_state_dict}` into a plain folder.",
+        '`{"model": get_model_state_dict, "optimizer": get_optimizer_state_dict}` into a plain folder.',
         "The second reference writes the same state in HF's layout (two DCP checkpoints, each with its own planning",
         "and metadata round, as `save_state` must): the difference between the two references is the layout's",
         "cost, the rest of `save_state`'s (the staging folder, RNG states, the processes agreeing, publishing) is",
@@ -163,8 +223,11 @@ def plot(info: dict, path) -> None:
     with scaffold.figure(path, 3, (16.0, 4.5)) as (speed, phases, memory):
         values = [statistics.median(info["steps_per_s"][name]) for name in CONTENDERS]
         speed.bar(range(len(CONTENDERS)), values, color=["C0", "C1", "C2", "C3"])
-        speed.set(xticks=range(len(CONTENDERS)), ylabel="median steps per second",
-                  title="GPT-2 3.4 M, 2 CPU processes (higher is better)")  # fmt: skip
+        speed.set(
+            xticks=range(len(CONTENDERS)),
+            ylabel="median steps per second",
+            title="GPT-2 3.4 M, 2 CPU processes (higher is better)",
+        )
         speed.set_xticklabels([LABELS[n].replace(", ", "\n") for n in CONTENDERS], fontsize=8)
         speed.grid(True, axis="y", alpha=0.3)
         base = [0.0] * len(CONTENDERS)

@@ -17,8 +17,16 @@ from scaffold import MISSING, at_least, at_most, quartile_ratio, rank_spread, ro
 PAYLOADS = ["64B", "4KiB", "256KiB", "4MiB", "32MiB"]
 CONTENDERS = ["limit", "accel", "fused", "reference", "hf"]
 # Issue 13's goals, HF/accel through the public API: per payload, and for the evaluation pass.
-GOALS = {(2, "64B"): 20, (2, "4KiB"): 20, (2, "256KiB"): 10, (2, "4MiB"): 4, (2, "32MiB"): 4, (4, "64B"): 10,
-         (4, "4KiB"): 10, (2, "eval"): 8}  # fmt: skip
+GOALS = {
+    (2, "64B"): 20,
+    (2, "4KiB"): 20,
+    (2, "256KiB"): 10,
+    (2, "4MiB"): 4,
+    (2, "32MiB"): 4,
+    (4, "64B"): 10,
+    (4, "4KiB"): 10,
+    (2, "eval"): 8,
+}
 # Issue 23's goals: accel's time per call (µs), and for the evaluation pass with a model, on 2 ranks.
 TIME_GOALS_US = {(2, "64B"): 12}
 MODEL_PASS = "eval+mlp"  # bench_gather.py's payload name for the evaluation pass with a model's forward
@@ -46,12 +54,34 @@ def gather_table(results: dict) -> list[str]:
         t = info["median_s"]
         fused = info.get("fused/accel", {}).get("median")
         hf_fused = (info["hf/accel"]["median"] / fused) if fused else None
-        rows.append(row(world, payload, time_in(t.get("limit"), 1e6), time_in(t.get("accel"), 1e6),
-                        time_in(t.get("hf"), 1e6), quartile_ratio(info.get("hf/accel")), _goal(world, payload, info),
-                        time_in(t.get("fused"), 1e6), MISSING if hf_fused is None else f"{hf_fused:.0f}×",
-                        time_in(t.get("reference"), 1e6), rank_spread(info)))  # fmt: skip
-    header = ["ranks", "payload/rank", "memcpy µs", "accel µs", "HF µs", "**HF / accel**", "goal", "fused op µs",
-              "HF / fused op", "gloo reference µs", "slowest/fastest rank"]  # fmt: skip
+        rows.append(
+            row(
+                world,
+                payload,
+                time_in(t.get("limit"), 1e6),
+                time_in(t.get("accel"), 1e6),
+                time_in(t.get("hf"), 1e6),
+                quartile_ratio(info.get("hf/accel")),
+                _goal(world, payload, info),
+                time_in(t.get("fused"), 1e6),
+                MISSING if hf_fused is None else f"{hf_fused:.0f}×",
+                time_in(t.get("reference"), 1e6),
+                rank_spread(info),
+            )
+        )
+    header = [
+        "ranks",
+        "payload/rank",
+        "memcpy µs",
+        "accel µs",
+        "HF µs",
+        "**HF / accel**",
+        "goal",
+        "fused op µs",
+        "HF / fused op",
+        "gloo reference µs",
+        "slowest/fastest rank",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -60,9 +90,17 @@ def pass_table(results: dict) -> list[str]:
     for world in sorted({world for world, payload in results if payload == "eval"}):
         info = results[(world, "eval")]
         t = info["median_s"]
-        rows.append(row(world, time_in(t.get("limit"), 1e3), time_in(t.get("accel"), 1e3), time_in(t.get("hf"), 1e3),
-                        quartile_ratio(info.get("hf/accel")), _goal(world, "eval", info),
-                        time_in(t.get("reference"), 1e3)))  # fmt: skip
+        rows.append(
+            row(
+                world,
+                time_in(t.get("limit"), 1e3),
+                time_in(t.get("accel"), 1e3),
+                time_in(t.get("hf"), 1e3),
+                quartile_ratio(info.get("hf/accel")),
+                _goal(world, "eval", info),
+                time_in(t.get("reference"), 1e3),
+            )
+        )
     header = ["ranks", "no gather ms", "accel ms", "HF ms", "**HF / accel**", "goal", "gloo reference ms"]
     return scaffold.table(header, rows)
 
@@ -74,14 +112,37 @@ def model_pass_table(results: dict) -> list[str]:
         t, per_batch = info["median_s"], info["gather_per_batch_s"] * 1e6
         goals = [MISSING] * 3
         if world == 2:
-            goals = [at_most(MODEL_PASS_GOALS["accel/forward"], info["accel/limit"]["median"]),
-                     at_least(MODEL_PASS_GOALS["hf/accel"], info["hf/accel"]["median"]),
-                     at_most(MODEL_PASS_GOALS["gather per batch µs"], per_batch, " µs")]  # fmt: skip
-        rows.append(row(world, time_in(t.get("limit"), 1e3), time_in(t.get("accel"), 1e3), time_in(t.get("hf"), 1e3),
-                        quartile_ratio(info["accel/limit"], 2), goals[0], quartile_ratio(info.get("hf/accel")),
-                        goals[1], f"{per_batch:,.1f}", goals[2]))  # fmt: skip
-    header = ["ranks", "forward only ms", "accel ms", "HF ms", "**accel / forward**", "goal", "**HF / accel**", "goal",
-              "gathering per batch µs", "goal"]  # fmt: skip
+            goals = [
+                at_most(MODEL_PASS_GOALS["accel/forward"], info["accel/limit"]["median"]),
+                at_least(MODEL_PASS_GOALS["hf/accel"], info["hf/accel"]["median"]),
+                at_most(MODEL_PASS_GOALS["gather per batch µs"], per_batch, " µs"),
+            ]
+        rows.append(
+            row(
+                world,
+                time_in(t.get("limit"), 1e3),
+                time_in(t.get("accel"), 1e3),
+                time_in(t.get("hf"), 1e3),
+                quartile_ratio(info["accel/limit"], 2),
+                goals[0],
+                quartile_ratio(info.get("hf/accel")),
+                goals[1],
+                f"{per_batch:,.1f}",
+                goals[2],
+            )
+        )
+    header = [
+        "ranks",
+        "forward only ms",
+        "accel ms",
+        "HF ms",
+        "**accel / forward**",
+        "goal",
+        "**HF / accel**",
+        "goal",
+        "gathering per batch µs",
+        "goal",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -90,8 +151,9 @@ def plot(results: dict, path) -> None:
     with scaffold.figure(path, len(worlds), (6 * len(worlds), 4.5)) as axes:
         for axis, world in zip(axes, worlds):
             cases = {payload: info for (w, payload), info in results.items() if w == world}
-            scaffold.plot_times_by_payload(axis, cases, PAYLOADS, CONTENDERS, "median µs per call",
-                                           f"pad_across_processes + gather, {world} ranks")  # fmt: skip
+            scaffold.plot_times_by_payload(
+                axis, cases, PAYLOADS, CONTENDERS, "median µs per call", f"pad_across_processes + gather, {world} ranks"
+            )
 
 
 def main(out_dir: str, *paths: str) -> None:

@@ -35,7 +35,7 @@ SAVE = [  # (sample, label)
     ("raw_write_fsync", "limit: the same write, then fsync"),
 ]
 LOAD = [
-    ("accel", "accel `load_checkpoint_and_dispatch(device_map={\"\": 0})`"),
+    ("accel", 'accel `load_checkpoint_and_dispatch(device_map={"": 0})`'),
     ("hf", "HF Accelerate 1.15, the same call"),
     ("accel_in_place", "accel `load_checkpoint_in_model` into a GPU model (native reader into GPU memory)"),
     ("hf_in_place", "HF Accelerate 1.15 `load_checkpoint_in_model` into a GPU model"),
@@ -56,8 +56,15 @@ def read_results(folder: Path) -> dict:
         found["steps"] = parse_steps(summary.read_text())
     if (results / "gpu-tests.xml").exists():
         found["tests"] = parse_junit(results / "gpu-tests.xml")
-    for name in ("bench-unscale-cuda", "bench-checkpoint-cuda", "bench-big-model-cuda", "bench-gather-cuda",
-                 "bench-allreduce-4", "bench-allreduce-8", "bench-gather-4"):  # fmt: skip
+    for name in (
+        "bench-unscale-cuda",
+        "bench-checkpoint-cuda",
+        "bench-big-model-cuda",
+        "bench-gather-cuda",
+        "bench-allreduce-4",
+        "bench-allreduce-8",
+        "bench-gather-4",
+    ):
         path = results / f"{name}.json"
         # an empty file: the step crashed before pytest-benchmark wrote it
         found[name] = scaffold.load([str(path)])[0] if path.exists() and path.stat().st_size else []
@@ -69,7 +76,7 @@ def parse_steps(text: str) -> list[tuple[str, str, str, str]]:
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("step ")), None)
     steps = []
-    for line in lines[start + 1:] if start is not None else []:
+    for line in lines[start + 1 :] if start is not None else []:
         if not line.strip() or line.startswith("-----"):
             break
         name, rest = line[:19].strip(), line[19:]
@@ -106,17 +113,22 @@ def machine_table(machine: dict) -> list[str]:
         return ["The run left no machine.json (its env step did not run)."]
     packages = machine.get("packages", {})
     rows = [
-        row("GPU", f"{machine.get('gpu')} × {machine.get('gpu_count')} (compute capability "
-                   f"{machine.get('capability')}, {machine.get('gpu_memory_gib')} GiB)"),
+        row(
+            "GPU",
+            f"{machine.get('gpu')} × {machine.get('gpu_count')} (compute capability "
+            f"{machine.get('capability')}, {machine.get('gpu_memory_gib')} GiB)",
+        ),
         row("NVIDIA driver", machine.get("driver") or MISSING),
         row("CUDA", f"{machine.get('torch_cuda')} (torch's); nvcc: {machine.get('nvcc') or MISSING}"),
         row("torch", f"{machine.get('torch')}, cuDNN {machine.get('cudnn')}, triton {packages.get('triton')}"),
         row("Python", machine.get("python")),
-        row("HF Accelerate / transformers / safetensors",
-            f"{packages.get('accelerate')} / {packages.get('transformers')} / {packages.get('safetensors')}"),
+        row(
+            "HF Accelerate / transformers / safetensors",
+            f"{packages.get('accelerate')} / {packages.get('transformers')} / {packages.get('safetensors')}",
+        ),
         row("CPU", f"{machine.get('cpu')}, {machine.get('cpu_count')} CPUs, {machine.get('ram_gib')} GiB RAM"),
         row("benchmark files", f"`{machine.get('bench_dir')}`: {machine.get('bench_dir_filesystem')}"),
-    ]  # fmt: skip
+    ]
     return scaffold.table(["", ""], rows)
 
 
@@ -126,8 +138,11 @@ def run_section(found: dict) -> list[str]:
     if tests is None:
         return [*lines, "", "No test results (the tests step did not run)."]
     counts = tests["counts"]
-    lines += ["", f"GPU tests (`-m \"gpu or native_cuda\"`): {counts['passed']} passed, {counts['failed']} failed, "
-                  f"{counts['skipped']} skipped."]  # fmt: skip
+    lines += [
+        "",
+        f'GPU tests (`-m "gpu or native_cuda"`): {counts["passed"]} passed, {counts["failed"]} failed, '
+        f"{counts['skipped']} skipped.",
+    ]
     lines += [f"- failed: `{name}`" for name in tests["failed"]]
     lines += [f"- skipped ({n}): {reason}" for reason, n in sorted(tests["skipped"].items())]
     return lines
@@ -153,14 +168,34 @@ def unscale_table(cases: dict) -> list[str]:
     order = lambda kv: (list(SETS).index(kv[0][0]), ["fp32", "fp16", "bf16"].index(kv[0][1]))  # noqa: E731
     for (set_name, dtype), info in sorted(cases.items(), key=order):
         m = {v: _median(info, v) for v in UNSCALE_VARIANTS}
-        rows.append(row(SETS[set_name], dtype, time_in(m["accel"], 1e3, 3), time_in(m["hf"], 1e3, 3),
-                        quartile_ratio(_ratio(info, "hf", "accel"), 2),
-                        quartile_ratio(_ratio(info, "accel_fallback", "accel"), 2), time_in(m["op_accel"], 1e3, 3),
-                        time_in(m["op_torch"], 1e3, 3), quartile_ratio(_ratio(info, "op_torch", "op_accel"), 2),
-                        quartile_ratio(_ratio(info, "op_torch", "accel"), 2), time_in(m["limit"], 1e3, 3)))  # fmt: skip
-    header = ["gradients", "dtype", "accel ms", "HF ms", "**HF / accel**", "accel fallback / accel",
-              "op: accel ms", "op: torch foreach ms", "**torch foreach / accel op**", "torch foreach / accel",
-              "limit ms"]  # fmt: skip
+        rows.append(
+            row(
+                SETS[set_name],
+                dtype,
+                time_in(m["accel"], 1e3, 3),
+                time_in(m["hf"], 1e3, 3),
+                quartile_ratio(_ratio(info, "hf", "accel"), 2),
+                quartile_ratio(_ratio(info, "accel_fallback", "accel"), 2),
+                time_in(m["op_accel"], 1e3, 3),
+                time_in(m["op_torch"], 1e3, 3),
+                quartile_ratio(_ratio(info, "op_torch", "op_accel"), 2),
+                quartile_ratio(_ratio(info, "op_torch", "accel"), 2),
+                time_in(m["limit"], 1e3, 3),
+            )
+        )
+    header = [
+        "gradients",
+        "dtype",
+        "accel ms",
+        "HF ms",
+        "**HF / accel**",
+        "accel fallback / accel",
+        "op: accel ms",
+        "op: torch foreach ms",
+        "**torch foreach / accel op**",
+        "torch foreach / accel",
+        "limit ms",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -181,15 +216,28 @@ def save_table(info: dict) -> list[str]:
     for name, label in SAVE:
         after = _median(info, f"{name}_durable_after")
         versus_hf = quartile_ratio(_ratio(info, "hf", name), 2) if name != "hf" else MISSING
-        rows.append(row(label, _ms_rate(info, name), _range(info, name),
-                        MISSING if after is None else f"{after * 1e3:,.0f} ms", versus_hf))
+        rows.append(
+            row(
+                label,
+                _ms_rate(info, name),
+                _range(info, name),
+                MISSING if after is None else f"{after * 1e3:,.0f} ms",
+                versus_hf,
+            )
+        )
     return scaffold.table(["what the caller waits for", "median", "range", "until durable", "HF / this"], rows)
 
 
 def load_table(info: dict) -> list[str]:
-    rows = [row(label, _ms_rate(info, name), _range(info, name),
-                MISSING if name in ("hf", "hf_in_place") else quartile_ratio(_ratio(info, "hf", name), 2))
-            for name, label in LOAD]  # fmt: skip
+    rows = [
+        row(
+            label,
+            _ms_rate(info, name),
+            _range(info, name),
+            MISSING if name in ("hf", "hf_in_place") else quartile_ratio(_ratio(info, "hf", name), 2),
+        )
+        for name, label in LOAD
+    ]
     return scaffold.table(["load into GPU memory", "median", "range", "HF dispatch / this"], rows)
 
 
@@ -201,8 +249,15 @@ def gather_gpu_table(found: dict) -> list[str]:
             continue
         info = cases[payload]
         t = info["median_s"]
-        rows.append(row(payload, time_in(t.get("limit"), 1e6), time_in(t.get("accel"), 1e6), time_in(t.get("hf"), 1e6),
-                        quartile_ratio(info.get("hf/accel"))))  # fmt: skip
+        rows.append(
+            row(
+                payload,
+                time_in(t.get("limit"), 1e6),
+                time_in(t.get("accel"), 1e6),
+                time_in(t.get("hf"), 1e6),
+                quartile_ratio(info.get("hf/accel")),
+            )
+        )
     return scaffold.table(["payload", "copy on the GPU µs", "accel µs", "HF µs", "**HF / accel**"], rows)
 
 
@@ -224,26 +279,40 @@ def goals(found: dict) -> list[tuple[str, str, bool | None]]:
     cases = unscale_cases(found)
     for dtype in ("fp32", "fp16"):
         info = cases.get(("large", dtype))
-        ratio_goal(f"unscale+clip ≥ 1.5× torch's foreach path, 200 large {dtype} grads (op level)",
-                   None if info is None else _ratio(info, "op_torch", "op_accel"), 1.5)
-        ratio_goal(f"unscale+clip ≥ 1.5× torch's foreach path, 200 large {dtype} grads (public clip_grad_norm_)",
-                   None if info is None else _ratio(info, "op_torch", "accel"), 1.5)
+        ratio_goal(
+            f"unscale+clip ≥ 1.5× torch's foreach path, 200 large {dtype} grads (op level)",
+            None if info is None else _ratio(info, "op_torch", "op_accel"),
+            1.5,
+        )
+        ratio_goal(
+            f"unscale+clip ≥ 1.5× torch's foreach path, 200 large {dtype} grads (public clip_grad_norm_)",
+            None if info is None else _ratio(info, "op_torch", "accel"),
+            1.5,
+        )
     for (set_name, dtype), info in sorted(cases.items()):
         ratio_goal(f"clip_grad_norm_ not slower than HF ({set_name}, {dtype})", _ratio(info, "hf", "accel"), 1.0)
     save = next((info for group, info in found["bench-checkpoint-cuda"] if group.startswith("save_model")), None)
     load = next((info for group, info in found["bench-big-model-cuda"]), None)
-    ratio_goal("save_model from GPU memory ≥ 2× HF (default mode)",
-               None if save is None else _ratio(save, "hf", "accel"), 2.0)
-    ratio_goal("load_checkpoint_and_dispatch to GPU memory ≥ 2× HF",
-               None if load is None else _ratio(load, "hf", "accel"), 2.0)
+    ratio_goal(
+        "save_model from GPU memory ≥ 2× HF (default mode)", None if save is None else _ratio(save, "hf", "accel"), 2.0
+    )
+    ratio_goal(
+        "load_checkpoint_and_dispatch to GPU memory ≥ 2× HF", None if load is None else _ratio(load, "hf", "accel"), 2.0
+    )
     for _, info in found["bench-gather-cuda"]:
-        ratio_goal(f"pad_across_processes + gather on 1 GPU not slower than HF ({info['payload']})",
-                   info.get("hf/accel"), 1.0)  # fmt: skip
+        ratio_goal(
+            f"pad_across_processes + gather on 1 GPU not slower than HF ({info['payload']})", info.get("hf/accel"), 1.0
+        )
     reductions = cpu_reductions(found)
     four = reductions.get((4, "64B"))
     latency = None if four is None else four["median_s"]["accel"]
-    checks.append(("all_reduce ≤ 35 µs at 64 B on 4 ranks", time_in(latency, 1e6) + " µs" if latency else MISSING,
-                   None if latency is None else latency <= 35e-6))  # fmt: skip
+    checks.append(
+        (
+            "all_reduce ≤ 35 µs at 64 B on 4 ranks",
+            time_in(latency, 1e6) + " µs" if latency else MISSING,
+            None if latency is None else latency <= 35e-6,
+        )
+    )
     for world in (4, 8):
         info = reductions.get((world, "32MiB"))
         ratio_goal(f"all_reduce ≥ 5× gloo at 32 MiB on {world} ranks", info and info["gloo/accel"], 5.0)
@@ -293,7 +362,7 @@ def page(found: dict) -> list[str]:
         "## clip_grad_norm_ after backward under fp16 loss scaling",
         "",
         "`accelerator.clip_grad_norm_(model.parameters(), 0.1)` right after `accelerator.backward(loss)` with",
-        "`mixed_precision=\"fp16\"` on the GPU (unscale + clip; the norm is above max_norm, so the clip scales), the",
+        '`mixed_precision="fp16"` on the GPU (unscale + clip; the norm is above max_norm, so the clip scales), the',
         "model's parameters in the dtype shown. `HF`: HF Accelerate 1.15 as it sets itself up on a GPU (torch's",
         "GradScaler for CUDA; for fp16 parameters one that lets torch's kernel unscale them, which torch refuses).",
         "Op level, on the same gradients: accel's `unscale_grads_` + `clip_grads_` against torch's",
@@ -333,8 +402,10 @@ def page(found: dict) -> list[str]:
         "PartialState starts (accel's shared-memory backend), `gloo` the same call on a gloo group.",
         "",
         *process_group_report.reduction_table(reductions),
-        *(_missing(found, "bench-allreduce-4", "bench-allreduce-4") + _missing(found, "bench-allreduce-8",
-                                                                               "bench-allreduce-8")),  # fmt: skip
+        *(
+            _missing(found, "bench-allreduce-4", "bench-allreduce-4")
+            + _missing(found, "bench-allreduce-8", "bench-allreduce-8")
+        ),
         "",
         "## Padded all-gather on 4 ranks (CPU)",
         "",

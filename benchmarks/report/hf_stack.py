@@ -19,8 +19,12 @@ GOAL = 1.2  # issue 20: accel / HF Accelerate, steps per second
 TASKS = {"lm": "lm: `Trainer`", "sft": "sft: TRL `SFTTrainer`"}
 CONTENDERS = ["accel", "hf", "raw_shm", "raw_gloo"]
 LABELS = {"accel": "accel", "hf": "HF Accelerate", "raw_shm": "raw DDP, shm", "raw_gloo": "raw DDP, gloo"}
-PHASES = {"data": "between steps", "forward_backward": "forward + backward (sync, clip)", "optimizer": "optimizer",
-          "schedule_zero_grad": "schedule + zero_grad"}  # fmt: skip
+PHASES = {
+    "data": "between steps",
+    "forward_backward": "forward + backward (sync, clip)",
+    "optimizer": "optimizer",
+    "schedule_zero_grad": "schedule + zero_grad",
+}
 
 
 def by_task(benchmarks: list[tuple[str, dict]]) -> dict:
@@ -45,13 +49,29 @@ def speed_table(tasks: dict) -> list[str]:
     for task, info in tasks.items():
         rates = {name: statistics.median(info["steps_per_s"][name]) for name in CONTENDERS}
         accel_hf = ratio(info, "accel", "hf")
-        rows.append(row(TASKS[task], *(f"{rates[name]:.1f}" for name in CONTENDERS),
-                        f"**{quartile_ratio(accel_hf, 2)}**", at_least(GOAL, accel_hf["median"]),
-                        quartile_ratio(ratio(info, "accel", "raw_shm"), 2),
-                        quartile_ratio(ratio(info, "hf", "raw_gloo"), 2),
-                        quartile_ratio(ratio(info, "raw_shm", "raw_gloo"), 2)))  # fmt: skip
-    header = ["task", "accel steps/s", "HF steps/s", "raw DDP shm steps/s", "raw DDP gloo steps/s", "**accel / HF**",
-              "goal", "accel / raw shm", "HF / raw gloo", "raw shm / raw gloo"]  # fmt: skip
+        rows.append(
+            row(
+                TASKS[task],
+                *(f"{rates[name]:.1f}" for name in CONTENDERS),
+                f"**{quartile_ratio(accel_hf, 2)}**",
+                at_least(GOAL, accel_hf["median"]),
+                quartile_ratio(ratio(info, "accel", "raw_shm"), 2),
+                quartile_ratio(ratio(info, "hf", "raw_gloo"), 2),
+                quartile_ratio(ratio(info, "raw_shm", "raw_gloo"), 2),
+            )
+        )
+    header = [
+        "task",
+        "accel steps/s",
+        "HF steps/s",
+        "raw DDP shm steps/s",
+        "raw DDP gloo steps/s",
+        "**accel / HF**",
+        "goal",
+        "accel / raw shm",
+        "HF / raw gloo",
+        "raw shm / raw gloo",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -60,9 +80,15 @@ def phase_table(tasks: dict) -> list[str]:
     for task, info in tasks.items():
         for name in CONTENDERS:
             phases = info["phase_ms"][name]
-            rows.append(row(TASKS[task], LABELS[name], *(f"{phases[phase]:.2f}" for phase in PHASES),
-                            f"{1e3 / statistics.median(info['steps_per_s'][name]):.1f}",
-                            f"{statistics.median(info['cpu_ms_per_step'][name]):.1f}"))  # fmt: skip
+            rows.append(
+                row(
+                    TASKS[task],
+                    LABELS[name],
+                    *(f"{phases[phase]:.2f}" for phase in PHASES),
+                    f"{1e3 / statistics.median(info['steps_per_s'][name]):.1f}",
+                    f"{statistics.median(info['cpu_ms_per_step'][name]):.1f}",
+                )
+            )
     header = ["task", "contender", *(f"{label} ms" for label in PHASES.values()), "ms per step", "CPU ms per step"]
     return scaffold.table(header, rows)
 
@@ -72,8 +98,9 @@ def memory_table(tasks: dict) -> list[str]:
     for task, info in tasks.items():
         rss = info["peak_rss_mib"]
         excess = max(a - h for a, h in zip(rss["accel"], rss["hf"]))
-        rows.append(row(TASKS[task], *(" / ".join(f"{mib:.1f}" for mib in rss[name]) for name in CONTENDERS),
-                        f"{excess:+.1f}"))  # fmt: skip
+        rows.append(
+            row(TASKS[task], *(" / ".join(f"{mib:.1f}" for mib in rss[name]) for name in CONTENDERS), f"{excess:+.1f}")
+        )
     header = ["task", *(f"{LABELS[name]} MiB" for name in CONTENDERS), "accel − HF, worse rank MiB"]
     return scaffold.table(header, rows)
 
@@ -88,23 +115,46 @@ def wrapper_table(info: dict) -> list[str]:
     """Each call a step makes: accel's and HF's µs, their torch call's, the difference; then the sums per step."""
     per_step = info["per_step"]
     names = list(info["wrappers"]["accel"])
-    extra = {library: {name: _call_us(info, library, name)[0] - _call_us(info, library, name)[1] for name in names}
-             for library in ("accel", "hf")}  # fmt: skip
+    extra = {
+        library: {name: _call_us(info, library, name)[0] - _call_us(info, library, name)[1] for name in names}
+        for library in ("accel", "hf")
+    }
     rows = []
     for name in names:
-        counts = " / ".join(str(per_step["lm"].get(name, 0) + per_step["sft"].get(name, 0) * (task == "sft"))
-                            for task in TASKS)  # fmt: skip
+        counts = " / ".join(
+            str(per_step["lm"].get(name, 0) + per_step["sft"].get(name, 0) * (task == "sft")) for task in TASKS
+        )
         cells = [f"{value:.1f}" for library in ("accel", "hf") for value in _call_us(info, library, name)]
-        rows.append(row(f"`{name}`", counts, cells[0], cells[1], f"**{extra['accel'][name]:+.1f}**", cells[2], cells[3],
-                        f"**{extra['hf'][name]:+.1f}**"))  # fmt: skip
+        rows.append(
+            row(
+                f"`{name}`",
+                counts,
+                cells[0],
+                cells[1],
+                f"**{extra['accel'][name]:+.1f}**",
+                cells[2],
+                cells[3],
+                f"**{extra['hf'][name]:+.1f}**",
+            )
+        )
     for task in TASKS:
-        counts = {name: per_step["lm"].get(name, 0) + (per_step["sft"].get(name, 0) if task == "sft" else 0)
-                  for name in names}  # fmt: skip
+        counts = {
+            name: per_step["lm"].get(name, 0) + (per_step["sft"].get(name, 0) if task == "sft" else 0) for name in names
+        }
         sums = {library: sum(counts[name] * extra[library][name] for name in names) for library in extra}
-        rows.append(row(f"per step, {TASKS[task]}", "", "", "", f"**{sums['accel']:+.0f}**", "", "",
-                        f"**{sums['hf']:+.0f}**"))  # fmt: skip
-    header = ["call", "per step (lm / sft)", "accel µs", "torch µs", "accel − torch µs", "HF µs", "torch µs",
-              "HF − torch µs"]  # fmt: skip
+        rows.append(
+            row(f"per step, {TASKS[task]}", "", "", "", f"**{sums['accel']:+.0f}**", "", "", f"**{sums['hf']:+.0f}**")
+        )
+    header = [
+        "call",
+        "per step (lm / sft)",
+        "accel µs",
+        "torch µs",
+        "accel − torch µs",
+        "HF µs",
+        "torch µs",
+        "HF − torch µs",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -133,8 +183,12 @@ def plot(tasks: dict, path) -> None:
         for index, name in enumerate(CONTENDERS):
             values = [statistics.median(info["steps_per_s"][name]) for info in tasks.values()]
             speed.bar([t + (index - 1.5) * width for t in range(len(tasks))], values, width, label=LABELS[name])
-        speed.set(xticks=range(len(tasks)), xticklabels=[TASKS[task].replace("`", "") for task in tasks],
-                  ylabel="median steps per second", title="2 CPU processes (higher is better)")  # fmt: skip
+        speed.set(
+            xticks=range(len(tasks)),
+            xticklabels=[TASKS[task].replace("`", "") for task in tasks],
+            ylabel="median steps per second",
+            title="2 CPU processes (higher is better)",
+        )
         speed.grid(True, axis="y", alpha=0.3)
         speed.legend()
         labels, bottoms = [], []

@@ -49,11 +49,30 @@ def reduction_table(reductions: dict) -> list[str]:
     rows = []
     for world, payload, info in scaffold.by_world_and_payload(reductions, PAYLOADS):
         t = info["median_s"]
-        rows.append(row(world, payload, time_in(t["limit"], 1e6), time_in(t["accel"], 1e6), time_in(t["gloo"], 1e6),
-                        quartile_ratio(info.get("gloo/accel")), _goal(payload, info), f"{t['accel'] / t['limit']:.1f}",
-                        rank_spread(info)))  # fmt: skip
-    header = ["ranks", "payload/rank", "memcpy µs", "accel µs", "gloo µs", "**gloo / accel**", "goal",
-              "accel / memcpy", "slowest/fastest rank"]  # fmt: skip
+        rows.append(
+            row(
+                world,
+                payload,
+                time_in(t["limit"], 1e6),
+                time_in(t["accel"], 1e6),
+                time_in(t["gloo"], 1e6),
+                quartile_ratio(info.get("gloo/accel")),
+                _goal(payload, info),
+                f"{t['accel'] / t['limit']:.1f}",
+                rank_spread(info),
+            )
+        )
+    header = [
+        "ranks",
+        "payload/rank",
+        "memcpy µs",
+        "accel µs",
+        "gloo µs",
+        "**gloo / accel**",
+        "goal",
+        "accel / memcpy",
+        "slowest/fastest rank",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -65,8 +84,17 @@ def training_table(training: dict) -> list[str]:
             ratio = info.get(f"accel/{name}")
             goal = TRAINING_GOALS.get(workload)
             met = MISSING if goal is None or ratio is None else at_least(goal, ratio["median"])
-            rows.append(row(workload, info["steps"], name, f"accel {rates['accel']:.1f}, {name} {rates[name]:.1f}",
-                            quartile_ratio(ratio), met, f"{info['max_relative_loss_difference']:.1e}"))  # fmt: skip
+            rows.append(
+                row(
+                    workload,
+                    info["steps"],
+                    name,
+                    f"accel {rates['accel']:.1f}, {name} {rates[name]:.1f}",
+                    quartile_ratio(ratio),
+                    met,
+                    f"{info['max_relative_loss_difference']:.1e}",
+                )
+            )
     header = ["workload", "steps timed", "contender", "steps/s", "**accel / contender**", "goal", "max loss difference"]
     return scaffold.table(header, rows)
 
@@ -76,8 +104,9 @@ def plot(reductions: dict, training: dict, path) -> None:
     with scaffold.figure(path, len(worlds) + 1, (5.5 * (len(worlds) + 1), 4.5)) as axes:
         for axis, world in zip(axes, worlds):
             cases = {payload: info for (w, payload), info in reductions.items() if w == world}
-            scaffold.plot_times_by_payload(axis, cases, PAYLOADS, CONTENDERS, "median µs per all_reduce",
-                                           f"all_reduce float32, {world} ranks")  # fmt: skip
+            scaffold.plot_times_by_payload(
+                axis, cases, PAYLOADS, CONTENDERS, "median µs per all_reduce", f"all_reduce float32, {world} ranks"
+            )
         labels, values = [], []
         for workload, info in training.items():
             for name, rate in info["median_steps_per_s"].items():
@@ -86,8 +115,12 @@ def plot(reductions: dict, training: dict, path) -> None:
         axis = axes[-1]
         colors = ["tab:orange" if "accel" in label else "tab:gray" for label in labels]
         axis.bar(range(len(values)), values, color=colors)
-        axis.set(xticks=range(len(labels)), xticklabels=labels, ylabel="median steps per second",
-                 title="training on 2 processes")  # fmt: skip
+        axis.set(
+            xticks=range(len(labels)),
+            xticklabels=labels,
+            ylabel="median steps per second",
+            title="training on 2 processes",
+        )
         axis.grid(True, axis="y", alpha=0.3)
 
 

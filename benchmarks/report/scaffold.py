@@ -68,12 +68,12 @@ def per_round_ratio(slower: list[float] | None, faster: list[float] | None, meth
 
 
 def at_least(goal: float, value: float) -> str:
-    """"≥ goal× met" or "≥ goal× NOT met"."""
+    """ "≥ goal× met" or "≥ goal× NOT met"."""
     return f"≥ {goal}× {'met' if value >= goal else 'NOT met'}"
 
 
 def at_most(goal: float, value: float, unit: str = "×") -> str:
-    """"≤ goal<unit> met" or "≤ goal<unit> NOT met" (unit "×" for a ratio, " µs" for a time in µs...)."""
+    """ "≤ goal<unit> met" or "≤ goal<unit> NOT met" (unit "×" for a ratio, " µs" for a time in µs...)."""
     return f"≤ {goal}{unit} {'met' if value <= goal else 'NOT met'}"
 
 
@@ -93,17 +93,27 @@ def by_world_and_payload(results: dict, payloads: list[str]) -> Iterator[tuple[i
                 yield world, payload, results[(world, payload)]
 
 
-def plot_times_by_payload(axis: Any, cases: dict, payloads: list[str], contenders: list[str], ylabel: str,
-                          title: str) -> None:  # fmt: skip
+def plot_times_by_payload(
+    axis: Any, cases: dict, payloads: list[str], contenders: list[str], ylabel: str, title: str
+) -> None:
     """One line per contender: its median time (`median_s`, in µs) at each payload of `cases` ({payload: info}),
     on a log scale."""
     for contender in contenders:
-        points = [(i, cases[p]["median_s"][contender] * 1e6) for i, p in enumerate(payloads)
-                  if p in cases and contender in cases[p]["median_s"]]  # fmt: skip
+        points = [
+            (i, cases[p]["median_s"][contender] * 1e6)
+            for i, p in enumerate(payloads)
+            if p in cases and contender in cases[p]["median_s"]
+        ]
         if points:
             axis.plot(*zip(*points), marker="o", label=contender)
-    axis.set(xticks=range(len(payloads)), xticklabels=payloads, yscale="log", xlabel="payload per rank", ylabel=ylabel,
-             title=title)  # fmt: skip
+    axis.set(
+        xticks=range(len(payloads)),
+        xticklabels=payloads,
+        yscale="log",
+        xlabel="payload per rank",
+        ylabel=ylabel,
+        title=title,
+    )
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
 

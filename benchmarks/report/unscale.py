@@ -19,15 +19,23 @@ SETS = ["small", "large"]
 DTYPES = ["fp32", "fp16", "bf16"]
 SET_LABELS = {"small": "1,000 × 1–10 Ki", "large": "200 × 40,000"}
 # Issue 13's goals for the public path, against HF Accelerate with loss scaling (`hf`).
-TARGETS = {("small", "fp32"): 1.5, ("small", "fp16"): 3.0, ("small", "bf16"): 3.0,
-           ("large", "fp32"): 1.5, ("large", "fp16"): 2.0, ("large", "bf16"): 2.0}  # fmt: skip
+TARGETS = {
+    ("small", "fp32"): 1.5,
+    ("small", "fp16"): 3.0,
+    ("small", "bf16"): 3.0,
+    ("large", "fp32"): 1.5,
+    ("large", "fp16"): 2.0,
+    ("large", "bf16"): 2.0,
+}
 VARIANTS = ["accel", "hf", "hf_cpu", "accel_fallback", "op_accel", "op_torch", "limit"]
 
 
 def by_case(benchmarks: list[tuple[str, dict]]) -> dict:
     """{(set, dtype): {"samples": {variant: [seconds per round]}, "bytes": n, "notice": str | None}}."""
-    return {(info["set"], info["dtype"]): {"samples": info["samples"], "bytes": info["bytes"],
-                                           "notice": info.get("notice")} for _, info in benchmarks}  # fmt: skip
+    return {
+        (info["set"], info["dtype"]): {"samples": info["samples"], "bytes": info["bytes"], "notice": info.get("notice")}
+        for _, info in benchmarks
+    }
 
 
 def median(case: dict, variant: str) -> float | None:
@@ -58,12 +66,38 @@ def table(cases: dict) -> list[str]:
     rows = []
     for (set_name, dtype), case in sorted(cases.items(), key=lambda kv: (SETS.index(kv[0][0]), DTYPES.index(kv[0][1]))):
         m = {v: median(case, v) for v in VARIANTS}
-        rows.append(row(SET_LABELS[set_name], dtype, _ms(m["accel"]), _ms(m["hf"]), _x(ratio(case, "hf", "accel")),
-                        _ms(m["hf_cpu"]), _x(ratio(case, "hf_cpu", "accel")),
-                        _x(ratio(case, "accel_fallback", "accel")), _ms(m["op_accel"]), _ms(m["op_torch"]),
-                        _x(ratio(case, "op_torch", "op_accel")), _ms(m["limit"]), _share(case)))  # fmt: skip
-    header = ["gradients", "dtype", "accel ms", "HF, loss scaling ms", "speed-up", "HF as shipped ms", "speed-up",
-              "accel fallback", "op level: accel ms", "torch ms", "speed-up", "limit ms", "op of limit"]  # fmt: skip
+        rows.append(
+            row(
+                SET_LABELS[set_name],
+                dtype,
+                _ms(m["accel"]),
+                _ms(m["hf"]),
+                _x(ratio(case, "hf", "accel")),
+                _ms(m["hf_cpu"]),
+                _x(ratio(case, "hf_cpu", "accel")),
+                _x(ratio(case, "accel_fallback", "accel")),
+                _ms(m["op_accel"]),
+                _ms(m["op_torch"]),
+                _x(ratio(case, "op_torch", "op_accel")),
+                _ms(m["limit"]),
+                _share(case),
+            )
+        )
+    header = [
+        "gradients",
+        "dtype",
+        "accel ms",
+        "HF, loss scaling ms",
+        "speed-up",
+        "HF as shipped ms",
+        "speed-up",
+        "accel fallback",
+        "op level: accel ms",
+        "torch ms",
+        "speed-up",
+        "limit ms",
+        "op of limit",
+    ]
     return scaffold.table(header, rows)
 
 
@@ -82,12 +116,17 @@ def plot(cases: dict, path) -> None:
     with scaffold.figure(path, len(SETS), (6.5 * len(SETS), 4.5)) as axes:
         for axis, set_name in zip(axes, SETS):
             for i, variant in enumerate(VARIANTS):
-                values = [(median(cases[(set_name, d)], variant) or 0) * 1e3 if (set_name, d) in cases else 0
-                          for d in DTYPES]  # fmt: skip
+                values = [
+                    (median(cases[(set_name, d)], variant) or 0) * 1e3 if (set_name, d) in cases else 0 for d in DTYPES
+                ]
                 offset = (i - (len(VARIANTS) - 1) / 2) * width
                 axis.bar([x + offset for x in range(len(DTYPES))], values, width, label=variant)
-            axis.set(xticks=range(len(DTYPES)), xticklabels=DTYPES, ylabel="median ms per step",
-                     title=f"clip_grad_norm_ with fp16 loss scaling, {SET_LABELS[set_name]} elements")  # fmt: skip
+            axis.set(
+                xticks=range(len(DTYPES)),
+                xticklabels=DTYPES,
+                ylabel="median ms per step",
+                title=f"clip_grad_norm_ with fp16 loss scaling, {SET_LABELS[set_name]} elements",
+            )
             axis.grid(True, axis="y", alpha=0.3)
             axis.legend(fontsize="small")
 
@@ -105,9 +144,9 @@ def main(out_dir: str, path: str) -> None:
         "Variants run interleaved (one of each per round, order rotated); times are medians over the rounds,",
         "speed-ups the median of the per-round ratios with their interquartile range (the spread) in parentheses.",
         "",
-        "- `accel`: `accel.Accelerator(mixed_precision=\"fp16\", cpu=True)`: the fused unscale measures the norm, the",
+        '- `accel`: `accel.Accelerator(mixed_precision="fp16", cpu=True)`: the fused unscale measures the norm, the',
         "  fused clip scales.",
-        "- `HF, loss scaling`: HF Accelerate 1.15's `Accelerator(mixed_precision=\"fp16\", cpu=True)` given the",
+        '- `HF, loss scaling`: HF Accelerate 1.15\'s `Accelerator(mixed_precision="fp16", cpu=True)` given the',
         "  scaler it creates on a GPU (torch's `GradScaler`, here for the CPU): its own `backward`, `clip_grad_norm_`",
         "  (`scaler.unscale_`, then `torch.nn.utils.clip_grad_norm_`) and optimizer step. HF turns fp16 off on the",
         "  CPU; torch's scaler refuses fp16 gradients, so for fp16 parameters it runs torch's kernel on them.",

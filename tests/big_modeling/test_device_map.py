@@ -43,7 +43,11 @@ def test_layers_fill_gpus_in_order_then_the_cpu_with_room_kept_for_offloaded_lay
     assert device_map == {"0": 0, "1": 1, "2": 1, "3": "cpu"}
     # The disk is always there after the devices given (as HF), so the main GPU keeps that room without a CPU too.
     assert infer_auto_device_map(model, max_memory={0: 2 * LAYER + 10, 1: 2 * LAYER + 10}) == {
-        "0": 0, "1": 1, "2": 1, "3": "disk"}  # fmt: skip
+        "0": 0,
+        "1": 1,
+        "2": 1,
+        "3": "disk",
+    }
 
 
 def test_a_no_split_module_moves_whole_to_the_next_device():
@@ -64,7 +68,8 @@ def test_what_fits_in_no_memory_given_goes_to_the_disk():
     assert infer_auto_device_map(model, max_memory={"cpu": 3 * LAYER, "disk": 1}) == expected  # the disk is unlimited
     model = nn.Sequential(nn.Linear(100, 100), Block())
     assert infer_auto_device_map(model, max_memory={0: 2 * LAYER, "cpu": LAYER}, no_split_module_classes=["Block"]) == {
-        "": "disk"}  # fmt: skip
+        "": "disk"
+    }
 
 
 def test_clean_result_merges_children_on_one_device():
@@ -80,15 +85,26 @@ def test_tied_weights_stay_on_one_device_in_gpt2():
     block = sum(p.numel() * 4 for p in model.transformer.h[0].parameters())
     embeddings = (1000 + 64) * 64 * 4
     room = 1000 * 64 * 4  # the main GPU keeps room for the largest unsplittable part (wte) while offloading
-    device_map = infer_auto_device_map(model, max_memory={0: room + embeddings + block + 100, 1: 2 * block + 100,
-                                                          "cpu": 10**8}, no_split_module_classes=["GPT2Block"])  # fmt: skip
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={0: room + embeddings + block + 100, 1: 2 * block + 100, "cpu": 10**8},
+        no_split_module_classes=["GPT2Block"],
+    )
     assert device_of(device_map, "transformer.h.0.attn.c_attn.weight") == 0
     assert device_of(device_map, "transformer.h.2.attn.c_attn.weight") == 1
     assert device_of(device_map, "transformer.h.3.attn.c_attn.weight") == "cpu"
     assert device_of(device_map, "lm_head.weight") == device_of(device_map, "transformer.wte.weight")
     assert len({device_of(device_map, f"transformer.h.{i}.attn.c_attn.weight") for i in range(4)}) > 1
     for i in range(4):  # a block is never split
-        assert len({device_of(device_map, n) for n, _ in model.transformer.h[i].named_parameters(prefix=f"transformer.h.{i}")}) == 1
+        assert (
+            len(
+                {
+                    device_of(device_map, n)
+                    for n, _ in model.transformer.h[i].named_parameters(prefix=f"transformer.h.{i}")
+                }
+            )
+            == 1
+        )
 
 
 def test_balanced_memory_spreads_the_model_over_the_gpus():
@@ -130,14 +146,29 @@ def _models_to_compare():
     yield "blocks", nn.Sequential(nn.Linear(100, 100), Block(), nn.ReLU(), Block(), nn.LayerNorm(100)), ["Block"]
     yield "shared", SharedEmbedding(), []
     configs = {
-        "gpt2": (transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300, n_positions=32),
-                 transformers.GPT2LMHeadModel, ["GPT2Block"]),
-        "t5": (transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=300),
-               transformers.T5ForConditionalGeneration, ["T5Block"]),
-        "bert": (transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                         intermediate_size=64, vocab_size=300, max_position_embeddings=32),
-                 transformers.BertModel, []),
-    }  # fmt: skip
+        "gpt2": (
+            transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=300, n_positions=32),
+            transformers.GPT2LMHeadModel,
+            ["GPT2Block"],
+        ),
+        "t5": (
+            transformers.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=300),
+            transformers.T5ForConditionalGeneration,
+            ["T5Block"],
+        ),
+        "bert": (
+            transformers.BertConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vocab_size=300,
+                max_position_embeddings=32,
+            ),
+            transformers.BertModel,
+            [],
+        ),
+    }
     for name, (config, cls, no_split) in configs.items():
         with init_empty_weights():
             yield name, cls(config), no_split
@@ -155,9 +186,13 @@ def test_device_maps_are_hf_accelerates():
     for name, model, no_split in _models_to_compare():
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         for _ in range(12):
-            kwargs = dict(max_memory={d: int(total * rng.uniform(0.02, 0.8)) for d in rng.choice(layouts)},
-                          no_split_module_classes=no_split, clean_result=rng.random() < 0.6,
-                          fallback_allocation=rng.random() < 0.3, dtype=rng.choice([None, torch.float16]))  # fmt: skip
+            kwargs = dict(
+                max_memory={d: int(total * rng.uniform(0.02, 0.8)) for d in rng.choice(layouts)},
+                no_split_module_classes=no_split,
+                clean_result=rng.random() < 0.6,
+                fallback_allocation=rng.random() < 0.3,
+                dtype=rng.choice([None, torch.float16]),
+            )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # HF warns that the GPUs planned for are not here
                 expected = hf_modeling.infer_auto_device_map(model, **kwargs)

@@ -30,14 +30,27 @@ def gpt2():
 
 
 def bert():
-    config = transformers.BertConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, intermediate_size=128,
-                                     vocab_size=500, max_position_embeddings=64)  # fmt: skip
+    config = transformers.BertConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=2,
+        intermediate_size=128,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
     return config, transformers.BertModel, ["BertLayer"]
 
 
 def llama():
-    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                                      intermediate_size=128, vocab_size=500, max_position_embeddings=64)  # fmt: skip
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=500,
+        max_position_embeddings=64,
+    )
     return config, transformers.LlamaForCausalLM, ["LlamaDecoderLayer"]
 
 
@@ -59,9 +72,14 @@ def test_a_model_split_between_cpu_and_disk_computes_what_the_original_does(tmp_
     with init_empty_weights():
         model = cls(config)
     total = compute_module_sizes(model)[""]
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
-                                         max_memory={"cpu": total // 2, "disk": 10**10},
-                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload")  # fmt: skip
+    model = load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map="sequential",
+        max_memory={"cpu": total // 2, "disk": 10**10},
+        no_split_module_classes=no_split,
+        offload_folder=tmp_path / "offload",
+    )
     model.eval()
     assert set(model.hf_device_map.values()) == {"cpu", "disk"}
     layer = no_split[0]
@@ -84,7 +102,9 @@ def test_auto_offloads_to_the_disk_what_max_memory_leaves_over(tmp_path):
     with init_empty_weights():
         model = cls(config)
     kwargs = dict(device_map="auto", no_split_module_classes=no_split, max_memory={"cpu": "600KB"})
-    with pytest.raises(ValueError, match=r"offloaded to disk \(transformer.h.1, .*\), please pass along an `offload_fo"):
+    with pytest.raises(
+        ValueError, match=r"offloaded to disk \(transformer.h.1, .*\), please pass along an `offload_fo"
+    ):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", **kwargs)
     model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", offload_folder=tmp_path / "offload", **kwargs).eval()
     on_cpu = ["transformer.wte", "lm_head", "transformer.wpe", "transformer.drop", "transformer.h.0"]
@@ -101,10 +121,14 @@ def test_gpt2_generates_the_same_tokens_when_offloaded(tmp_path):
     original.save_pretrained(tmp_path / "ckpt")
     with init_empty_weights():
         model = cls(config)
-    device_map = infer_auto_device_map(model, max_memory={"cpu": compute_module_sizes(model)[""] // 3,
-                                                          "disk": 10**10}, no_split_module_classes=no_split)  # fmt: skip
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map=device_map,
-                                         offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={"cpu": compute_module_sizes(model)[""] // 3, "disk": 10**10},
+        no_split_module_classes=no_split,
+    )
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "offload"
+    ).eval()
     prompt = torch.tensor([[1, 2, 3, 4]])
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), original.generate(prompt, **kwargs))
@@ -118,10 +142,18 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="does not have: transformer.nope"):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"transformer.nope": "cpu", "": "cpu"})
     half = compute_module_sizes(model)[""] // 2  # the rest goes to the disk, which needs a folder (before loading)
-    with pytest.raises(ValueError, match=r"offloaded to disk \(transformer.ln_f, transformer.h\), please pass along an "
-                                         "`offload_folder`"):  # fmt: skip
-        load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential", max_memory={"cpu": half},
-                                     no_split_module_classes=no_split)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"offloaded to disk \(transformer.ln_f, transformer.h\), please pass along an "
+        "`offload_folder`",
+    ):
+        load_checkpoint_and_dispatch(
+            model,
+            tmp_path / "ckpt",
+            device_map="sequential",
+            max_memory={"cpu": half},
+            no_split_module_classes=no_split,
+        )
     assert all(p.device.type == "meta" for p in model.parameters())
     with pytest.raises(ValueError, match=r"offloaded to disk \(''\), please pass along an `offload_folder`"):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "disk"})
@@ -144,8 +176,11 @@ def test_missing_weights_warn_or_raise_when_strict(tmp_path):
     save_state_dict(state, tmp_path / "ckpt")
     with init_empty_weights():
         model = cls(config)
-    with pytest.raises(CheckpointError, match="missing from the checkpoint: transformer.ln_f.bias; in the checkpoint "
-                                              "but not in the model: transformer.extra"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match="missing from the checkpoint: transformer.ln_f.bias; in the checkpoint "
+        "but not in the model: transformer.extra",
+    ):
         load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"": "cpu"}, strict=True)
 
 
@@ -198,7 +233,9 @@ def test_cpu_weights_map_the_file_privately_and_never_write_it(tmp_path):
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight.add_(1.0)  # copy-on-write: this process only
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("transformer.h.0.attn.c_attn.weight"), original.transformer.h[0].attn.c_attn.weight)
+        assert torch.equal(
+            f.get_tensor("transformer.h.0.attn.c_attn.weight"), original.transformer.h[0].attn.c_attn.weight
+        )
 
 
 def test_a_file_others_may_write_is_mapped_under_the_same_lease(tmp_path):
@@ -225,9 +262,14 @@ def test_a_split_over_the_gpu_the_cpu_and_the_disk(tmp_path):
         model = cls(config)
     third = compute_module_sizes(model)[""] // 3
     # HF's planner keeps room on the CPU for the largest block offloaded beyond it: a third would hold none.
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
-                                         max_memory={0: third * 2, "cpu": third * 3 // 2, "disk": 10**10},
-                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload").eval()  # fmt: skip
+    model = load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map="sequential",
+        max_memory={0: third * 2, "cpu": third * 3 // 2, "disk": 10**10},
+        no_split_module_classes=no_split,
+        offload_folder=tmp_path / "offload",
+    ).eval()
     assert set(model.hf_device_map.values()) == {0, "cpu", "disk"}
     result = outputs(model)
     assert result.device.type == "cpu"  # back where the input came from
@@ -252,8 +294,14 @@ def test_auto_spreads_over_the_gpu_the_cpu_and_the_disk(tmp_path, family):
     budget = {0: size // 2, "cpu": size // 2, "disk": 10**10}
     hf_utils = pytest.importorskip("accelerate.utils")  # HF Accelerate 1.15, for the map it would make
     hf_map = hf_utils.infer_auto_device_map(model, max_memory=dict(budget), no_split_module_classes=no_split)
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto", max_memory=budget,
-                                         no_split_module_classes=no_split, offload_folder=tmp_path / "offload")
+    model = load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map="auto",
+        max_memory=budget,
+        no_split_module_classes=no_split,
+        offload_folder=tmp_path / "offload",
+    )
     model.eval()
     assert set(model.hf_device_map.values()) == {0, "cpu", "disk"} and model.hf_device_map == hf_map
     on_gpu = {name: t for name, t in model.state_dict().items() if t.is_cuda}
@@ -277,8 +325,9 @@ def test_auto_puts_a_model_that_fits_on_the_gpu_whole(tmp_path):
     original.save_pretrained(tmp_path / "ckpt")
     with init_empty_weights():
         model = cls(config)
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="auto",
-                                         no_split_module_classes=no_split).eval()  # fmt: skip
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "ckpt", device_map="auto", no_split_module_classes=no_split
+    ).eval()
     assert set(model.hf_device_map.values()) == {0}
     assert all(t.is_cuda for t in model.state_dict().values())
     assert all(torch.equal(t.cpu(), original.state_dict()[name]) for name, t in model.state_dict().items())
@@ -291,9 +340,14 @@ def test_a_bin_checkpoint_loads_with_weights_only(tmp_path):
     original.save_pretrained(tmp_path / "ckpt", safe_serialization=False, max_shard_size="200KB")
     with init_empty_weights():
         model = cls(config)
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map="sequential",
-                                         max_memory={"cpu": compute_module_sizes(model)[""] // 2, "disk": 10**10},
-                                         no_split_module_classes=no_split, offload_folder=tmp_path / "off").eval()  # fmt: skip
+    model = load_checkpoint_and_dispatch(
+        model,
+        tmp_path / "ckpt",
+        device_map="sequential",
+        max_memory={"cpu": compute_module_sizes(model)[""] // 2, "disk": 10**10},
+        no_split_module_classes=no_split,
+        offload_folder=tmp_path / "off",
+    ).eval()
     torch.testing.assert_close(outputs(model), outputs(original))
 
 
@@ -308,8 +362,9 @@ def test_persistent_buffers_of_disk_modules_stay_in_memory_and_hooked_models_dee
     save_state_dict(original.state_dict(), tmp_path / "ckpt")
     with init_empty_weights():
         model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    model = load_checkpoint_and_dispatch(model, tmp_path / "ckpt", device_map={"0": "cpu", "1": "disk", "2": "disk"},
-                                         offload_folder=tmp_path / "off").eval()  # fmt: skip
+    model = load_checkpoint_and_dispatch(
+        model, tmp_path / "ckpt", device_map={"0": "cpu", "1": "disk", "2": "disk"}, offload_folder=tmp_path / "off"
+    ).eval()
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), original(x), rtol=0, atol=0)
     assert model[1].running_mean.device.type == "cpu"  # a buffer: not offloaded without offload_buffers

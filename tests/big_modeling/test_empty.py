@@ -88,7 +88,9 @@ def test_compute_module_sizes_counts_every_module_and_tied_weights_once():
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     assert sizes[""] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert "lm_head.weight" not in sizes  # tied to wte: counted once, under its first name
-    assert sizes["transformer.h.0"] == sum(t.numel() * 4 for n, t in tensors.items() if n.startswith("transformer.h.0."))
+    assert sizes["transformer.h.0"] == sum(
+        t.numel() * 4 for n, t in tensors.items() if n.startswith("transformer.h.0.")
+    )
     assert sizes["transformer.wte.weight"] == 100 * 32 * 4
 
 

@@ -40,8 +40,9 @@ LOAD = textwrap.dedent(
 def test_loading_a_1gib_checkpoint_needs_the_model_plus_about_one_shard(tmp_path):
     folder = tmp_path / "ckpt"
     subprocess.run([sys.executable, "-c", WRITE, str(folder)], check=True, timeout=300)
-    result = subprocess.run([sys.executable, "-c", LOAD, str(folder)], check=True, timeout=300, capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD, str(folder)], check=True, timeout=300, capture_output=True, text=True
+    )
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     model_bytes = 16 * 4096 * 4096 * 4
     largest_shard = 4 * 4096 * 4096 * 4

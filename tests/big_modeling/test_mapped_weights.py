@@ -70,8 +70,13 @@ def test_weights_survive_in_place_writers_of_their_file(tmp_path):
     served = {name: save(folder, 1.0) for name, folder in folders.items()}
     other, same = save(str(tmp_path / "other"), 2.0), save(str(tmp_path / "same"), 1.0)
     script = SERVER.format(here=os.path.dirname(os.path.abspath(__file__)))
-    server = subprocess.Popen([sys.executable, "-c", script, json.dumps(folders)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-c", script, json.dumps(folders)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = server.stdout.readline().split(maxsplit=1)
         assert first[:1] == ["ready"], server.stderr.read()

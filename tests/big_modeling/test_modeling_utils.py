@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from accel.big_modeling import cpu_offload, disk_offload, init_empty_weights, load_checkpoint_and_dispatch
+from accel.big_modeling.device_map import fallback_allocate, get_module_size_with_ties
 from accel.checkpoint import save_file
 from accel.unsupported import UnsupportedFeatureError
-from accel.big_modeling.device_map import fallback_allocate, get_module_size_with_ties
 from accel.utils.modeling import (
     calculate_maximum_sizes,
     check_device_same,
@@ -48,8 +48,9 @@ from accel.utils.offload import (
 
 
 def tied_model():
-    model = nn.Sequential(OrderedDict([("linear1", nn.Linear(4, 4)), ("linear2", nn.Linear(4, 4)),
-                                       ("linear3", nn.Linear(4, 4))]))  # fmt: skip
+    model = nn.Sequential(
+        OrderedDict([("linear1", nn.Linear(4, 4)), ("linear2", nn.Linear(4, 4)), ("linear3", nn.Linear(4, 4))])
+    )
     model.linear3.weight = model.linear1.weight
     return model
 
@@ -166,16 +167,26 @@ def test_load_state_dict_refuses_other_frameworks_and_pickles(tmp_path):
 # --- the offload folder ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tensor", [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.tensor(2.5),
-                                    torch.arange(6).view(2, 3), torch.tensor([True, False]),
-                                    torch.randn(4).to(torch.float8_e4m3fn)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 4),
+        torch.randn(5).to(torch.bfloat16),
+        torch.tensor(2.5),
+        torch.arange(6).view(2, 3),
+        torch.tensor([True, False]),
+        torch.randn(4).to(torch.float8_e4m3fn),
+    ],
+)
 def test_offload_round_trip_in_hf_format(tmp_path, tensor):
     index = offload_weight(tensor, "layer.weight", tmp_path, index={})
     save_offload_index(index, tmp_path)
     saved = json.loads((tmp_path / "index.json").read_text())["layer.weight"]
     assert saved == {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
     loaded = load_offloaded_weight(tmp_path / "layer.weight.dat", saved)
-    assert loaded.dtype == tensor.dtype and torch.equal(loaded.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+    assert loaded.dtype == tensor.dtype and torch.equal(
+        loaded.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+    )
     # HF reads the file as a numpy memmap of the raw bytes (bf16 as int16, float8 as int8, 0-d as one element).
     raw = np.fromfile(tmp_path / "layer.weight.dat", dtype=np.uint8)
     assert raw.tobytes() == tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -187,8 +198,11 @@ def test_offloaded_weights_loader_serves_memory_folder_and_safetensors(tmp_path)
     assert set(index) == {"a", "b"}
     save_file({"stored": torch.arange(3.0)}, os.fspath(tmp_path / "w.safetensors"))
     loader = OffloadedWeightsLoader(state_dict={"c": torch.zeros(1)}, save_folder=tmp_path / "folder")
-    loader.index["d"] = {"safetensors_file": os.fspath(tmp_path / "w.safetensors"), "weight_name": "stored",
-                         "dtype": "float16"}  # fmt: skip
+    loader.index["d"] = {
+        "safetensors_file": os.fspath(tmp_path / "w.safetensors"),
+        "weight_name": "stored",
+        "dtype": "float16",
+    }
     loader.all_keys.append("d")
     assert sorted(loader) == ["a", "b", "c", "d"] and len(loader) == 4
     assert torch.equal(loader["a"], state_dict["a"]) and torch.equal(loader["c"], torch.zeros(1))

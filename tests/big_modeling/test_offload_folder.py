@@ -10,7 +10,6 @@ import torch
 
 from accel.big_modeling.offload import load_offloaded_weight, offload_weight, save_offload_index
 from accel.checkpoint import atomic_files
-from accel.checkpoint import safetensors_io as io
 
 
 def test_a_symlink_planted_at_the_old_temporary_name_is_not_followed(tmp_path):

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel.accelerator import Accelerator
 from accel.checkpoint import CheckpointError
 from accel.settings import DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
-from accel.state import AcceleratorState, GradientState, PartialState
+from accel.state import AcceleratorState, GradientState
 
 
 class Counter:
@@ -115,9 +115,15 @@ def test_the_folder_has_hf_accelerates_layout(tmp_path):
     accelerator.wait_for_checkpoint()
     assert sorted(os.listdir(folder)) == [
         ".accel-durability",  # accel's record (hidden): "unsynced", rewritten "durable" once fsync'd
-        "custom_checkpoint_0.pkl", "model.safetensors", "model_1.safetensors", "optimizer.bin", "random_states_0.pkl",
-        "sampler.bin", "scaler.pt", "scheduler.bin",
-    ]  # fmt: skip
+        "custom_checkpoint_0.pkl",
+        "model.safetensors",
+        "model_1.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "sampler.bin",
+        "scaler.pt",
+        "scheduler.bin",
+    ]
     assert sorted(os.listdir(tmp_path)) == ["state"]  # no partial folder left behind
     assert torch.load(os.path.join(folder, "scaler.pt"), weights_only=True)["scale"] == 64.0
 
@@ -145,9 +151,14 @@ def test_automatic_naming_rotates_by_number_and_load_state_takes_the_latest(tmp_
         accelerator.save_state()
     accelerator.wait_for_checkpoint()  # the newest durable checkpoint is kept until the new ones are durable
     root = tmp_path / "checkpoints"
-    assert sorted(os.listdir(root), key=lambda n: int(n.split("_")[1])) == ["checkpoint_9", "checkpoint_10", "checkpoint_11"]
-    accelerator = fresh_accelerator(project_config=ProjectConfiguration(
-        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3))  # fmt: skip
+    assert sorted(os.listdir(root), key=lambda n: int(n.split("_")[1])) == [
+        "checkpoint_9",
+        "checkpoint_10",
+        "checkpoint_11",
+    ]
+    accelerator = fresh_accelerator(
+        project_config=ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=3)
+    )
     restored = Counter()
     accelerator.register_for_checkpointing(restored)
     assert accelerator.load_state().endswith("checkpoint_11") and restored.count == 11
@@ -291,7 +302,8 @@ def _save_under_ddp(folder):
 def hf_accelerate():
     """HF Accelerate 1.15 itself, in this process (one process, CPU); its singletons are reset afterwards."""
     accelerate = pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState as HFAcceleratorState, GradientState as HFGradientState
+    from accelerate.state import AcceleratorState as HFAcceleratorState
+    from accelerate.state import GradientState as HFGradientState
 
     try:
         yield accelerate
@@ -372,7 +384,8 @@ CRASH_SCRIPT = textwrap.dedent(
     from accel.settings import ProjectConfiguration
     project, mode = sys.argv[1], sys.argv[2]
     automatic = mode == "automatic"
-    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=automatic))
+    configuration = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=automatic)
+    accelerator = Accelerator(project_config=configuration)
     model = accelerator.prepare(torch.nn.Linear(1024, 2048))  # 8 MiB of weights: a save takes a while
     optimizer = accelerator.prepare(torch.optim.Adam(model.parameters()))
     iteration = 0

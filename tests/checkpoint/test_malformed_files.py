@@ -50,11 +50,40 @@ def original(tmp_path_factory) -> bytes:
 
 BAD_VALUES = {
     "dtype": [["F32"], {"F32": 1}, 3, None, True, 1.5, "F33", "f32", "", "I64", "BOOL", "U8", "BF16", "F64"],
-    "shape": [[2.0, 3], "2,3", None, {"0": 2}, [[2], 3], [-1], [True, 3], [2**63], [0, 2**63], [0, 2**62, 4],
-              [0, 2**64], [3, 2], [6], [], [1e30], [2, 3, 1], [1] * 200],
-    "data_offsets": [[0], [0, 1, 2], [8, 0], [0.0, 24], ["0", "24"], None, {"begin": 0}, [-8, 16], [0, 2**64],
-                     [[0], [24]], [True, 24], [2**70, 2**70 + 24]],
-}  # fmt: skip
+    "shape": [
+        [2.0, 3],
+        "2,3",
+        None,
+        {"0": 2},
+        [[2], 3],
+        [-1],
+        [True, 3],
+        [2**63],
+        [0, 2**63],
+        [0, 2**62, 4],
+        [0, 2**64],
+        [3, 2],
+        [6],
+        [],
+        [1e30],
+        [2, 3, 1],
+        [1] * 200,
+    ],
+    "data_offsets": [
+        [0],
+        [0, 1, 2],
+        [8, 0],
+        [0.0, 24],
+        ["0", "24"],
+        None,
+        {"begin": 0},
+        [-8, 16],
+        [0, 2**64],
+        [[0], [24]],
+        [True, 24],
+        [2**70, 2**70 + 24],
+    ],
+}
 BAD_ENTRIES = [[], 1, None, "x", {"dtype": "F32"}, {"dtype": "F32", "shape": [], "data_offsets": [0, 4], "x": 1}]
 BAD_METADATA = [[], 1, "pt", {"k": 1}, {"k": ["v"]}, {"k": None}, None, {}, {"": ""}, [["k", "v"]]]
 
@@ -72,7 +101,8 @@ def join(header: object, data: bytes) -> bytes:
 # Shapes for the tensor of no bytes: only there do sizes like [0, 2**63] pass the byte count.
 EMPTY_SHAPES = [[0, 2**63], [0, 2**62, 4], [0, 2**64], [0, 2**61, 4], [0, 2**60, 4], [0, 0, 2**63 - 1], [0, -1]]
 FIELD_VALUES = [(None, field, value) for field, values in BAD_VALUES.items() for value in values] + [
-    ("empty", "shape", shape) for shape in EMPTY_SHAPES]  # fmt: skip
+    ("empty", "shape", shape) for shape in EMPTY_SHAPES
+]
 
 
 def mutate_a_field(rng: random.Random, turn: int, blob: bytes) -> tuple[str, bytes]:
@@ -94,8 +124,9 @@ def mutate_offsets(rng: random.Random, turn: int, blob: bytes) -> tuple[str, byt
         header[a]["data_offsets"] = list(header[b]["data_offsets"])
     else:
         delta = rng.choice([-8, -4, -2, -1, 1, 2, 4, 8])
-        header[a]["data_offsets"] = [o + (delta if how == "shift" or i == 1 else 0)
-                                     for i, o in enumerate(header[a]["data_offsets"])]  # fmt: skip
+        header[a]["data_offsets"] = [
+            o + (delta if how == "shift" or i == 1 else 0) for i, o in enumerate(header[a]["data_offsets"])
+        ]
     return f"{how} data_offsets of {a} ({b})", join(header, data)
 
 
@@ -115,8 +146,24 @@ def mutate_an_entry(rng: random.Random, turn: int, blob: bytes) -> tuple[str, by
 
 def mutate_the_length(rng: random.Random, turn: int, blob: bytes) -> tuple[str, bytes]:
     (length,) = struct.unpack("<Q", blob[:8])
-    value = rng.choice([0, 1, 2, 7, length - 1, length + 1, length + 8, len(blob) - 8, len(blob), 2**63, 2**64 - 1,
-                        io.MAX_HEADER_BYTES + 1, rng.randrange(2**64), rng.randrange(length + 64)])  # fmt: skip
+    value = rng.choice(
+        [
+            0,
+            1,
+            2,
+            7,
+            length - 1,
+            length + 1,
+            length + 8,
+            len(blob) - 8,
+            len(blob),
+            2**63,
+            2**64 - 1,
+            io.MAX_HEADER_BYTES + 1,
+            rng.randrange(2**64),
+            rng.randrange(length + 64),
+        ]
+    )
     return f"length prefix {value}", struct.pack("<Q", value) + blob[8:]
 
 
@@ -169,8 +216,17 @@ def json_oddity(rng: random.Random, turn: int, blob: bytes) -> tuple[str, bytes]
     return what, struct.pack("<Q", len(text)) + text + data
 
 
-MUTATIONS = [mutate_a_field, mutate_offsets, mutate_an_entry, mutate_the_length, truncate, flip_bits,
-             overwrite_header_bytes, append_bytes, json_oddity]  # fmt: skip
+MUTATIONS = [
+    mutate_a_field,
+    mutate_offsets,
+    mutate_an_entry,
+    mutate_the_length,
+    truncate,
+    flip_bits,
+    overwrite_header_bytes,
+    append_bytes,
+    json_oddity,
+]
 
 
 def mutants(blob: bytes) -> list[tuple[str, bytes]]:
@@ -200,8 +256,11 @@ def decoded(blob: bytes) -> dict[str, torch.Tensor]:
 
 
 def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))  # fmt: skip
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -33,8 +33,9 @@ def test_shards_split_as_huggingface_hub_splits_them(max_shard_size):
     sizes = torch.randint(1, 600, (40,), generator=generator).tolist()
     state_dict = {f"layer{i}.weight": torch.zeros(size) for i, size in enumerate(sizes)}
     ours, total = split_into_shards(state_dict, max_shard_size, "model{suffix}.safetensors")
-    theirs = split_torch_state_dict_into_shards(state_dict, max_shard_size=max_shard_size,
-                                                filename_pattern="model{suffix}.safetensors")  # fmt: skip
+    theirs = split_torch_state_dict_into_shards(
+        state_dict, max_shard_size=max_shard_size, filename_pattern="model{suffix}.safetensors"
+    )
     assert ours == theirs.filename_to_tensors
     assert total == theirs.metadata["total_size"]
 
@@ -111,8 +112,12 @@ def test_dtype_converts_the_floating_point_weights(tmp_path):
     target = tiny_gpt2(seed=3)
     load_checkpoint_in_model(target, tmp_path, dtype=torch.float16)
     assert target.transformer.h[0].attn.c_attn.weight.dtype == torch.float16
-    torch.testing.assert_close(target.transformer.h[0].attn.c_attn.weight.float(),
-                               source.transformer.h[0].attn.c_attn.weight.half().float(), rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        target.transformer.h[0].attn.c_attn.weight.float(),
+        source.transformer.h[0].attn.c_attn.weight.half().float(),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_missing_and_unexpected_names_raise_when_strict_and_warn_otherwise(tmp_path, caplog):
@@ -121,8 +126,11 @@ def test_missing_and_unexpected_names_raise_when_strict_and_warn_otherwise(tmp_p
     state_dict.pop("1.bias")
     state_dict["extra.weight"] = torch.zeros(2)
     save_state_dict(state_dict, tmp_path)
-    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: 1\.bias; in the checkpoint but not in "
-                                              r"the model: extra\.weight"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing from the checkpoint: 1\.bias; in the checkpoint but not in "
+        r"the model: extra\.weight",
+    ):
         load_checkpoint_in_model(model, tmp_path, strict=True)
     with caplog.at_level(logging.WARNING):
         load_checkpoint_in_model(model, tmp_path)
@@ -131,13 +139,15 @@ def test_missing_and_unexpected_names_raise_when_strict_and_warn_otherwise(tmp_p
 
 def test_a_checkpoint_of_another_shape_names_the_tensor(tmp_path):
     save_state_dict(torch.nn.Linear(3, 4).state_dict(), tmp_path)
-    with pytest.raises(CheckpointError, match=r"tensor 'weight': the checkpoint has shape \[4, 3\], the destination \[5, 3\]"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'weight': the checkpoint has shape \[4, 3\], the destination \[5, 3\]"
+    ):
         load_checkpoint_in_model(torch.nn.Linear(3, 5), tmp_path)
 
 
 def test_a_shard_named_in_the_index_but_missing(tmp_path):
     save_state_dict(tiny_gpt2().state_dict(), tmp_path, max_shard_size="20KB")
-    os.remove(tmp_path / "model-00002-of-" f"{len(list(tmp_path.glob('model-*'))):05d}.safetensors")
+    os.remove(tmp_path / f"model-00002-of-{len(list(tmp_path.glob('model-*'))):05d}.safetensors")
     with pytest.raises(CheckpointError, match="names shards that do not exist: .*model-00002-of"):
         load_checkpoint_in_model(tiny_gpt2(), tmp_path)
 

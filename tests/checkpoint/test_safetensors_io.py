@@ -39,22 +39,27 @@ def sample_tensors():
     generator = torch.Generator().manual_seed(0)
     tensors = {f"dtype.{k}": v for k, v in every_dtype(generator).items()}
     base = torch.randn(6, 8, generator=generator)
-    tensors.update({
-        "scalar": torch.tensor(3.5),
-        "empty": torch.empty(0, 4),
-        "empty.int": torch.empty(3, 0, dtype=torch.int32),
-        "transposed": base.t(),
-        "sliced": base[::2, 1:5],
-        "shares.a": base,
-        "shares.b": base[1],  # a view of the same memory: written as its own copy
-        "big": torch.randn(300_000, generator=generator),
-    })  # fmt: skip
+    tensors.update(
+        {
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4),
+            "empty.int": torch.empty(3, 0, dtype=torch.int32),
+            "transposed": base.t(),
+            "sliced": base[::2, 1:5],
+            "shares.a": base,
+            "shares.b": base[1],  # a view of the same memory: written as its own copy
+            "big": torch.randn(300_000, generator=generator),
+        }
+    )
     return tensors
 
 
 def same(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.contiguous().reshape(-1).view(torch.uint8))  # fmt: skip
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 def test_round_trip_every_dtype_and_layout(tmp_path):
@@ -85,8 +90,14 @@ def test_safetensors_reads_our_files_and_we_read_its_files(tmp_path):
 
 def test_data_is_aligned_to_each_element_size(tmp_path):
     path = tmp_path / "a.safetensors"
-    io.save_file({"byte": torch.ones(3, dtype=torch.uint8), "half": torch.ones(3, dtype=torch.float16),
-                  "double": torch.ones(3, dtype=torch.float64)}, path)  # fmt: skip
+    io.save_file(
+        {
+            "byte": torch.ones(3, dtype=torch.uint8),
+            "half": torch.ones(3, dtype=torch.float16),
+            "double": torch.ones(3, dtype=torch.float64),
+        },
+        path,
+    )
     header = io.read_header(path)
     data_start = min(info.begin for info in header.tensors.values())
     assert data_start % 8 == 0
@@ -102,8 +113,13 @@ def test_native_and_fallback_write_identical_files(tmp_path):
     native, python = tmp_path / "native", tmp_path / "python"
     fd = atomic_files.create_exclusive(str(native))
     try:
-        ops.write_tensors_(fd, str(native), torch.frombuffer(bytearray(header), dtype=torch.uint8),
-                           [t for _, t, _ in staged], [o for _, _, o in staged])  # fmt: skip
+        ops.write_tensors_(
+            fd,
+            str(native),
+            torch.frombuffer(bytearray(header), dtype=torch.uint8),
+            [t for _, t, _ in staged],
+            [o for _, _, o in staged],
+        )
     finally:
         os.close(fd)
     fd = atomic_files.create_exclusive(str(python))
@@ -155,7 +171,10 @@ def write_raw(path, header: dict | bytes, data: bytes, length: int | None = None
     return path
 
 
-GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "I8", "shape": [4], "data_offsets": [8, 12]}}
+GOOD = {
+    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    "b": {"dtype": "I8", "shape": [4], "data_offsets": [8, 12]},
+}
 
 
 @pytest.mark.parametrize(
@@ -166,20 +185,63 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtyp
         (GOOD, b"\0" * 12, 10**9, r"exceeds the 100000000-byte limit"),
         (b"{not json", b"", None, r"not valid JSON"),
         (b"[1, 2]", b"", None, r"must be a JSON object"),
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, r"tensors 'a' and 'b' overlap"),  # noqa: E501
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, r"4 bytes before tensor 'a'"),  # noqa: E501
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            None,
+            r"tensors 'a' and 'b' overlap",
+        ),  # noqa: E501
+        (
+            {"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+            b"\0" * 12,
+            None,
+            r"4 bytes before tensor 'a'",
+        ),  # noqa: E501
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 12, None, r"4 bytes after the last"),  # noqa: E501
-        ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': unknown dtype 'Q7'"),  # noqa: E501
-        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': shape \[3\] of F32 needs 12 bytes"),  # noqa: E501
+        (
+            {"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a': unknown dtype 'Q7'",
+        ),  # noqa: E501
+        (
+            {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a': shape \[3\] of F32 needs 12 bytes",
+        ),  # noqa: E501
         ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"non-negative integers"),  # noqa: E501
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, r"0 <= begin <= end"),  # noqa: E501
         ({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, r"tensor 'a': expected exactly the keys"),
         ({"__metadata__": {"k": 1}}, b"", None, r"__metadata__ must map strings to strings"),
         ({"__metadata__": ["k", "v"]}, b"", None, r"__metadata__ must map strings to strings, got \['k', 'v'\]"),
-        ({"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': unknown dtype \['F32'\]"),  # noqa: E501
-        ({"a": {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, r"tensor 'a': unknown dtype \{"),  # noqa: E501
-        ({"a": {"dtype": "F16", "shape": [0, 2**63], "data_offsets": [0, 0]}}, b"", None, r"tensor 'a': shape \[0, 9223372036854775808\] is too large"),  # noqa: E501
-        ({"a": {"dtype": "F16", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}, b"", None, r"tensor 'a': shape .* is too large"),  # noqa: E501
+        (
+            {"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a': unknown dtype \['F32'\]",
+        ),  # noqa: E501
+        (
+            {"a": {"dtype": {"F32": 1}, "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 8,
+            None,
+            r"tensor 'a': unknown dtype \{",
+        ),  # noqa: E501
+        (
+            {"a": {"dtype": "F16", "shape": [0, 2**63], "data_offsets": [0, 0]}},
+            b"",
+            None,
+            r"tensor 'a': shape \[0, 9223372036854775808\] is too large",
+        ),  # noqa: E501
+        (
+            {"a": {"dtype": "F16", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}},
+            b"",
+            None,
+            r"tensor 'a': shape .* is too large",
+        ),  # noqa: E501
         (b"[" * 100_000, b"", None, r"not valid JSON"),
         (b'{"a": ' + b"9" * 5000 + b"}", b"", None, r"not valid JSON"),
     ],
@@ -208,11 +270,13 @@ def test_a_file_truncated_after_validation_fails_cleanly(tmp_path):
         io.read_into(header, {"w": torch.empty(1000)})
 
 
-VALID_ENTRY = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "F16", "I64", "BOOL", "U8", "XX", 3]),
-    "shape": st.lists(st.integers(-2, 6), max_size=3) | st.text(max_size=3),
-    "data_offsets": st.lists(st.integers(-4, 200), min_size=0, max_size=3),
-})  # fmt: skip
+VALID_ENTRY = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "F16", "I64", "BOOL", "U8", "XX", 3]),
+        "shape": st.lists(st.integers(-2, 6), max_size=3) | st.text(max_size=3),
+        "data_offsets": st.lists(st.integers(-4, 200), min_size=0, max_size=3),
+    }
+)
 HEADERS = st.dictionaries(st.text(max_size=6), VALID_ENTRY | st.integers() | st.none() | st.text(), max_size=5)
 
 
@@ -259,8 +323,9 @@ FULL_DISK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.native, id="native"),
-                                    pytest.param(False, id="fallback")])  # fmt: skip
+@pytest.mark.parametrize(
+    "native", [pytest.param(True, marks=pytest.mark.native, id="native"), pytest.param(False, id="fallback")]
+)
 def test_a_full_disk_is_a_clear_error_and_leaves_no_temporary_file(tmp_path, native):
     """A 1 MiB tmpfs, mounted in a user namespace of a child process (skipped where that is not allowed)."""
     unshare = shutil.which("unshare")
@@ -272,8 +337,9 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_temporary_file(tmp_path, nat
     script.write_text(FULL_DISK_SCRIPT)
     env = dict(os.environ, ACCEL_DISABLE_NATIVE="0" if native else "1")
     command = f"mount -t tmpfs -o size=1m tmpfs {mount_point} && exec {sys.executable} {script} {mount_point}"
-    result = subprocess.run([unshare, "-Urm", "sh", "-c", command], capture_output=True, text=True, env=env,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [unshare, "-Urm", "sh", "-c", command], capture_output=True, text=True, env=env, timeout=120
+    )
     if "mount" in result.stderr and result.returncode != 0:
         pytest.skip(f"tmpfs mount refused: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr
@@ -294,7 +360,9 @@ def test_native_bad_arguments_name_the_problem(tmp_path):
         ops.read_tensors_(-1, "missing", [0], [torch.empty(3)])
     (tmp_path / "short").write_bytes(b"\0" * 100)
     with open(tmp_path / "short", "rb") as file:
-        with pytest.raises(RuntimeError, match=r"'short' ended early \(tensor 1 needs bytes up to 140, the file has 100\)"):
+        with pytest.raises(
+            RuntimeError, match=r"'short' ended early \(tensor 1 needs bytes up to 140, the file has 100\)"
+        ):
             ops.read_tensors_(file.fileno(), "short", [0, 60], [torch.empty(10), torch.empty(20)])
     assert (tmp_path / "x").stat().st_size == 0  # refused before any byte moved
 
@@ -329,13 +397,16 @@ def test_gpu_tensors_stream_through_the_pinned_buffers(tmp_path):
         "half": torch.randn(3_000_000, generator=generator).half().cuda(),
         "host": torch.randn(1000, generator=generator),
         "strided": torch.randn(300, 200, generator=generator).cuda().t(),
-    }  # fmt: skip
+    }
     path = tmp_path / "gpu.safetensors"
     io.save_file(tensors, path)
     loaded = io.load_file(path)
     assert all(same(loaded[n], t.cpu()) for n, t in tensors.items())
     header = io.read_header(path)
-    targets = {"big": torch.empty(7_000_001, device="cuda"), "half": torch.empty(3_000_000, dtype=torch.half, device="cuda")}
+    targets = {
+        "big": torch.empty(7_000_001, device="cuda"),
+        "half": torch.empty(3_000_000, dtype=torch.half, device="cuda"),
+    }
     io.read_into(header, targets)
     assert all(same(targets[n].cpu(), tensors[n].cpu()) for n in targets)
 

@@ -114,7 +114,11 @@ def test_default_save_model_is_complete_on_return_and_synced_later(tmp_path, fsy
     model, _ = prepared(accelerator)
     accelerator.save_model(model, str(tmp_path / "out"), max_shard_size="5KB")
     names = sorted(os.listdir(tmp_path / "out"))
-    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     target = prepared(fresh_accelerator(), seed=1)[0]
     load_checkpoint_in_model(target, str(tmp_path / "out"), strict=True)
     assert all(torch.equal(a, b) for a, b in zip(weights(target).values(), weights(model).values()))
@@ -138,8 +142,9 @@ def test_load_state_skips_a_checkpoint_not_made_durable_before_a_restart(tmp_pat
     assert "saved without fsync before this machine restarted" in caplog.text
 
 
-def test_load_state_syncs_a_checkpoint_from_this_boot_and_leaves_its_record_to_the_writer(tmp_path, held_worker,
-                                                                                            fsynced):  # fmt: skip
+def test_load_state_syncs_a_checkpoint_from_this_boot_and_leaves_its_record_to_the_writer(
+    tmp_path, held_worker, fsynced
+):
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
     accelerator = fresh_accelerator(project_config=config)
     model, optimizer = prepared(accelerator)

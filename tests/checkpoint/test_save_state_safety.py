@@ -19,7 +19,7 @@ from spawn_pool import run_on_ranks
 from accel.accelerator import Accelerator
 from accel.checkpoint import background, publish, training_state
 from accel.checkpoint.target_lock import TargetLock, WriterBusyError
-from accel.settings import GradientAccumulationPlugin, ProjectConfiguration
+from accel.settings import GradientAccumulationPlugin
 from accel.state import AcceleratorState, GradientState
 
 
@@ -194,8 +194,12 @@ def _published_pair(folder):
 def test_two_jobs_saving_into_one_folder_publish_only_whole_checkpoints(tmp_path):
     script, folder, start = tmp_path / "job.py", str(tmp_path / "ckpt"), str(tmp_path / "go")
     script.write_text(JOB_SCRIPT)
-    jobs = [subprocess.Popen([sys.executable, str(script), folder, str(job), "15", start], stderr=subprocess.PIPE,
-                             text=True) for job in (1, 2)]  # fmt: skip
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, str(script), folder, str(job), "15", start], stderr=subprocess.PIPE, text=True
+        )
+        for job in (1, 2)
+    ]
     time.sleep(1.0)
     open(start, "w").close()
     seen = set()
@@ -256,8 +260,7 @@ def _fail_background_writes(monkeypatch):
     monkeypatch.setattr(training_state, "write_files", no_space)
 
 
-def test_a_failed_asynchronous_save_raises_at_the_next_join_point_and_leaves_no_partial_folder(tmp_path,
-                                                                                                monkeypatch):  # fmt: skip
+def test_a_failed_asynchronous_save_raises_at_the_next_join_point_and_leaves_no_partial_folder(tmp_path, monkeypatch):
     accelerator = fresh_accelerator()
     prepared_linear(accelerator)
     _fail_background_writes(monkeypatch)
@@ -349,8 +352,7 @@ def test_a_failed_asynchronous_save_makes_the_process_exit_non_zero(tmp_path):
     script.write_text(EXIT_SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    done = subprocess.run([sys.executable, str(script), str(out / "ckpt")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), str(out / "ckpt")], capture_output=True, text=True, timeout=120)
     assert "script finished" in done.stdout
     assert done.returncode == 1, done.stderr
     assert "No space left on device" in done.stderr and "exiting with status 1" in done.stderr

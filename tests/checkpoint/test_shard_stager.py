@@ -17,8 +17,10 @@ class Counted:
 
     def __call__(self):
         self.builds += 1
-        return [("model", {"model": get_model_state_dict(self.model)}),
-                ("optimizer", {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)})]  # fmt: skip
+        return [
+            ("model", {"model": get_model_state_dict(self.model)}),
+            ("optimizer", {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}),
+        ]
 
 
 def make(optimizer_class=torch.optim.AdamW, **options):

@@ -11,10 +11,10 @@ in such a journal (so the tests do not depend on its format).
 """
 
 import json
-import pickle
-import warnings
 import os
+import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -111,14 +111,17 @@ def killed_before_the_old_index_went(folder, monkeypatch):
     assert os.path.exists(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME))
 
 
-INTERRUPTIONS = {"after the first swap": killed_after_the_first_swap,
-                 "before the old index went": killed_before_the_old_index_went}  # fmt: skip
+INTERRUPTIONS = {
+    "after the first swap": killed_after_the_first_swap,
+    "before the old index went": killed_before_the_old_index_went,
+}
 
 
 @pytest.mark.parametrize("loader", list(LOADERS))
 @pytest.mark.parametrize("interruption", list(INTERRUPTIONS))
 def test_a_load_reads_an_interrupted_publish_as_the_new_checkpoint_and_changes_nothing(
-        tmp_path, monkeypatch, interruption, loader):  # fmt: skip
+    tmp_path, monkeypatch, interruption, loader
+):
     folder = str(tmp_path / "out")
     INTERRUPTIONS[interruption](folder, monkeypatch)
     assert os.path.exists(os.path.join(folder, PUBLISH_JOURNAL))
@@ -225,7 +228,8 @@ def save(target, folder):
 @pytest.mark.parametrize("actor", ["load_checkpoint_in_model", "load_checkpoint_and_dispatch", "save"])
 @pytest.mark.parametrize("journal", list(HOSTILE))
 def test_a_journal_naming_anything_but_its_own_entries_is_refused_and_changes_nothing(
-        tmp_path, monkeypatch, journal, actor):  # fmt: skip
+    tmp_path, monkeypatch, journal, actor
+):
     folder = str(tmp_path / "out")
     bad_entry = HOSTILE[journal](tmp_path, folder, monkeypatch)
     before = everything_under(tmp_path)
@@ -282,12 +286,15 @@ def test_an_index_naming_a_shard_outside_its_folder_is_refused(tmp_path, shard, 
     assert index in str(refused.value) and "'2.weight'" in str(refused.value) and named in str(refused.value)
 
 
-@pytest.mark.parametrize("weight_map,message", [
-    ([SHARD_1], "weight_map must map tensor names to file names"),
-    ({"0.weight": 1}, "weight_map must map tensor names to file names"),
-    ({"0.weight": ""}, "weight_map entry '0.weight' names ''"),
-    ({"0.weight": "x\0.safetensors"}, "weight_map entry '0.weight' names 'x\\x00.safetensors'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "weight_map,message",
+    [
+        ([SHARD_1], "weight_map must map tensor names to file names"),
+        ({"0.weight": 1}, "weight_map must map tensor names to file names"),
+        ({"0.weight": ""}, "weight_map entry '0.weight' names ''"),
+        ({"0.weight": "x\0.safetensors"}, "weight_map entry '0.weight' names 'x\\x00.safetensors'"),
+    ],
+)
 def test_an_index_with_a_malformed_weight_map_names_the_problem(tmp_path, weight_map, message):
     index = tmp_path / SAFE_WEIGHTS_INDEX_NAME
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

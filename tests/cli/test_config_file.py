@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest
 import yaml
 
+import accel.cli.basic_config as basic_config_module
+from accel.cli.basic_config import write_basic_config
 from accel.cli.config_file import (
     ClusterConfig,
     ConfigError,
@@ -18,9 +19,7 @@ from accel.cli.config_file import (
     load_config,
     save_config,
 )
-import accel.cli.basic_config as basic_config_module
 from accel.unsupported import UnsupportedFeatureError
-from accel.cli.basic_config import write_basic_config
 
 # What `accelerate config` writes (HF Accelerate 0.2x) for two CPU machines with IPEX and mpirun.
 HF_MULTI_CPU = """\
@@ -238,7 +237,8 @@ def test_hf_deepspeed_config_loads_round_trips_and_is_supported(tmp_path):
     config.check_supported()
     written = config.to_dict()
     assert {key: value for key, value in yaml.safe_load(HF_DEEPSPEED).items() if value != {}} == {
-        key: value for key, value in written.items() if key != "enable_cpu_affinity"}  # (not in this older file)
+        key: value for key, value in written.items() if key != "enable_cpu_affinity"
+    }  # (not in this older file)
 
 
 def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path):
@@ -250,8 +250,9 @@ def test_unsupported_distributed_type_loads_but_is_refused_when_checked(tmp_path
     assert "--multi_gpu" in error.value.instead
 
 
-@pytest.mark.parametrize("kind,feature", [("XLA", "TPU"), ("MEGATRON_LM", "Megatron-LM"),
-                                          ("MULTI_NPU", "other than CUDA GPUs")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,feature", [("XLA", "TPU"), ("MEGATRON_LM", "Megatron-LM"), ("MULTI_NPU", "other than CUDA GPUs")]
+)
 def test_every_unsupported_distributed_type_names_its_backend(kind, feature):
     config = ClusterConfig.from_dict({"distributed_type": kind}, source="c.yaml")
     with pytest.raises(UnsupportedFeatureError, match=f"{feature}.*asked for by c.yaml: distributed_type: {kind}"):

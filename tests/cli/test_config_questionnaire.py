@@ -72,9 +72,22 @@ def test_dynamo_answers_are_saved_to_the_default_path(tmp_path):
 def test_multi_node_answers(tmp_path):
     path = tmp_path / "nodes.yaml"
     answers = [
-        "0", "multi-GPU", "2", "1", "10.1.2.3", "29501", "no", "c10d", "yes",  # machines, network, debug
-        "", "", "", "4", "0,1", "fp16",  # no dynamo, DeepSpeed or FSDP, 4 GPUs in total, GPU ids, precision
-    ]  # fmt: skip
+        "0",
+        "multi-GPU",
+        "2",
+        "1",
+        "10.1.2.3",
+        "29501",
+        "no",
+        "c10d",
+        "yes",  # machines, network, debug
+        "",
+        "",
+        "",
+        "4",
+        "0,1",
+        "fp16",  # no dynamo, DeepSpeed or FSDP, 4 GPUs in total, GPU ids, precision
+    ]
     data = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)], answers), path)
     assert (data["distributed_type"], data["num_machines"], data["machine_rank"]) == ("MULTI_GPU", 2, 1)
     assert (data["main_process_ip"], data["main_process_port"]) == ("10.1.2.3", 29501)
@@ -85,21 +98,30 @@ def test_multi_node_answers(tmp_path):
 def test_invalid_answers_are_asked_again_with_the_allowed_values(tmp_path):
     path = tmp_path / "c.yaml"
     answers = [
-        "1", "0",  # SageMaker is refused, then this machine
-        "quantum", "multi-cpu",
-        "many", "1",
-        "maybe", "no",
-        "no", "no",
-        "0", "3",
-        "fp12", "BF16",
-    ]  # fmt: skip
+        "1",
+        "0",  # SageMaker is refused, then this machine
+        "quantum",
+        "multi-cpu",
+        "many",
+        "1",
+        "maybe",
+        "no",
+        "no",
+        "no",
+        "0",
+        "3",
+        "fp12",
+        "BF16",
+    ]
     result = run_accel(tmp_path, ["config", "--config_file", str(path)], answers)
     data = saved_yaml(result, path)
     assert (data["distributed_type"], data["num_processes"], data["mixed_precision"]) == ("MULTI_CPU", 3, "bf16")
     out = result.stdout
     assert "Amazon SageMaker is not supported by accel yet" in out
-    assert ("'quantum' is not one of the options; allowed: 0 (No distributed training), 1 (multi-CPU), 2 (multi-GPU), "
-            "3 (multi-CPU with FSDP)") in out  # fmt: skip
+    assert (
+        "'quantum' is not one of the options; allowed: 0 (No distributed training), 1 (multi-CPU), 2 (multi-GPU), "
+        "3 (multi-CPU with FSDP)"
+    ) in out
     assert "'many' is not valid; allowed: an integer >= 1" in out
     assert "'maybe' is not a yes/no answer; allowed: y, yes, true, 1, n, no, false, 0" in out
     assert "'0' is not valid; allowed: an integer >= 1" in out
@@ -114,48 +136,91 @@ def launch_env(path: Path) -> dict[str, str]:
 def test_fsdp2_answers_are_saved_as_hf_writes_them_and_launch(tmp_path):
     path = tmp_path / "fsdp2.yaml"
     answers = [
-        "This machine", "multi-GPU", "1", "no", "no", "no",  # one machine, no debug, no dynamo, no DeepSpeed
-        "yes", "", "", "no",  # FSDP, version 2, reshard after forward, no offload
-        "SIZE_BASED_WRAP", "", "", "", "yes",  # 1e8 parameters, SHARDED_STATE_DICT, RAM-efficient loading, AC
-        "2", "bf16",  # no GPU ids for FSDP, as in HF
-    ]  # fmt: skip
+        "This machine",
+        "multi-GPU",
+        "1",
+        "no",
+        "no",
+        "no",  # one machine, no debug, no dynamo, no DeepSpeed
+        "yes",
+        "",
+        "",
+        "no",  # FSDP, version 2, reshard after forward, no offload
+        "SIZE_BASED_WRAP",
+        "",
+        "",
+        "",
+        "yes",  # 1e8 parameters, SHARDED_STATE_DICT, RAM-efficient loading, AC
+        "2",
+        "bf16",  # no GPU ids for FSDP, as in HF
+    ]
     data = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)], answers), path)
     assert (data["distributed_type"], data["num_processes"], data["use_cpu"]) == ("FSDP", 2, False)
     assert "gpu_ids" not in data
     assert data["fsdp_config"] == {
-        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_offload_params": False,
-        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100000000,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_offload_params": False,
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+        "fsdp_min_num_params": 100000000,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_cpu_ram_efficient_loading": True,
         "fsdp_activation_checkpointing": True,
-    }  # fmt: skip
+    }
     env = launch_env(path)
     assert (env["ACCEL_USE_FSDP"], env["FSDP_VERSION"], env["FSDP_AUTO_WRAP_POLICY"]) == (
-        "true", "2", "SIZE_BASED_WRAP")
+        "true",
+        "2",
+        "SIZE_BASED_WRAP",
+    )
     assert (env["FSDP_ACTIVATION_CHECKPOINTING"], env["FSDP_STATE_DICT_TYPE"]) == ("true", "SHARDED_STATE_DICT")
 
 
 def test_fsdp1_on_cpus_asks_again_for_what_fsdp2_cannot_do(tmp_path):
     path = tmp_path / "fsdp1.yaml"
     answers = [
-        "0", "multi-CPU with FSDP", "1", "no", "no", "no",  # one machine, no debug, no IPEX, no dynamo
-        "1", "SHARD_GRAD_OP", "",  # FSDP version 1, its sharding strategy, no offload
-        "TRANSFORMER_BASED_WRAP", "no", "GPT2Block",
-        "BACKWARD_POST", "0",  # refused, then BACKWARD_PRE
-        "LOCAL_STATE_DICT", "FULL_STATE_DICT",  # refused, then FULL_STATE_DICT
-        "yes", "no",  # forward prefetch: refused, then no
-        "", "no", "", "",  # use_orig_params, no RAM-efficient loading so sync_module_states is asked, no checkpointing
-        "2", "no",
-    ]  # fmt: skip
+        "0",
+        "multi-CPU with FSDP",
+        "1",
+        "no",
+        "no",
+        "no",  # one machine, no debug, no IPEX, no dynamo
+        "1",
+        "SHARD_GRAD_OP",
+        "",  # FSDP version 1, its sharding strategy, no offload
+        "TRANSFORMER_BASED_WRAP",
+        "no",
+        "GPT2Block",
+        "BACKWARD_POST",
+        "0",  # refused, then BACKWARD_PRE
+        "LOCAL_STATE_DICT",
+        "FULL_STATE_DICT",  # refused, then FULL_STATE_DICT
+        "yes",
+        "no",  # forward prefetch: refused, then no
+        "",
+        "no",
+        "",
+        "",  # use_orig_params, no RAM-efficient loading so sync_module_states is asked, no checkpointing
+        "2",
+        "no",
+    ]
     result = run_accel(tmp_path, ["config", "--config_file", str(path)], answers)
     data = saved_yaml(result, path)
     assert (data["distributed_type"], data["use_cpu"], data["num_processes"]) == ("FSDP", True, 2)
     assert data["fsdp_config"] == {
-        "fsdp_version": 1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP", "fsdp_offload_params": False,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block",
-        "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_state_dict_type": "FULL_STATE_DICT",
-        "fsdp_forward_prefetch": False, "fsdp_use_orig_params": True, "fsdp_cpu_ram_efficient_loading": False,
-        "fsdp_sync_module_states": True, "fsdp_activation_checkpointing": False,
-    }  # fmt: skip
+        "fsdp_version": 1,
+        "fsdp_reshard_after_forward": "SHARD_GRAD_OP",
+        "fsdp_offload_params": False,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "GPT2Block",
+        "fsdp_backward_prefetch": "BACKWARD_PRE",
+        "fsdp_state_dict_type": "FULL_STATE_DICT",
+        "fsdp_forward_prefetch": False,
+        "fsdp_use_orig_params": True,
+        "fsdp_cpu_ram_efficient_loading": False,
+        "fsdp_sync_module_states": True,
+        "fsdp_activation_checkpointing": False,
+    }
     for refused in ("backward_prefetch BACKWARD_POST", "state_dict_type LOCAL_STATE_DICT", "forward_prefetch true"):
         assert f"{refused} is not supported by accel: accel runs FSDP1 options on FSDP2" in result.stdout
     env = launch_env(path)
@@ -179,7 +244,9 @@ def test_stdin_closing_early_exits_non_zero_and_saves_nothing(tmp_path):
 def test_config_default_writes_yaml_and_keeps_an_existing_file(tmp_path):
     assert ACCEL_SCRIPT.exists(), f"the `accel` console script is not installed next to {sys.executable}"
     path = tmp_path / "basic.yaml"
-    first = run_accel(tmp_path, ["config", "default", "--mixed_precision", "bf16", "--config_file", str(path)], script=True)
+    first = run_accel(
+        tmp_path, ["config", "default", "--mixed_precision", "bf16", "--config_file", str(path)], script=True
+    )
     data = saved_yaml(first, path)
     assert not path.read_text().lstrip().startswith("{")  # YAML, not HF's JSON-in-a-.yaml
     assert data["mixed_precision"] == "bf16" and data["distributed_type"] in ("NO", "MULTI_GPU")
@@ -197,8 +264,19 @@ def test_config_default_writes_yaml_and_keeps_an_existing_file(tmp_path):
 # --- the answer parsers, in process ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("answer, expected", [("y", True), ("YES", True), ("true", True), ("1", True),
-                                              ("n", False), ("No", False), ("FALSE", False), ("0", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("y", True),
+        ("YES", True),
+        ("true", True),
+        ("1", True),
+        ("n", False),
+        ("No", False),
+        ("FALSE", False),
+        ("0", False),
+    ],
+)
 def test_yes_no_spellings(answer, expected):
     assert parse_yes_no(answer) is expected
 

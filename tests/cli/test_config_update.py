@@ -85,10 +85,14 @@ def test_to_fsdp2_converts_hf_accelerates_keys(tmp_path, caplog):
     assert main(["to-fsdp2", "--config_file", str(source), "--output_file", str(output)]) == 0
     fsdp = yaml.safe_load(output.read_text())["fsdp_config"]
     assert fsdp == {
-        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_offload_params": False, "fsdp_reshard_after_forward": False, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_cpu_ram_efficient_loading": True,
+        "fsdp_offload_params": False,
+        "fsdp_reshard_after_forward": False,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_transformer_layer_cls_to_wrap": "BertLayer",
-    }  # fmt: skip
+    }
     assert load_config(output).distributed_type == "FSDP" and source.read_text() == FSDP1
     assert "FSDP1 to FSDP2: SHARD_GRAD_OP → reshard_after_forward false" in caplog.text
     # One rule: `accel launch` runs the FSDP1 file with the converted file's variables.
@@ -117,5 +121,7 @@ def test_tpu_config_parses_hf_options_and_refuses(capsys):
     argv = ["tpu-config", "--tpu_name", "pod", "--tpu_zone", "z", "--command", "echo", "hi", "--install_accelerate"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("accel tpu-config: error: Running on TPU pods is not supported by accel (asked for by "
-                          "accel tpu-config --tpu_name --tpu_zone --command)")  # fmt: skip
+    assert err.startswith(
+        "accel tpu-config: error: Running on TPU pods is not supported by accel (asked for by "
+        "accel tpu-config --tpu_name --tpu_zone --command)"
+    )

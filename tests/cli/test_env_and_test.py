@@ -23,9 +23,14 @@ def cli_env(tmp_path, **extra):
 
 def accel(tmp_path, *args, stdin=None, timeout=180, **extra_env):
     return subprocess.run(
-        [sys.executable, "-m", "accel", *args], cwd=tmp_path, env=cli_env(tmp_path, **extra_env), input=stdin,
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", "accel", *args],
+        cwd=tmp_path,
+        env=cli_env(tmp_path, **extra_env),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_env_reports_the_native_kernels_as_this_process_sees_them(tmp_path):
@@ -81,16 +86,22 @@ def test_seed_flow_config_then_launch_env_and_test(tmp_path):
     assert f"`accel` config ({path})" in env.stdout and "\t- distributed_type: MULTI_CPU" in env.stdout
 
     script = tmp_path / "world.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         from accel.state import PartialState
         state = PartialState()
-        os.write(1, f"rank {state.process_index} of {state.num_processes} {os.environ['ACCEL_MIXED_PRECISION']}\\n".encode())
+        mixed_precision = os.environ['ACCEL_MIXED_PRECISION']
+        os.write(1, f"rank {state.process_index} of {state.num_processes} {mixed_precision}\\n".encode())
         state.destroy_process_group()
-    """))
+    """)
+    )
     launched = accel(tmp_path, "launch", str(script))
     assert launched.returncode == 0, launched.stderr
-    assert sorted(l for l in launched.stdout.splitlines() if l.startswith("rank")) == ["rank 0 of 2 fp16", "rank 1 of 2 fp16"]
+    assert sorted(line for line in launched.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 of 2 fp16",
+        "rank 1 of 2 fp16",
+    ]
 
     tested = accel(tmp_path, "test")
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -102,7 +113,8 @@ def test_seed_flow_config_then_launch_env_and_test(tmp_path):
 def test_accel_test_names_the_check_that_failed(tmp_path):
     # The real checks.main with one check that fails on rank 1 only: the job must fail and name it.
     script = tmp_path / "failing_checks.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from accel.cli import checks
 
         def check_rank_one_disagrees(state):
@@ -110,7 +122,8 @@ def test_accel_test_names_the_check_that_failed(tmp_path):
 
         checks.CHECKS.append(("ranks agree", check_rank_one_disagrees))
         checks.main()
-    """))
+    """)
+    )
     result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", str(script))
     assert result.returncode != 0
     assert "accel test: check 'ranks agree' failed on rank 1: rank 1 sees something else" in result.stderr

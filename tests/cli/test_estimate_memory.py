@@ -12,8 +12,9 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def tiny_gpt2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gpt2")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128,
-                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128, bos_token_id=0, eos_token_id=0
+    )
     config.save_pretrained(folder)
     return folder
 
@@ -53,7 +54,9 @@ def test_a_local_gpt2_folder_gives_hf_accelerates_table(tiny_gpt2, capsys):
 
 
 def test_chosen_dtypes_only(tiny_gpt2, capsys):
-    assert main(["estimate-memory", str(tiny_gpt2), "--dtypes", "int4", "float32", "--library_name", "transformers"]) == 0
+    assert (
+        main(["estimate-memory", str(tiny_gpt2), "--dtypes", "int4", "float32", "--library_name", "transformers"]) == 0
+    )
     assert list(table_rows(capsys.readouterr().out)) == ["dtype", "int4", "float32"]
 
 

@@ -44,9 +44,13 @@ def isolated_env(tmp_path, **extra):
 
 def accel(tmp_path, *args, timeout=120, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "accel", *args], cwd=tmp_path, env=env or isolated_env(tmp_path),
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [sys.executable, "-m", "accel", *args],
+        cwd=tmp_path,
+        env=env or isolated_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def free_port():
@@ -71,7 +75,9 @@ def test_flags_override_env_which_overrides_the_config_file(tmp_path):
 
 def test_dash_and_underscore_spellings_are_the_same_flag():
     dashed = launch_flags("--num-processes", "2", "--mixed-precision", "bf16", "--dynamo-backend", "inductor", "t.py")
-    underscored = launch_flags("--num_processes", "2", "--mixed_precision", "bf16", "--dynamo_backend", "inductor", "t.py")
+    underscored = launch_flags(
+        "--num_processes", "2", "--mixed_precision", "bf16", "--dynamo_backend", "inductor", "t.py"
+    )
     assert dashed == underscored
 
 
@@ -114,23 +120,37 @@ def test_booleans_read_like_everywhere_else_in_accel():
 
 
 def test_one_machine_without_a_port_picks_a_free_one():
-    argv = torchrun_argv(LaunchConfig(use_cpu=True, num_processes=2, main_process_ip="10.9.9.9", training_script="t.py"))
+    argv = torchrun_argv(
+        LaunchConfig(use_cpu=True, num_processes=2, main_process_ip="10.9.9.9", training_script="t.py")
+    )
     assert "--standalone" in argv and argv[argv.index("--nproc_per_node") + 1] == "2"
     assert "10.9.9.9" not in argv  # as HF: main_process_ip only matters with several machines
     assert argv[-3:] == ["-m", "accel.cli.worker", "t.py"]
 
 
 def test_multi_machine_num_processes_is_the_total():
-    config = LaunchConfig(num_processes=8, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1",
-                          main_process_port=1234, training_script="t.py")  # fmt: skip
+    config = LaunchConfig(
+        num_processes=8,
+        num_machines=2,
+        machine_rank=1,
+        main_process_ip="10.0.0.1",
+        main_process_port=1234,
+        training_script="t.py",
+    )
     argv = torchrun_argv(config)
     assert argv[argv.index("--nproc_per_node") + 1] == "4" and argv[argv.index("--node_rank") + 1] == "1"
     assert argv[argv.index("--master_addr") + 1] == "10.0.0.1" and argv[argv.index("--master_port") + 1] == "1234"
 
 
 def test_machines_on_different_networks_use_a_rendezvous_endpoint():
-    config = LaunchConfig(num_processes=2, num_machines=2, main_process_ip="h", same_network=False,
-                          rdzv_backend="c10d", training_script="t.py")  # fmt: skip
+    config = LaunchConfig(
+        num_processes=2,
+        num_machines=2,
+        main_process_ip="h",
+        same_network=False,
+        rdzv_backend="c10d",
+        training_script="t.py",
+    )
     argv = torchrun_argv(config)
     assert argv[argv.index("--rdzv_endpoint") + 1] == "h:29500" and argv[argv.index("--rdzv_backend") + 1] == "c10d"
 
@@ -143,8 +163,17 @@ def test_module_and_no_python_targets():
 
 
 def test_children_get_the_settings_the_accelerator_reads():
-    env = child_env(LaunchConfig(use_cpu=True, num_processes=2, mixed_precision="bf16", debug=True,
-                                 dynamo_backend="INDUCTOR", gradient_accumulation_steps=4), environ={})  # fmt: skip
+    env = child_env(
+        LaunchConfig(
+            use_cpu=True,
+            num_processes=2,
+            mixed_precision="bf16",
+            debug=True,
+            dynamo_backend="INDUCTOR",
+            gradient_accumulation_steps=4,
+        ),
+        environ={},
+    )
     assert env["ACCEL_MIXED_PRECISION"] == "bf16" and env["ACCEL_DEBUG_MODE"] == "true"
     assert env["ACCEL_DYNAMO_BACKEND"] == "INDUCTOR" and env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] == "4"
     assert int(env["OMP_NUM_THREADS"]) == max(1, os.cpu_count() // 2)
@@ -163,7 +192,9 @@ def test_ipex_asked_for_but_missing_warns_and_runs_without(monkeypatch):
 @pytest.mark.slow
 def test_cpu_num_processes_2_starts_two_ranks(tmp_path):
     script = write(tmp_path / "ranks.py", RANK_SCRIPT)
-    result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "bf16", str(script), "--lr", "1")
+    result = accel(
+        tmp_path, "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "bf16", str(script), "--lr", "1"
+    )
     assert result.returncode == 0, result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
     assert lines == [f"rank {r}/2 MULTI_CPU mp=bf16 args=['--lr', '1']" for r in range(2)]
@@ -177,7 +208,7 @@ def test_module_target_runs_with_python_m(tmp_path):
     write(package / "train.py", RANK_SCRIPT)
     result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "-m", "mypkg.train", "x")
     assert result.returncode == 0, result.stderr
-    assert sorted(l for l in result.stdout.splitlines() if l.startswith("rank"))[1].endswith("args=['x']")
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))[1].endswith("args=['x']")
 
 
 @pytest.mark.slow
@@ -186,12 +217,17 @@ def test_no_python_runs_an_executable(tmp_path):
     script.chmod(0o755)
     result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "--no_python", str(script))
     assert result.returncode == 0, result.stderr
-    assert sorted(l for l in result.stdout.splitlines() if l.startswith("worker")) == ["worker 0 of 2", "worker 1 of 2"]
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("worker")) == [
+        "worker 0 of 2",
+        "worker 1 of 2",
+    ]
 
 
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_job_with_its_traceback_and_no_orphans(tmp_path):
-    script = write(tmp_path / "fail.py", f"""
+    script = write(
+        tmp_path / "fail.py",
+        f"""
         import os, time
         from accel.state import PartialState
         state = PartialState()
@@ -199,7 +235,8 @@ def test_a_failing_rank_ends_the_job_with_its_traceback_and_no_orphans(tmp_path)
         if state.process_index == 1:
             raise ValueError("rank one failed on purpose")
         time.sleep(120)  # rank 0 would wait for ever if the launcher did not stop it
-    """)
+    """,
+    )
     start = time.monotonic()
     result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", str(script), timeout=90)
     elapsed = time.monotonic() - start
@@ -215,15 +252,37 @@ def test_a_failing_rank_ends_the_job_with_its_traceback_and_no_orphans(tmp_path)
 def test_two_launchers_on_localhost_form_one_job(tmp_path):
     script = write(tmp_path / "ranks.py", RANK_SCRIPT)
     port = str(free_port())
-    common = ["launch", "--cpu", "--num_machines", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-              "--num_processes", "4"]  # fmt: skip
+    common = [
+        "launch",
+        "--cpu",
+        "--num_machines",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+        "--num_processes",
+        "4",
+    ]
     env = isolated_env(tmp_path)
     command = [sys.executable, "-m", "accel"]
-    second = subprocess.Popen([*command, *common, "--machine_rank", "1", str(script)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    second = subprocess.Popen(
+        [*command, *common, "--machine_rank", "1", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        first = subprocess.run([*command, *common, "--machine_rank", "0", str(script)], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        first = subprocess.run(
+            [*command, *common, "--machine_rank", "0", str(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out, err = second.communicate(timeout=60)
     finally:
         second.kill()
@@ -241,7 +300,7 @@ def test_the_default_config_file_sets_the_processes(tmp_path):
     script = write(tmp_path / "ranks.py", RANK_SCRIPT)
     result = accel(tmp_path, "launch", str(script))
     assert result.returncode == 0, result.stderr
-    assert len([l for l in result.stdout.splitlines() if l.startswith("rank") and "mp=fp16" in l]) == 2
+    assert len([line for line in result.stdout.splitlines() if line.startswith("rank") and "mp=fp16" in line]) == 2
 
 
 @pytest.mark.parametrize("flag", ["--num_procs", "--num_proc"])  # unknown, and an abbreviation argparse would guess
@@ -257,14 +316,21 @@ def test_a_bad_setting_exits_2_with_the_message(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_by_sigkill(tmp_path):
-    script = write(tmp_path / "sleeper.py", f"""
+    script = write(
+        tmp_path / "sleeper.py",
+        f"""
         import os, time
         open(os.path.join({str(tmp_path)!r}, f"pid{{os.environ['RANK']}}"), "w").write(str(os.getpid()))
         time.sleep(120)
-    """)
-    launcher = subprocess.Popen([sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(script)],
-                                cwd=tmp_path, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+    """,
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(script)],
+        cwd=tmp_path,
+        env=isolated_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:

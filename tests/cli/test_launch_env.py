@@ -15,8 +15,15 @@ from accel.unsupported import UnsupportedFeatureError
 
 
 def test_the_helpers_are_accel_utils_names():
-    for name in ("PrepareForLaunch", "prepare_simple_launcher_cmd_env", "prepare_multi_gpu_env",
-                 "prepare_deepspeed_cmd_env", "prepare_tpu", "prepare_sagemager_args_inputs", "merge_fsdp_weights"):
+    for name in (
+        "PrepareForLaunch",
+        "prepare_simple_launcher_cmd_env",
+        "prepare_multi_gpu_env",
+        "prepare_deepspeed_cmd_env",
+        "prepare_tpu",
+        "prepare_sagemager_args_inputs",
+        "merge_fsdp_weights",
+    ):
         assert callable(getattr(accel.utils, name)), name
     from accel.utils.launch import prepare_simple_launcher_cmd_env
 
@@ -24,8 +31,20 @@ def test_the_helpers_are_accel_utils_names():
 
 
 def test_simple_launcher_command_and_environment():
-    args = launch_command_parser().parse_args(["--cpu", "--num_processes", "2", "--mixed_precision", "bf16",
-                                               "--enable_cpu_affinity", "-m", "pkg.train", "--lr", "1"])  # fmt: skip
+    args = launch_command_parser().parse_args(
+        [
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "bf16",
+            "--enable_cpu_affinity",
+            "-m",
+            "pkg.train",
+            "--lr",
+            "1",
+        ]
+    )
     before = dict(os.environ)
     cmd, env = accel.utils.prepare_simple_launcher_cmd_env(args)
     assert cmd == [sys.executable, "-m", "pkg.train", "--lr", "1"]
@@ -38,9 +57,23 @@ def test_simple_launcher_command_and_environment():
 
 
 def test_multi_gpu_env_sets_torchruns_names_on_args():
-    args = launch_command_parser().parse_args(["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
-                                               "--main_process_ip", "10.0.0.1", "--main_process_port", "1234",
-                                               "--dynamo_backend", "inductor", "train.py"])  # fmt: skip
+    args = launch_command_parser().parse_args(
+        [
+            "--num_processes",
+            "4",
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            "1",
+            "--main_process_ip",
+            "10.0.0.1",
+            "--main_process_port",
+            "1234",
+            "--dynamo_backend",
+            "inductor",
+            "train.py",
+        ]
+    )
     env = accel.utils.prepare_multi_gpu_env(args)
     assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("2", "2", 1)
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 1234)

@@ -13,39 +13,87 @@ import yaml
 from accel.backends import fsdp_options
 from accel.cli.config_file import ConfigError, load_config
 from accel.cli.launch import (
-    LaunchConfig, LaunchError, child_env, dropped_variables, flags_from_args, fsdp_line, resolve, torchrun_argv,
-)  # fmt: skip
+    LaunchConfig,
+    LaunchError,
+    child_env,
+    dropped_variables,
+    flags_from_args,
+    fsdp_line,
+    resolve,
+    torchrun_argv,
+)
 from accel.cli.main import build_parser, main
 from accel.unsupported import UnsupportedFeatureError
 
 # Every FSDP flag of HF Accelerate 1.15, each set away from its default, with fsdp_version 2 (passed through as is).
 EVERY_FLAG = [
-    "--use_fsdp", "--fsdp_version", "2", "--fsdp_offload_params", "true", "--fsdp_min_num_params", "2000",
-    "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--fsdp_reshard_after_forward", "false",
-    "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BertLayer,BertEmbeddings",
-    "--fsdp_backward_prefetch", "BACKWARD_POST", "--fsdp_state_dict_type", "FULL_STATE_DICT",
-    "--fsdp_forward_prefetch", "true", "--fsdp_use_orig_params", "false", "--fsdp_cpu_ram_efficient_loading", "false",
-    "--fsdp_sync_module_states", "false", "--fsdp_activation_checkpointing", "true",
-    "--fsdp_activation_checkpointing_offload", "true",
-]  # fmt: skip
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_offload_params",
+    "true",
+    "--fsdp_min_num_params",
+    "2000",
+    "--fsdp_sharding_strategy",
+    "SHARD_GRAD_OP",
+    "--fsdp_reshard_after_forward",
+    "false",
+    "--fsdp_auto_wrap_policy",
+    "SIZE_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "BertLayer,BertEmbeddings",
+    "--fsdp_backward_prefetch",
+    "BACKWARD_POST",
+    "--fsdp_state_dict_type",
+    "FULL_STATE_DICT",
+    "--fsdp_forward_prefetch",
+    "true",
+    "--fsdp_use_orig_params",
+    "false",
+    "--fsdp_cpu_ram_efficient_loading",
+    "false",
+    "--fsdp_sync_module_states",
+    "false",
+    "--fsdp_activation_checkpointing",
+    "true",
+    "--fsdp_activation_checkpointing_offload",
+    "true",
+]
 EVERY_FLAG_ENV = {
-    "ACCEL_USE_FSDP": "true", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true",
-    "FSDP_MIN_NUM_PARAMS": "2000", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "FSDP_RESHARD_AFTER_FORWARD": "false",
-    "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer,BertEmbeddings",
-    "FSDP_BACKWARD_PREFETCH": "BACKWARD_POST", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
-    "FSDP_FORWARD_PREFETCH": "true", "FSDP_USE_ORIG_PARAMS": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
-    "FSDP_SYNC_MODULE_STATES": "false", "FSDP_ACTIVATION_CHECKPOINTING": "true",
+    "ACCEL_USE_FSDP": "true",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_OFFLOAD_PARAMS": "true",
+    "FSDP_MIN_NUM_PARAMS": "2000",
+    "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
+    "FSDP_RESHARD_AFTER_FORWARD": "false",
+    "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "BertLayer,BertEmbeddings",
+    "FSDP_BACKWARD_PREFETCH": "BACKWARD_POST",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+    "FSDP_FORWARD_PREFETCH": "true",
+    "FSDP_USE_ORIG_PARAMS": "false",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+    "FSDP_SYNC_MODULE_STATES": "false",
+    "FSDP_ACTIVATION_CHECKPOINTING": "true",
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true",
-}  # fmt: skip
+}
 # HF's launch defaults, exported for a bare `--use_fsdp --fsdp_version 2`.
 DEFAULT_ENV = {
-    "ACCEL_USE_FSDP": "true", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
-    "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_OFFLOAD_PARAMS": "false",
+    "ACCEL_USE_FSDP": "true",
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+    "FSDP_OFFLOAD_PARAMS": "false",
     "FSDP_MIN_NUM_PARAMS": "100000000",
-    "FSDP_FORWARD_PREFETCH": "false", "FSDP_USE_ORIG_PARAMS": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
-    "FSDP_SYNC_MODULE_STATES": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false",
+    "FSDP_FORWARD_PREFETCH": "false",
+    "FSDP_USE_ORIG_PARAMS": "true",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "FSDP_SYNC_MODULE_STATES": "true",
+    "FSDP_ACTIVATION_CHECKPOINTING": "false",
     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "false",
-}  # fmt: skip
+}
 
 # What HF Accelerate 1.15 writes for FSDP1 and FSDP2 (its ClusterConfig.to_yaml_file, its questionnaire's keys).
 HF_FSDP1 = """\
@@ -79,7 +127,8 @@ tpu_use_cluster: false
 tpu_use_sudo: false
 use_cpu: false
 """
-HF_FSDP2 = HF_FSDP1.replace("""\
+HF_FSDP2 = HF_FSDP1.replace(
+    """\
 fsdp_config:
   fsdp_activation_checkpointing: false
   fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
@@ -93,7 +142,8 @@ fsdp_config:
   fsdp_transformer_layer_cls_to_wrap: BertLayer
   fsdp_use_orig_params: true
   fsdp_version: 1
-""", """\
+""",
+    """\
 fsdp_config:
   fsdp_activation_checkpointing: false
   fsdp_auto_wrap_policy: SIZE_BASED_WRAP
@@ -103,7 +153,8 @@ fsdp_config:
   fsdp_reshard_after_forward: true
   fsdp_state_dict_type: SHARDED_STATE_DICT
   fsdp_version: 2
-""")
+""",
+)
 
 
 def write(path, text):
@@ -126,8 +177,16 @@ def hf_fsdp_env(*argv):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    fixed = ["--num_processes", "2", "--main_process_port", "29511", "--mixed_precision", "no", "--dynamo_backend",
-             "no"]  # fmt: skip
+    fixed = [
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        "29511",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     args = launch_command_parser().parse_args([*argv, *fixed, "train.py"])
     args, _, _ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
@@ -142,7 +201,8 @@ def test_every_hf_fsdp_flag_reaches_the_ranks_under_hfs_variable():
     assert fsdp_env(resolved("--use_fsdp", "--fsdp_version", "2")) == DEFAULT_ENV
     # Every option of the table is a flag here, except fsdp_ignored_modules (config file only, as in HF).
     assert {flag.lstrip("-") for flag in EVERY_FLAG if flag.startswith("--fsdp_")} == set(fsdp_options.OPTIONS) - {
-        "fsdp_ignored_modules"}
+        "fsdp_ignored_modules"
+    }
 
 
 @pytest.mark.parametrize("argv", [EVERY_FLAG, ["--use_fsdp", "--fsdp_version", "2"]], ids=["every flag", "defaults"])
@@ -153,12 +213,16 @@ def test_fsdp2_flags_export_what_hf_accelerates_launcher_exports(argv):
 
 def test_an_hf_fsdp2_config_file_exports_what_hf_accelerates_launcher_exports(tmp_path):
     path = write(tmp_path / "fsdp2.yaml", HF_FSDP2)
-    assert fsdp_env(resolved("--config_file", str(path))) == {"ACCEL_USE_FSDP": "true",
-                                                                **hf_fsdp_env("--config_file", str(path))}  # fmt: skip
+    assert fsdp_env(resolved("--config_file", str(path))) == {
+        "ACCEL_USE_FSDP": "true",
+        **hf_fsdp_env("--config_file", str(path)),
+    }
 
 
 def test_config_file_keys_with_and_without_prefix_and_ignored_modules(tmp_path):
-    path = write(tmp_path / "c.yaml", """\
+    path = write(
+        tmp_path / "c.yaml",
+        """\
         distributed_type: FSDP
         fsdp_config:
           version: 2
@@ -166,18 +230,24 @@ def test_config_file_keys_with_and_without_prefix_and_ignored_modules(tmp_path):
           transformer_layer_cls_to_wrap: [GPT2Block, GPT2MLP]
           fsdp_auto_wrap_policy: transformer_based_wrap
           fsdp_ignored_modules: "lm_head"
-    """)
+    """,
+    )
     env = fsdp_env(resolved("--config_file", str(path)))
     assert (env["FSDP_VERSION"], env["FSDP_OFFLOAD_PARAMS"], env["FSDP_IGNORED_MODULES"]) == ("2", "true", "lm_head")
     assert (env["FSDP_TRANSFORMER_CLS_TO_WRAP"], env["FSDP_AUTO_WRAP_POLICY"]) == (
-        "GPT2Block,GPT2MLP", "TRANSFORMER_BASED_WRAP")  # a list is joined; HF would pass its repr
+        "GPT2Block,GPT2MLP",
+        "TRANSFORMER_BASED_WRAP",
+    )  # a list is joined; HF would pass its repr
 
 
 def test_precedence_config_file_then_variables_then_flags(tmp_path):
-    path = write(tmp_path / "c.yaml", """\
+    path = write(
+        tmp_path / "c.yaml",
+        """\
         distributed_type: FSDP
         fsdp_config: {fsdp_version: 2, fsdp_offload_params: false, fsdp_state_dict_type: FULL_STATE_DICT}
-    """)
+    """,
+    )
     environ = {"FSDP_OFFLOAD_PARAMS": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}
     env = fsdp_env(resolved("--config_file", str(path), "--fsdp_state_dict_type", "FULL_STATE_DICT", environ=environ))
     assert (env["FSDP_OFFLOAD_PARAMS"], env["FSDP_STATE_DICT_TYPE"]) == ("true", "FULL_STATE_DICT")
@@ -197,8 +267,10 @@ def test_multi_gpu_over_an_fsdp_config_runs_ddp_as_in_hf_and_cpu_keeps_fsdp(tmp_
     ddp = resolved("--config_file", str(path), "--multi_gpu", environ={"ACCELERATE_USE_FSDP": "true"})
     assert not ddp.use_fsdp
     # The ranks follow the launcher, not an inherited ACCELERATE_USE_FSDP=true.
-    assert fsdp_env(ddp, environ={"ACCELERATE_USE_FSDP": "true"}) == {"ACCEL_USE_FSDP": "false",
-                                                                       "ACCELERATE_USE_FSDP": "false"}  # fmt: skip
+    assert fsdp_env(ddp, environ={"ACCELERATE_USE_FSDP": "true"}) == {
+        "ACCEL_USE_FSDP": "false",
+        "ACCELERATE_USE_FSDP": "false",
+    }
     on_cpu = resolved("--config_file", str(path), "--cpu")
     assert on_cpu.use_fsdp and on_cpu.use_cpu
     assert resolved("--config_file", str(path), "--multi_gpu", "--use_fsdp").use_fsdp
@@ -220,18 +292,31 @@ def test_without_fsdp_nothing_of_it_is_exported():
     assert dropped_variables(resolved("--cpu"), {}) == []
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--fsdp_offload_params", "true"], "--fsdp_offload_params has no effect without FSDP: add --use_fsdp"),
-    (["--multi_gpu", "--num_processes", "2", "--fsdp_version", "2"], "--fsdp_version has no effect without FSDP"),
-    (["--use_fsdp", "--fsdp_offload_params", "maybe"], "--fsdp_offload_params: 'maybe' is not valid; expected true or"),
-    (["--use_fsdp", "--fsdp_auto_wrap_policy", "BY_SIZE"], "allowed values: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP"),
-    (["--use_fsdp", "--fsdp_sync_module_states", "false"],
-     "--fsdp_sync_module_states false: fsdp_cpu_ram_efficient_loading (true unless set to false) needs "
-     "fsdp_sync_module_states true"),
-    (["--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--fsdp_reshard_after_forward", "true"],
-     "--fsdp_sharding_strategy SHARD_GRAD_OP and --fsdp_reshard_after_forward true disagree: SHARD_GRAD_OP means "
-     "reshard_after_forward false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--fsdp_offload_params", "true"], "--fsdp_offload_params has no effect without FSDP: add --use_fsdp"),
+        (["--multi_gpu", "--num_processes", "2", "--fsdp_version", "2"], "--fsdp_version has no effect without FSDP"),
+        (
+            ["--use_fsdp", "--fsdp_offload_params", "maybe"],
+            "--fsdp_offload_params: 'maybe' is not valid; expected true or",
+        ),
+        (
+            ["--use_fsdp", "--fsdp_auto_wrap_policy", "BY_SIZE"],
+            "allowed values: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP",
+        ),
+        (
+            ["--use_fsdp", "--fsdp_sync_module_states", "false"],
+            "--fsdp_sync_module_states false: fsdp_cpu_ram_efficient_loading (true unless set to false) needs "
+            "fsdp_sync_module_states true",
+        ),
+        (
+            ["--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--fsdp_reshard_after_forward", "true"],
+            "--fsdp_sharding_strategy SHARD_GRAD_OP and --fsdp_reshard_after_forward true disagree: "
+            "SHARD_GRAD_OP means reshard_after_forward false",
+        ),
+    ],
+)
 def test_bad_fsdp_settings_name_the_flag(argv, message, capsys):
     assert main(["launch", *argv, "train.py"]) == 2
     assert message in capsys.readouterr().err
@@ -241,8 +326,11 @@ def test_a_bad_fsdp_variable_or_key_names_it(tmp_path):
     with pytest.raises(LaunchError, match="FSDP_MIN_NUM_PARAMS: 'many' is not valid; expected an integer >= 0"):
         resolved("--use_fsdp", environ={"FSDP_MIN_NUM_PARAMS": "many"})
     path = write(tmp_path / "c.yaml", "distributed_type: FSDP\nfsdp_config: {fsdp_verison: 2}\n")
-    with pytest.raises(ConfigError, match=r"fsdp_config.fsdp_verison: 2 is not valid; unknown key \(did you mean "
-                                          r"'fsdp_version'\?\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"fsdp_config.fsdp_verison: 2 is not valid; unknown key \(did you mean "
+        r"'fsdp_version'\?\)",
+    ):
         resolved("--config_file", str(path))
 
 
@@ -255,7 +343,8 @@ def test_fsdp1_defaults_run_on_fsdp2_saying_so():
     assert env == {**DEFAULT_ENV, "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}  # FSDP1's format, kept
     assert fsdp_line(config) == (
         "accel launch: fsdp_version 1 options run on FSDP2: FULL_SHARD (FSDP1's default) → reshard_after_forward "
-        "true; state_dict_type FULL_STATE_DICT (FSDP1's default; FSDP2's is SHARDED_STATE_DICT)")
+        "true; state_dict_type FULL_STATE_DICT (FSDP1's default; FSDP2's is SHARDED_STATE_DICT)"
+    )
     assert fsdp_line(resolved("--cpu", "--use_fsdp", "--fsdp_version", "2")) is None
 
 
@@ -269,13 +358,17 @@ def test_each_sharding_strategy_becomes_reshard_after_forward(strategy, reshard)
         assert f"→ reshard_after_forward {reshard}" in fsdp_line(config)
 
 
-@pytest.mark.parametrize("strategy,reshard", [("HYBRID_SHARD", "true"), ("HYBRID_SHARD_ZERO2", "false"),
-                                              ("NO_SHARD", "false")])  # fmt: skip
+@pytest.mark.parametrize(
+    "strategy,reshard", [("HYBRID_SHARD", "true"), ("HYBRID_SHARD_ZERO2", "false"), ("NO_SHARD", "false")]
+)
 def test_strategies_on_a_2d_mesh_are_exported_for_the_ranks_to_build_it(strategy, reshard, monkeypatch):
     config = resolved("--use_fsdp", "--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
     env = fsdp_env(config)
     assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"], env["FSDP_SHARDING_STRATEGY"]) == (
-        "2", reshard, strategy)
+        "2",
+        reshard,
+        strategy,
+    )
     assert ("replicate-only mesh" if strategy == "NO_SHARD" else "2-D mesh") in fsdp_line(config)
     # The ranks' plugin (FSDP2, from these variables) carries the strategy for the mesh; FSDP2 reads no other.
     from accel.backends.fsdp import FullyShardedDataParallelPlugin
@@ -293,20 +386,31 @@ def test_hf_fsdp1_defaults_translate_and_the_others_are_said(tmp_path):
     config = resolved("--config_file", str(write(tmp_path / "fsdp1.yaml", HF_FSDP1)))
     env = fsdp_env(config)
     assert (env["FSDP_VERSION"], env["FSDP_RESHARD_AFTER_FORWARD"], env["FSDP_STATE_DICT_TYPE"]) == (
-        "2", "true", "FULL_STATE_DICT")
+        "2",
+        "true",
+        "FULL_STATE_DICT",
+    )
     assert "FSDP_BACKWARD_PREFETCH" not in env and dropped_variables(config, child_env(config, environ={})) == [
-        "FSDP_BACKWARD_PREFETCH", "FSDP_IGNORED_MODULES"]  # an inherited one would contradict the translation
+        "FSDP_BACKWARD_PREFETCH",
+        "FSDP_IGNORED_MODULES",
+    ]  # an inherited one would contradict the translation
     assert fsdp_line(config) == (
         "accel launch: fsdp_version 1 options run on FSDP2: FULL_SHARD → reshard_after_forward true; backward_prefetch "
-        "BACKWARD_PRE → FSDP2's own prefetching (the next all-gather before each backward)")
+        "BACKWARD_PRE → FSDP2's own prefetching (the next all-gather before each backward)"
+    )
     line = fsdp_line(resolved("--use_fsdp", "--fsdp_use_orig_params", "false"))
     assert "use_orig_params false → FSDP2 always uses the original parameters" in line
 
 
-@pytest.mark.parametrize("option,value", [
-    ("fsdp_backward_prefetch", "BACKWARD_POST"), ("fsdp_backward_prefetch", "NO_PREFETCH"),
-    ("fsdp_forward_prefetch", "true"), ("fsdp_state_dict_type", "LOCAL_STATE_DICT"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "option,value",
+    [
+        ("fsdp_backward_prefetch", "BACKWARD_POST"),
+        ("fsdp_backward_prefetch", "NO_PREFETCH"),
+        ("fsdp_forward_prefetch", "true"),
+        ("fsdp_state_dict_type", "LOCAL_STATE_DICT"),
+    ],
+)
 def test_fsdp1_options_fsdp2_cannot_honour_are_refused_naming_who_asked(tmp_path, option, value):
     variable = fsdp_options.OPTIONS[option].variable
     path = write(tmp_path / "c.yaml", f"distributed_type: FSDP\nfsdp_config:\n  {option}: {value}\n")
@@ -327,8 +431,10 @@ def test_a_refused_fsdp1_option_exits_2_before_anything_starts(tmp_path, capsys)
     script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
     assert main(["launch", "--cpu", "--use_fsdp", "--fsdp_backward_prefetch", "NO_PREFETCH", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("accel launch: error: FSDP1's backward_prefetch NO_PREFETCH is not supported by accel "
-                          "(asked for by --fsdp_backward_prefetch NO_PREFETCH)")  # fmt: skip
+    assert err.startswith(
+        "accel launch: error: FSDP1's backward_prefetch NO_PREFETCH is not supported by accel "
+        "(asked for by --fsdp_backward_prefetch NO_PREFETCH)"
+    )
     assert not marker.exists()
 
 
@@ -346,29 +452,41 @@ def test_hf_fsdp_config_files_load_and_round_trip_unchanged(tmp_path, text):
 
 
 def test_old_and_prefixless_fsdp_keys_load_and_are_checked(tmp_path):
-    old = write(tmp_path / "old.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: "
-                                       "BACKWARD_PRE\n  sharding_strategy: 1\n")  # fmt: skip
+    old = write(
+        tmp_path / "old.yaml",
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n  sharding_strategy: 1\n",
+    )
     assert load_config(old).fsdp_config == {"fsdp_backward_prefetch_policy": "BACKWARD_PRE", "sharding_strategy": 1}
     assert "backward_prefetch BACKWARD_PRE → FSDP2's own" in fsdp_line(resolved("--config_file", str(old)))
     bad = write(tmp_path / "bad.yaml", "distributed_type: FSDP\nfsdp_config: {fsdp_state_dict_type: PICKLE}\n")
-    with pytest.raises(ConfigError, match="fsdp_config.fsdp_state_dict_type: 'PICKLE' is not valid; allowed values: "
-                                          "FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="fsdp_config.fsdp_state_dict_type: 'PICKLE' is not valid; allowed values: "
+        "FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT",
+    ):
         load_config(bad)
 
 
 def test_to_fsdp2_keeps_what_fsdp1_meant_and_refuses_what_fsdp2_cannot_do(tmp_path, capsys):
-    source = write(tmp_path / "hybrid.yaml", "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: "
-                                             "HYBRID_SHARD\n  fsdp_use_orig_params: false\n")  # fmt: skip
+    source = write(
+        tmp_path / "hybrid.yaml",
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n  fsdp_use_orig_params: false\n",
+    )
     output = tmp_path / "out.yaml"
     assert main(["to-fsdp2", "--config_file", str(source), "--output_file", str(output)]) == 0
     assert yaml.safe_load(output.read_text())["fsdp_config"] == {
-        "fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_sharding_strategy": "HYBRID_SHARD",
-        "fsdp_state_dict_type": "FULL_STATE_DICT"}  # fmt: skip
-    refused = write(tmp_path / "post.yaml", "distributed_type: FSDP\nfsdp_config: {fsdp_backward_prefetch: "
-                                            "BACKWARD_POST}\n")  # fmt: skip
+        "fsdp_version": 2,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_sharding_strategy": "HYBRID_SHARD",
+        "fsdp_state_dict_type": "FULL_STATE_DICT",
+    }
+    refused = write(
+        tmp_path / "post.yaml", "distributed_type: FSDP\nfsdp_config: {fsdp_backward_prefetch: BACKWARD_POST}\n"
+    )
     assert main(["to-fsdp2", "--config_file", str(refused), "--output_file", str(tmp_path / "no.yaml")]) == 2
-    assert (f"asked for by {refused}: fsdp_config.fsdp_backward_prefetch: BACKWARD_POST"
-            in capsys.readouterr().err) and not (tmp_path / "no.yaml").exists()  # fmt: skip
+    assert (
+        f"asked for by {refused}: fsdp_config.fsdp_backward_prefetch: BACKWARD_POST" in capsys.readouterr().err
+    ) and not (tmp_path / "no.yaml").exists()
 
 
 # --- HF's launch helpers ---------------------------------------------------------------------------------------
@@ -400,13 +518,28 @@ def test_the_ranks_see_the_translated_environment(tmp_path):
 
     script = write(tmp_path / "env.py", ENV_SCRIPT)
     env = isolated_env(tmp_path, FSDP_BACKWARD_PREFETCH="BACKWARD_PRE")  # read by the launcher, dropped for FSDP2
-    result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "--use_fsdp", "--fsdp_sharding_strategy",
-                   "SHARD_GRAD_OP", str(script), env=env)  # fmt: skip
+    result = accel(
+        tmp_path,
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--use_fsdp",
+        "--fsdp_sharding_strategy",
+        "SHARD_GRAD_OP",
+        str(script),
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
-    assert ("accel launch: fsdp_version 1 options run on FSDP2: SHARD_GRAD_OP → reshard_after_forward false; "
-            "backward_prefetch BACKWARD_PRE → FSDP2's own prefetching") in result.stderr  # fmt: skip
+    assert (
+        "accel launch: fsdp_version 1 options run on FSDP2: SHARD_GRAD_OP → reshard_after_forward false; "
+        "backward_prefetch BACKWARD_PRE → FSDP2's own prefetching"
+    ) in result.stderr
     seen = sorted(line.split(" ", 2)[1:] for line in result.stdout.splitlines() if line.startswith("rank"))
     assert [rank for rank, _ in seen] == ["0", "1"]
-    expected = fsdp_env(LaunchConfig(use_cpu=True, use_fsdp=True, fsdp_sharding_strategy="SHARD_GRAD_OP",
-                                     fsdp_backward_prefetch="BACKWARD_PRE"))  # fmt: skip
+    expected = fsdp_env(
+        LaunchConfig(
+            use_cpu=True, use_fsdp=True, fsdp_sharding_strategy="SHARD_GRAD_OP", fsdp_backward_prefetch="BACKWARD_PRE"
+        )
+    )
     assert all(json.loads(variables) == expected for _, variables in seen)

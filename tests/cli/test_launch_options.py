@@ -45,17 +45,47 @@ def test_every_hf_option_has_both_spellings():
 def test_defaults_are_hf_accelerates():
     args = parse()
     expected = {
-        "config_file": None, "quiet": False, "cpu": False, "multi_gpu": False, "tpu": False, "mixed_precision": None,
-        "num_processes": None, "num_machines": None, "enable_cpu_affinity": False, "dynamo_backend": None,
-        "dynamo_mode": "default", "gpu_ids": None, "same_network": False, "machine_rank": None, "tee": "0",
-        "log_dir": None, "role": "default", "rdzv_backend": "static", "rdzv_conf": "", "max_restarts": 0,
-        "monitor_interval": 0.1, "module": False, "no_python": False, "tpu_use_cluster": False, "vm": None,
-        "main_training_function": None, "downcast_bf16": False, "gradient_clipping": None, "fsdp_version": "1",
-        "fsdp_min_num_params": 10**8, "fsdp_offload_params": "false", "megatron_lm_tp_degree": 1,
-        "megatron_lm_gradient_clipping": 1.0, "fp8_format": "HYBRID", "fp8_override_linear_precision":
-        (False, False, False), "fp8_pad_inner_dim": True, "parallelism_config_sp_seq_length_is_variable": True,
-        "parallelism_config_cp_backend": "torch", "mpirun_hostfile": None, "use_deepspeed": False,
-    }  # fmt: skip
+        "config_file": None,
+        "quiet": False,
+        "cpu": False,
+        "multi_gpu": False,
+        "tpu": False,
+        "mixed_precision": None,
+        "num_processes": None,
+        "num_machines": None,
+        "enable_cpu_affinity": False,
+        "dynamo_backend": None,
+        "dynamo_mode": "default",
+        "gpu_ids": None,
+        "same_network": False,
+        "machine_rank": None,
+        "tee": "0",
+        "log_dir": None,
+        "role": "default",
+        "rdzv_backend": "static",
+        "rdzv_conf": "",
+        "max_restarts": 0,
+        "monitor_interval": 0.1,
+        "module": False,
+        "no_python": False,
+        "tpu_use_cluster": False,
+        "vm": None,
+        "main_training_function": None,
+        "downcast_bf16": False,
+        "gradient_clipping": None,
+        "fsdp_version": "1",
+        "fsdp_min_num_params": 10**8,
+        "fsdp_offload_params": "false",
+        "megatron_lm_tp_degree": 1,
+        "megatron_lm_gradient_clipping": 1.0,
+        "fp8_format": "HYBRID",
+        "fp8_override_linear_precision": (False, False, False),
+        "fp8_pad_inner_dim": True,
+        "parallelism_config_sp_seq_length_is_variable": True,
+        "parallelism_config_cp_backend": "torch",
+        "mpirun_hostfile": None,
+        "use_deepspeed": False,
+    }
     assert {name: getattr(args, name) for name in expected} == expected
     assert args.nondefault == {}
 
@@ -64,8 +94,14 @@ def test_short_forms_and_types():
     args = parse("-t", "3", "-q", "-m", "--max-restarts", "2", "--monitor_interval", "0.5", "--num_processes", "4")
     assert (args.tee, args.quiet, args.module, args.max_restarts, args.monitor_interval) == ("3", True, True, 2, 0.5)
     assert args.num_processes == 4
-    assert args.nondefault == {"tee": "-t", "quiet": "-q", "module": "-m", "max_restarts": "--max-restarts",
-                               "monitor_interval": "--monitor_interval", "num_processes": "--num_processes"}  # fmt: skip
+    assert args.nondefault == {
+        "tee": "-t",
+        "quiet": "-q",
+        "module": "-m",
+        "max_restarts": "--max-restarts",
+        "monitor_interval": "--monitor_interval",
+        "num_processes": "--num_processes",
+    }
 
 
 def test_an_option_repeating_its_default_still_counts_as_given():
@@ -77,9 +113,23 @@ def test_an_option_repeating_its_default_still_counts_as_given():
 
 
 def test_torchrun_options_are_handed_to_torchrun(tmp_path):
-    config = resolved("--cpu", "--num_processes", "2", "--tee", "0:3,1:1", "--log_dir", str(tmp_path), "--role",
-                      "trainer", "--rdzv_conf", "join_timeout=30,read_timeout=10", "--max_restarts", "3",
-                      "--monitor_interval", "0.5")  # fmt: skip
+    config = resolved(
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--tee",
+        "0:3,1:1",
+        "--log_dir",
+        str(tmp_path),
+        "--role",
+        "trainer",
+        "--rdzv_conf",
+        "join_timeout=30,read_timeout=10",
+        "--max_restarts",
+        "3",
+        "--monitor_interval",
+        "0.5",
+    )
     argv = torchrun_argv(config, log_dir="/tmp/fallback")
     pairs = dict(zip(argv, argv[1:]))
     assert pairs["--tee"] == "0:3,1:1" and pairs["--log_dir"] == str(tmp_path) and pairs["--role"] == "trainer"
@@ -88,15 +138,18 @@ def test_torchrun_options_are_handed_to_torchrun(tmp_path):
     assert torchrun_argv(LaunchConfig(training_script="t.py"), log_dir="/tmp/x")[:2] == ["--log_dir", "/tmp/x"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tee", "4"], "tee='4': expected 0, 1, 2 or 3"),
-    (["--tee", "0:1,x"], "tee='0:1,x'"),
-    (["--rdzv_conf", "timeout"], "rdzv_conf='timeout': expected key1=value1,key2=value2"),
-    (["--rdzv_backend", "zookeeper"], "rdzv_backend='zookeeper': expected one of static, c10d"),
-    (["--cpu", "--multi_gpu"], "cannot be used together"),
-    (["--multi_gpu", "--num_processes", "1"], "multi_gpu needs at least 2 processes"),
-    (["--no_python", "--main_training_function", "main"], "cannot be used with --no_python"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tee", "4"], "tee='4': expected 0, 1, 2 or 3"),
+        (["--tee", "0:1,x"], "tee='0:1,x'"),
+        (["--rdzv_conf", "timeout"], "rdzv_conf='timeout': expected key1=value1,key2=value2"),
+        (["--rdzv_backend", "zookeeper"], "rdzv_backend='zookeeper': expected one of static, c10d"),
+        (["--cpu", "--multi_gpu"], "cannot be used together"),
+        (["--multi_gpu", "--num_processes", "1"], "multi_gpu needs at least 2 processes"),
+        (["--no_python", "--main_training_function", "main"], "cannot be used with --no_python"),
+    ],
+)
 def test_bad_values_name_the_option(argv, message):
     with pytest.raises(LaunchError, match=message.replace("(", r"\(")):
         resolved(*argv)
@@ -112,15 +165,22 @@ def test_rendezvous_backend_and_port_on_one_machine():
 
 def test_affinity_downcast_and_accumulation_reach_the_ranks():
     with pytest.warns(UserWarning, match="downcast_bf16 only affects bf16 training on TPUs"):
-        env = child_env(resolved("--cpu", "--enable_cpu_affinity", "--downcast_bf16", "--gradient_accumulation_steps",
-                                 "4"), environ={})  # fmt: skip
+        env = child_env(
+            resolved("--cpu", "--enable_cpu_affinity", "--downcast_bf16", "--gradient_accumulation_steps", "4"),
+            environ={},
+        )
     assert (env["ACCEL_CPU_AFFINITY"], env["ACCEL_DOWNCAST_BF16"], env["ACCEL_GRADIENT_ACCUMULATION_STEPS"]) == (
-        "1", "1", "4")
+        "1",
+        "1",
+        "4",
+    )
     assert "ACCEL_CPU_AFFINITY" not in child_env(resolved("--cpu"), environ={})
 
 
 def test_the_config_files_keys_reach_the_launch(tmp_path):
-    config = write(tmp_path / "c.yaml", """\
+    config = write(
+        tmp_path / "c.yaml",
+        """\
         distributed_type: MULTI_GPU
         num_processes: 4
         enable_cpu_affinity: true
@@ -129,10 +189,15 @@ def test_the_config_files_keys_reach_the_launch(tmp_path):
         same_network: true
         main_training_function: main
         gpu_ids: 0,1,2,3
-    """)
+    """,
+    )
     launch = resolved("--config_file", str(config))
     assert (launch.multi_gpu, launch.num_processes, launch.enable_cpu_affinity, launch.downcast_bf16) == (
-        True, 4, True, True)
+        True,
+        4,
+        True,
+        True,
+    )
     assert (launch.rdzv_backend, launch.same_network, launch.gpu_ids) == ("c10d", True, "0,1,2,3")
     assert launch.main_training_function is None  # HF writes `main` into every file and reads it on TPUs only
     assert not resolved("--config_file", str(config), "--cpu").multi_gpu  # --cpu overrides the file's GPUs
@@ -150,20 +215,23 @@ def test_worker_target_for_main_function_module_and_pinned_executables():
 # --- refusals ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv,feature", [
-    (["--use_megatron_lm"], "Megatron-LM"),
-    (["--megatron_lm_tp_degree", "2"], "Megatron-LM"),
-    (["--fp8_backend", "te"], "FP8"),
-    (["--tpu"], "TPU"),
-    (["--tpu_cluster"], "TPU"),
-    (["--no_tpu_cluster"], "TPU"),
-    (["--vm", "vm-1"], "TPU"),
-    (["--env", "A=1"], "TPU"),
-    (["--aws_access_key_id", "k"], "SageMaker"),
-    (["--mpirun_hostfile", "hosts"], "mpirun"),
-    (["--use_parallelism_config"], "parallelism config"),
-    (["--parallelism_config_tp_size", "2"], "parallelism config"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,feature",
+    [
+        (["--use_megatron_lm"], "Megatron-LM"),
+        (["--megatron_lm_tp_degree", "2"], "Megatron-LM"),
+        (["--fp8_backend", "te"], "FP8"),
+        (["--tpu"], "TPU"),
+        (["--tpu_cluster"], "TPU"),
+        (["--no_tpu_cluster"], "TPU"),
+        (["--vm", "vm-1"], "TPU"),
+        (["--env", "A=1"], "TPU"),
+        (["--aws_access_key_id", "k"], "SageMaker"),
+        (["--mpirun_hostfile", "hosts"], "mpirun"),
+        (["--use_parallelism_config"], "parallelism config"),
+        (["--parallelism_config_tp_size", "2"], "parallelism config"),
+    ],
+)
 def test_backends_accel_does_not_run_are_refused_naming_the_flag(argv, feature):
     with pytest.raises(UnsupportedFeatureError) as error:
         flags_from_args(parse(*argv, "--cpu"))
@@ -188,8 +256,7 @@ def test_a_refused_option_stops_the_launch_before_anything_starts(tmp_path, caps
     script = write(tmp_path / "s.py", f"open({str(marker)!r}, 'w').close()\n")
     assert main(["launch", "--cpu", "--use_megatron_lm", "--megatron_lm_tp_degree", "2", str(script)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("accel launch: error: Megatron-LM is not supported by accel (asked for by "
-                          "--use_megatron_lm)")  # fmt: skip
+    assert err.startswith("accel launch: error: Megatron-LM is not supported by accel (asked for by --use_megatron_lm)")
     assert not marker.exists()
 
 
@@ -197,14 +264,18 @@ def test_a_config_file_asking_for_megatron_lm_exits_2_naming_the_key(tmp_path, c
     config = write(tmp_path / "c.yaml", "distributed_type: MEGATRON_LM\nmegatron_lm_config: {tp_degree: 2}\n")
     assert main(["launch", "--config_file", str(config), "train.py"]) == 2
     assert f"Megatron-LM is not supported by accel (asked for by {config}: distributed_type: MEGATRON_LM)" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize("argv,hint", [
-    (["--num_procs", "2"], "--num_procs (did you mean --num_processes?)"),
-    (["--mixed-precison", "bf16"], "--mixed-precison (did you mean --mixed_precision?)"),
-    (["--enable_cpu_afinity"], "--enable_cpu_afinity (did you mean --enable_cpu_affinity?)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["--num_procs", "2"], "--num_procs (did you mean --num_processes?)"),
+        (["--mixed-precison", "bf16"], "--mixed-precison (did you mean --mixed_precision?)"),
+        (["--enable_cpu_afinity"], "--enable_cpu_afinity (did you mean --enable_cpu_affinity?)"),
+    ],
+)
 def test_an_unknown_option_gets_the_closest_one(argv, hint, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["launch", *argv, "train.py"])
@@ -233,9 +304,27 @@ def test_tee_log_dir_role_affinity_and_main_function_in_one_launch(tmp_path):
 
     script = write(tmp_path / "pinned.py", PINNED_SCRIPT)
     logs = tmp_path / "logs"
-    result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "-t", "3", "--log_dir", str(logs), "--role",
-                   "trainer", "--enable_cpu_affinity", "--downcast_bf16", "--rdzv_conf", "join_timeout=60",
-                   "--main_training_function", "main", str(script), "x")  # fmt: skip
+    result = accel(
+        tmp_path,
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "-t",
+        "3",
+        "--log_dir",
+        str(logs),
+        "--role",
+        "trainer",
+        "--enable_cpu_affinity",
+        "--downcast_bf16",
+        "--rdzv_conf",
+        "join_timeout=60",
+        "--main_training_function",
+        "main",
+        str(script),
+        "x",
+    )
     assert result.returncode == 0, result.stderr
     lines = sorted(line.split(":", 1)[1] for line in result.stdout.splitlines() if line.startswith("[trainer"))
     assert [line.split(" cpus=")[0] for line in lines] == ["rank 0 role=trainer", "rank 1 role=trainer"]
@@ -251,11 +340,14 @@ def test_tee_log_dir_role_affinity_and_main_function_in_one_launch(tmp_path):
 def test_quiet_shows_the_failing_rank_only(tmp_path):
     from test_launch import accel
 
-    script = write(tmp_path / "fail.py", """
+    script = write(
+        tmp_path / "fail.py",
+        """
         import os
         if os.environ["RANK"] == "1":
             raise ValueError("rank one failed on purpose")
-    """)
+    """,
+    )
     result = accel(tmp_path, "launch", "--cpu", "--num_processes", "2", "-q", str(script))
     assert result.returncode == 1
     assert "ValueError: rank one failed on purpose" in result.stderr

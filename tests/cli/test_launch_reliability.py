@@ -60,8 +60,13 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _start_launcher(tmp_path: Path, *args: str, **env: str) -> subprocess.Popen:
     log = open(tmp_path / "launcher.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", *args],
-                            cwd=tmp_path, env=_env(tmp_path, **env), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", *args],
+        cwd=tmp_path,
+        env=_env(tmp_path, **env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _ranks_of(launcher: subprocess.Popen, count: int = 2) -> list[psutil.Process]:
@@ -114,11 +119,20 @@ def _accel_entries() -> set[str]:
 @pytest.mark.parametrize("no_python", [False, True], ids=["python", "no_python"])
 def test_ranks_die_with_a_launcher_killed_while_they_start(tmp_path, no_python):
     if no_python:
-        target = ["--no_python", str(_write(tmp_path / "rank.sh", """
+        target = [
+            "--no_python",
+            str(
+                _write(
+                    tmp_path / "rank.sh",
+                    """
             #!/bin/sh
             echo $$ > "$1/rank$RANK"
             exec sleep 60
-        """, executable=True))]  # fmt: skip
+        """,
+                    executable=True,
+                )
+            ),
+        ]
     else:
         target = [str(_write(tmp_path / "rank.py", SLEEPER))]
     launcher = _start_launcher(tmp_path, *target, str(tmp_path))

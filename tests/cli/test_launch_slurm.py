@@ -24,10 +24,21 @@ def launch_flags(*argv):
 def step(**variables):
     """What srun sets for the launcher on the second node of `srun -N2 --ntasks-per-node=1 accel launch ...` in a
     job of 8 nodes (None removes a variable)."""
-    environ = {"SLURM_JOB_ID": "731234", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
-               "SLURM_STEP_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "8",
-               "SLURM_STEP_NODELIST": "rack[2-3]-gpu[07]", "SLURM_JOB_NODELIST": "rack[1-4]-gpu[07-08]",
-               "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    environ = {
+        "SLURM_JOB_ID": "731234",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "8",
+        "SLURM_STEP_NODELIST": "rack[2-3]-gpu[07]",
+        "SLURM_JOB_NODELIST": "rack[1-4]-gpu[07-08]",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+    }
     environ.update(variables)
     return {name: value for name, value in environ.items() if value is not None}
 
@@ -57,24 +68,41 @@ def test_cpu_processes_keep_one_per_machine_unless_asked():
 
 
 def test_flags_win_over_slurm():
-    flags = launch_flags("--num_machines", "3", "--machine_rank", "2", "--main_process_ip", "10.0.0.9",
-                         "--main_process_port", "1234", "--num_processes", "6", "train.py")  # fmt: skip
+    flags = launch_flags(
+        "--num_machines",
+        "3",
+        "--machine_rank",
+        "2",
+        "--main_process_ip",
+        "10.0.0.9",
+        "--main_process_port",
+        "1234",
+        "--num_processes",
+        "6",
+        "train.py",
+    )
     argv = torchrun_argv(resolve(flags, environ=step(SLURM_GPUS_ON_NODE="4")))
-    assert [option(argv, name) for name in ("--nnodes", "--node_rank", "--nproc_per_node", "--master_addr",
-                                            "--master_port")] == ["3", "2", "2", "10.0.0.9", "1234"]  # fmt: skip
+    assert [
+        option(argv, name) for name in ("--nnodes", "--node_rank", "--nproc_per_node", "--master_addr", "--master_port")
+    ] == ["3", "2", "2", "10.0.0.9", "1234"]
 
 
 def test_a_flag_given_spares_reading_its_variables():
     # Every fact given: nothing of Slurm's is read, so a host list this launcher does not need cannot stop it.
-    flags = launch_flags("--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.9", "--cpu",
-                         "train.py")  # fmt: skip
+    flags = launch_flags(
+        "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.9", "--cpu", "train.py"
+    )
     config = resolve(flags, environ=step(SLURM_STEP_NODELIST="rack[2-", SLURM_NODEID="x", SLURM_STEP_NUM_TASKS="4"))
     assert (config.num_machines, config.machine_rank, config.main_process_ip) == (2, 1, "10.0.0.9")
 
 
 def test_accel_variables_win_over_slurm():
-    environ = step(SLURM_GPUS_ON_NODE="4", ACCEL_MAIN_PROCESS_IP="10.0.0.5", ACCEL_NUM_PROCESSES="2",
-                   ACCEL_MAIN_PROCESS_PORT="2999")  # fmt: skip
+    environ = step(
+        SLURM_GPUS_ON_NODE="4",
+        ACCEL_MAIN_PROCESS_IP="10.0.0.5",
+        ACCEL_NUM_PROCESSES="2",
+        ACCEL_MAIN_PROCESS_PORT="2999",
+    )
     config = resolve(launch_flags("train.py"), environ=environ)
     assert (config.main_process_ip, config.num_processes, config.main_process_port) == ("10.0.0.5", 2, 2999)
     assert (config.num_machines, config.machine_rank) == (2, 1)
@@ -82,10 +110,11 @@ def test_accel_variables_win_over_slurm():
 
 def test_slurm_wins_over_the_config_file_but_keeps_its_port(tmp_path):
     config_file = tmp_path / "c.yaml"
-    config_file.write_text("distributed_type: MULTI_GPU\nnum_machines: 4\nmachine_rank: 0\nnum_processes: 32\n"
-                           "main_process_ip: 10.1.1.1\nmain_process_port: 29555\n")  # fmt: skip
-    config = resolve(launch_flags("--config_file", str(config_file), "train.py"),
-                     environ=step(SLURM_GPUS_ON_NODE="2"))  # fmt: skip
+    config_file.write_text(
+        "distributed_type: MULTI_GPU\nnum_machines: 4\nmachine_rank: 0\nnum_processes: 32\n"
+        "main_process_ip: 10.1.1.1\nmain_process_port: 29555\n"
+    )
+    config = resolve(launch_flags("--config_file", str(config_file), "train.py"), environ=step(SLURM_GPUS_ON_NODE="2"))
     assert (config.num_machines, config.machine_rank, config.main_process_ip) == (2, 1, "rack2-gpu07")
     assert (config.num_processes, config.main_process_port, config.multi_gpu) == (4, 29555, True)
 
@@ -97,16 +126,28 @@ def test_the_allocations_host_list_is_read_when_the_steps_is_missing():
 
 def test_outside_an_srun_step_the_launch_is_as_without_slurm():
     # `accel launch` straight in a batch script: sbatch exports the allocation, but srun started nothing.
-    environ = step(SLURM_STEP_NUM_TASKS=None, SLURM_STEP_NUM_NODES=None, SLURM_STEP_NODELIST=None,
-                   SLURM_STEP_TASKS_PER_NODE=None, SLURM_NODEID="0", SLURM_GPUS_ON_NODE="4")  # fmt: skip
+    environ = step(
+        SLURM_STEP_NUM_TASKS=None,
+        SLURM_STEP_NUM_NODES=None,
+        SLURM_STEP_NODELIST=None,
+        SLURM_STEP_TASKS_PER_NODE=None,
+        SLURM_NODEID="0",
+        SLURM_GPUS_ON_NODE="4",
+    )
     config = resolve(launch_flags("--cpu", "train.py"), environ=environ)
     assert (config.num_machines, config.machine_rank, config.main_process_ip) == (1, 0, None)
     assert "--standalone" in torchrun_argv(config)
 
 
 def test_a_one_node_step_keeps_picking_a_free_port():
-    environ = step(SLURM_STEP_NUM_TASKS="1", SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="gpu07", SLURM_NODEID="0",
-                   SLURM_STEP_TASKS_PER_NODE="1", SLURM_GPUS_ON_NODE="2")  # fmt: skip
+    environ = step(
+        SLURM_STEP_NUM_TASKS="1",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_STEP_NODELIST="gpu07",
+        SLURM_NODEID="0",
+        SLURM_STEP_TASKS_PER_NODE="1",
+        SLURM_GPUS_ON_NODE="2",
+    )
     config = resolve(launch_flags("train.py"), environ=environ)
     argv = torchrun_argv(config)
     assert "--standalone" in argv and config.main_process_port is None and option(argv, "--nproc_per_node") == "2"
@@ -115,9 +156,11 @@ def test_a_one_node_step_keeps_picking_a_free_port():
 @pytest.mark.parametrize(
     "variables,message",
     [
-        ({"SLURM_STEP_NUM_TASKS": "4"},
-         "SLURM_STEP_NUM_TASKS=4 with SLURM_STEP_NUM_NODES=2: `srun accel launch` starts the processes of one machine "
-         "per task, so it needs one task per node (srun --ntasks-per-node=1)"),
+        (
+            {"SLURM_STEP_NUM_TASKS": "4"},
+            "SLURM_STEP_NUM_TASKS=4 with SLURM_STEP_NUM_NODES=2: `srun accel launch` starts the processes of one "
+            "machine per task, so it needs one task per node (srun --ntasks-per-node=1)",
+        ),
         ({"SLURM_STEP_NODELIST": "rack[2-3-gpu07"}, "SLURM_STEP_NODELIST='rack[2-3-gpu07': not a Slurm host list"),
         ({"SLURM_NODEID": "one"}, "SLURM_NODEID='one': not an integer"),
         ({"SLURM_NODEID": None}, "SLURM_NODEID is not set, though srun started this process"),
@@ -136,8 +179,14 @@ def test_bad_slurm_values_are_launch_errors_naming_the_variable(variables, messa
 def test_the_command_exits_2_naming_the_variable(tmp_path):
     env = {name: value for name, value in os.environ.items() if not name.startswith(("ACCEL_", "ACCELERATE_"))}
     env.update(step(SLURM_STEP_NUM_TASKS="4"), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    result = subprocess.run([sys.executable, "-m", "accel", "launch", "--cpu", "train.py"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "accel", "launch", "--cpu", "train.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "srun --ntasks-per-node=1" in result.stderr
 
 
@@ -166,13 +215,22 @@ def _free_job_id():
 
 
 def _launcher_env(tmp_path, node, job_id):
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("ACCEL_", "ACCELERATE_", "SLURM_"))}  # fmt: skip
+    env = {
+        name: value for name, value in os.environ.items() if not name.startswith(("ACCEL_", "ACCELERATE_", "SLURM_"))
+    }
     if "ACCEL_DISABLE_NATIVE" in os.environ:  # keep the suite's native/fallback mode
         env["ACCEL_DISABLE_NATIVE"] = os.environ["ACCEL_DISABLE_NATIVE"]
-    env.update(step(SLURM_JOB_ID=job_id, SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1", SLURM_NODEID=str(node),
-                    SLURM_PROCID=str(node)),
-               XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path), ACCEL_PROCESS_GROUP_TIMEOUT="60")
+    env.update(
+        step(
+            SLURM_JOB_ID=job_id,
+            SLURM_STEP_NODELIST="127.0.0.1,127.0.0.1",
+            SLURM_NODEID=str(node),
+            SLURM_PROCID=str(node),
+        ),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        TMPDIR=str(tmp_path),
+        ACCEL_PROCESS_GROUP_TIMEOUT="60",
+    )
     return env
 
 
@@ -183,9 +241,17 @@ def test_two_srun_launchers_form_one_job(tmp_path):
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     job_id = _free_job_id()
     command = [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "4", str(script)]
-    launchers = [subprocess.Popen(command, cwd=tmp_path, env=_launcher_env(tmp_path, node, job_id),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for node in range(2)]  # fmt: skip
+    launchers = [
+        subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=_launcher_env(tmp_path, node, job_id),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
     try:
         outputs = [launcher.communicate(timeout=180) for launcher in launchers]
     finally:

@@ -3,20 +3,23 @@
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from spawn_pool import run_on_ranks
 
 from accel.checkpoint import load_file
 from accel.checkpoint.dcp_merge import MergeError, load_dcp_state_dict, merge_fsdp_weights
 from accel.cli.main import main
 from accel.commands.merge import merge_command, merge_command_parser
-from spawn_pool import run_on_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
 
 
 def full_weights():
     generator = torch.Generator().manual_seed(0)
-    return {"fc1.weight": torch.randn(6, 4, generator=generator), "fc1.bias": torch.randn(6, generator=generator),
-            "fc2.weight": torch.randn(3, 6, generator=generator).to(torch.bfloat16)}  # fmt: skip
+    return {
+        "fc1.weight": torch.randn(6, 4, generator=generator),
+        "fc1.bias": torch.randn(6, generator=generator),
+        "fc2.weight": torch.randn(3, 6, generator=generator).to(torch.bfloat16),
+    }
 
 
 def _save_sharded(path):

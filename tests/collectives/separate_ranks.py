@@ -19,8 +19,9 @@ def run_separate_ranks(target: Callable, world_size: int, *args, timeout: float 
     """
     context = multiprocessing.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=target, args=(rank, world_size, port, *args), daemon=True)
-             for rank in range(world_size)]  # fmt: skip
+    ranks = [
+        context.Process(target=target, args=(rank, world_size, port, *args), daemon=True) for rank in range(world_size)
+    ]
     for process in ranks:
         process.start()
     deadline = time.monotonic() + timeout

@@ -71,8 +71,15 @@ def _tensor_collectives(world_size):
         gather({"a": torch.ones(1), "b": "text"})
     except TypeError as error:
         extra["type_error"] = str(error)
-    return {"gathered": gathered, "received": received, "in_place": returned is received,
-            "reduced": reduced, "extra": extra, "tree_after": tree, "single_gather_is_input": gather(tree) is tree}
+    return {
+        "gathered": gathered,
+        "received": received,
+        "in_place": returned is received,
+        "reduced": reduced,
+        "extra": extra,
+        "tree_after": tree,
+        "single_gather_is_input": gather(tree) is tree,
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,8 +114,11 @@ def _expected_reduce(op, world_size):
 
 def _same_bits(a, b):
     a, b = a.contiguous(), b.contiguous()
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def _assert_close(actual, expected):
@@ -134,8 +144,9 @@ def test_tensor_collectives_on_nested_pytrees_of_every_dtype(world_size):
             assert "passed to `gather`" in result["extra"]["type_error"]
         assert result["in_place"]
         assert all(_same_bits(a, e) for a, e in zip(tensor_leaves(result["received"], "b"), source))
-        assert all(_same_bits(a, e) for a, e in zip(tensor_leaves(result["tree_after"], "t"),
-                                                    tensor_leaves(_tree(rank), "t")))  # inputs untouched
+        assert all(
+            _same_bits(a, e) for a, e in zip(tensor_leaves(result["tree_after"], "t"), tensor_leaves(_tree(rank), "t"))
+        )  # inputs untouched
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -151,8 +162,10 @@ def test_reduce_each_op_matches_a_local_computation_bit_identically_on_every_ran
     total = tensor_leaves(results[0]["reduced"]["sum"], "s")[: len(tensor_leaves(_floats(0), "f"))]
     scaled = tensor_leaves(results[0]["extra"]["scaled"], "s")
     assert all(_same_bits(s, t * 0.5) for s, t in zip(scaled, total))
-    assert all(_same_bits(a, b) for a, b in zip(tensor_leaves(results[-1]["extra"]["none"], "n"),
-                                                tensor_leaves(_floats(world_size - 1), "n")))
+    assert all(
+        _same_bits(a, b)
+        for a, b in zip(tensor_leaves(results[-1]["extra"]["none"], "n"), tensor_leaves(_floats(world_size - 1), "n"))
+    )
 
 
 def _object_collectives(world_size):
@@ -178,8 +191,9 @@ def test_object_collectives_with_mixed_python_objects(world_size):
         if world_size == 1:
             assert result["string"] == "rank 0" and result["tuple"] == (0, 1)
             continue
-        assert result["items"] == [x for r in range(world_size) for x in
-                                   ({"rank": r, "text": "x" * r, "pair": (r, None)}, 1.5)]
+        assert result["items"] == [
+            x for r in range(world_size) for x in ({"rank": r, "text": "x" * r, "pair": (r, None)}, 1.5)
+        ]
         assert result["string"] == [f"rank {r}" for r in range(world_size)]
         assert result["tuple"] == [x for r in range(world_size) for x in (r, r + 1)]
 

@@ -11,9 +11,11 @@ from accel.state import PartialState
 
 def _rank_leaves(rank, rows, seed):
     generator = torch.Generator().manual_seed(seed * 10 + rank)
-    return [torch.randn(rows + rank, 3, generator=generator).to(torch.float16),
-            torch.randint(0, 9, (rows * 2 + rank,), generator=generator) > 4,
-            torch.randn(4, 5, generator=generator)[:, 1::2]]  # fmt: skip
+    return [
+        torch.randn(rows + rank, 3, generator=generator).to(torch.float16),
+        torch.randint(0, 9, (rows * 2 + rank,), generator=generator) > 4,
+        torch.randn(4, 5, generator=generator)[:, 1::2],
+    ]
 
 
 def _growing_gathers():

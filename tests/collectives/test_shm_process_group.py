@@ -20,7 +20,6 @@ from spawn_pool import run_on_ranks
 from accel import _ext
 from accel.state import PartialState
 
-
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 ARITHMETIC = ("sum", "product", "min", "max")
@@ -47,9 +46,16 @@ def _shared_backend():
 def _torch_op(op: str):
     if op == "premul_sum":
         return dist._make_nccl_premul_sum(PREMUL)
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
-            "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
-            "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}[op]  # fmt: skip
+    return {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "product": dist.ReduceOp.PRODUCT,
+        "min": dist.ReduceOp.MIN,
+        "max": dist.ReduceOp.MAX,
+        "band": dist.ReduceOp.BAND,
+        "bor": dist.ReduceOp.BOR,
+        "bxor": dist.ReduceOp.BXOR,
+    }[op]
 
 
 def _sample(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
@@ -67,16 +73,30 @@ def reference(parts: list[torch.Tensor], op: str) -> torch.Tensor:
     dtype = parts[0].dtype
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     if dtype == torch.bool:
-        logical = {"sum": torch.logical_or, "max": torch.logical_or, "bor": torch.logical_or,
-                   "product": torch.logical_and, "min": torch.logical_and, "band": torch.logical_and,
-                   "bxor": torch.logical_xor}[op]  # fmt: skip
+        logical = {
+            "sum": torch.logical_or,
+            "max": torch.logical_or,
+            "bor": torch.logical_or,
+            "product": torch.logical_and,
+            "min": torch.logical_and,
+            "band": torch.logical_and,
+            "bxor": torch.logical_xor,
+        }[op]
         result = parts[0]
         for part in parts[1:]:
             result = logical(result, part)
         return result
-    combine = {"sum": torch.add, "avg": torch.add, "premul_sum": torch.add, "product": torch.mul,
-               "min": torch.minimum, "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
-               "bxor": torch.bitwise_xor}[op]  # fmt: skip
+    combine = {
+        "sum": torch.add,
+        "avg": torch.add,
+        "premul_sum": torch.add,
+        "product": torch.mul,
+        "min": torch.minimum,
+        "max": torch.maximum,
+        "band": torch.bitwise_and,
+        "bor": torch.bitwise_or,
+        "bxor": torch.bitwise_xor,
+    }[op]
     result = parts[0].to(wide)
     for part in parts[1:]:
         result = combine(result, part.to(wide))
@@ -211,7 +231,7 @@ def test_broadcast_all_gather_reduce_scatter_match_their_definitions(monkeypatch
     for rank, result in enumerate(results):
         assert result["rounds"] > 0
         for key in [k for k in result if k.startswith("input ")]:
-            item = key[len("input "):]
+            item = key[len("input ") :]
             inputs = [r[key] for r in results]
             assert torch.equal(result[f"broadcast {item}"], inputs[world - 1]), item
             assert torch.equal(result[f"all_gather {item}"], torch.cat(inputs)), item
@@ -241,8 +261,15 @@ def _non_contiguous() -> dict:
     dist.all_gather_into_tensor(in_place, in_place[rank * 5 : (rank + 1) * 5])
     scattered = torch.zeros(4, 2)[:, 1]
     dist.reduce_scatter_tensor(scattered, (torch.arange(4.0 * world) + rank).view(world, 4).t().contiguous().t())
-    return {"transposed": transposed, "base": base, "strided": strided, "outputs": outputs, "flat": flat,
-            "in_place": in_place, "scattered": scattered}  # fmt: skip
+    return {
+        "transposed": transposed,
+        "base": base,
+        "strided": strided,
+        "outputs": outputs,
+        "flat": flat,
+        "in_place": in_place,
+        "scattered": scattered,
+    }
 
 
 @pytest.mark.native
@@ -400,10 +427,15 @@ PARAMETER_CASES = {
 # elements from the first: right for a dense layout (channels_last), wrong for a column (it takes other elements) or
 # an expanded tensor (it runs past the storage). Where it copies into an output, autograd refuses a Parameter or a
 # view of one (and the chunks of all_gather_into_tensor's output when the input is a channels_last Parameter).
-GLOO_RUNS_AS_IS = ["all_reduce channels_last weight", "broadcast channels_last weight",
-                   *[f"all_gather of {name}" for name in GATHERED], "all_gather_into_tensor of a column of a Parameter",
-                   "all_gather_into_tensor of an expanded tensor", "reduce_scatter_tensor of a channels_last weight",
-                   "all_gather_into_tensor coalesced"]  # fmt: skip
+GLOO_RUNS_AS_IS = [
+    "all_reduce channels_last weight",
+    "broadcast channels_last weight",
+    *[f"all_gather of {name}" for name in GATHERED],
+    "all_gather_into_tensor of a column of a Parameter",
+    "all_gather_into_tensor of an expanded tensor",
+    "reduce_scatter_tensor of a channels_last weight",
+    "all_gather_into_tensor coalesced",
+]
 
 
 def _parameters_and_expanded_tensors() -> dict:
@@ -427,10 +459,13 @@ def _parameters_and_expanded_tensors() -> dict:
     after = torch.full((3,), float(rank + 1))
     dist.all_reduce(after)  # the group is still usable
     return {
-        "ours": _all_bits(ours), "reference": _all_bits(reference), "gloo": _all_bits(as_is),
-        "shared_rounds": shared_rounds, "weight": (ours_weight, gloo_weight),
+        "ours": _all_bits(ours),
+        "reference": _all_bits(reference),
+        "gloo": _all_bits(as_is),
+        "shared_rounds": shared_rounds,
+        "weight": (ours_weight, gloo_weight),
         "expanded": (str(refused.value), torch.equal(expanded, _expanded(rank)), after.tolist()),
-    }  # fmt: skip
+    }
 
 
 def _all_bits(results: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
@@ -568,8 +603,9 @@ def _ddp_training(hook: str, share: bool, steps: int = 4) -> tuple[list[float], 
     kwargs = DistributedDataParallelKwargs(comm_hook=hook, comm_state_option=state)
     accelerator = Accelerator(kwargs_handlers=[kwargs])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 3))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
     generator = torch.Generator().manual_seed(accelerator.process_index)
     losses = []
@@ -606,8 +642,9 @@ def _fsdp2_training(share: bool, steps: int = 3) -> list[float]:
     PartialState()
     assert (share_memory_in_default_group() is not None) == share
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                torch.nn.Linear(32, 4))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)

@@ -24,8 +24,14 @@ GROUP_TIMEOUT_S = 60
 
 
 def _start_rank(rank: int, world: int, port: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from accel.collectives.shm_process_group import share_memory_in_default_group
 

@@ -132,9 +132,11 @@ def _different_collectives(pairing: str):
     _shm()
     calls = {
         "gather/gather_object": (lambda: gather(torch.ones(2)), lambda: gather_object(["x"])),
-        "pad_across_processes/wait_for_everyone": (lambda: pad_across_processes(torch.ones(2)),
-                                                   lambda: PartialState().wait_for_everyone()),
-    }[pairing]  # fmt: skip
+        "pad_across_processes/wait_for_everyone": (
+            lambda: pad_across_processes(torch.ones(2)),
+            lambda: PartialState().wait_for_everyone(),
+        ),
+    }[pairing]
     try:
         calls[rank]()
         message = None
@@ -239,8 +241,9 @@ def test_forked_dataloader_workers_inherit_no_mapping(group_of_one):
     _, token = group_of_one
     name = f"accel-{token}-r0"
     assert _MappingSeen(name)[0].tolist() == [True, True]  # the parent maps it
-    loader = torch.utils.data.DataLoader(_MappingSeen(name), batch_size=1, num_workers=1,
-                                         multiprocessing_context="fork")  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        _MappingSeen(name), batch_size=1, num_workers=1, multiprocessing_context="fork"
+    )
     assert [batch.tolist() for batch in loader] == [[[False, False]]] * 2
 
 
@@ -272,9 +275,15 @@ def test_a_forked_child_cannot_use_the_group(group_of_one):
 def _dies_in_setup(rank: int, world_size: int, port: int, sig: int, report_dir: str) -> None:
     """One rank of a 2-rank job; rank 1 records the group's token and kills itself with `sig` right after
     creating its segment, inside the set-up window (before every peer has attached)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      ACCEL_PROCESS_GROUP_TIMEOUT="30")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ACCEL_PROCESS_GROUP_TIMEOUT="30",
+    )
     from accel import ops
 
     if rank == 1:

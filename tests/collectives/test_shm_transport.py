@@ -22,8 +22,19 @@ from accel.state import PartialState
 
 pytestmark = pytest.mark.native
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.complex64]  # fmt: skip
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,8 +69,11 @@ def _parity_on_rank():
     shm, reference = _shm(), TorchDistributedTransport()
     failures = []
     for index, dtype in enumerate(DTYPES):
-        leaves = [_values(dtype, (3, 5), index * 10 + rank), _values(dtype, (4, 2, 3), index)[:, ::2],  # strided
-                  _values(dtype, (0, 7), rank)]  # fmt: skip
+        leaves = [
+            _values(dtype, (3, 5), index * 10 + rank),
+            _values(dtype, (4, 2, 3), index)[:, ::2],  # strided
+            _values(dtype, (0, 7), rank),
+        ]
         for ours, theirs in zip(shm.all_gather(leaves), reference.all_gather(leaves)):
             if not _same_bits(ours, theirs):
                 failures.append(f"all_gather {dtype}")
@@ -98,7 +112,9 @@ def _reduce_parity(shm, reference, dtype, index):
             else:
                 expected = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](expected, part)
         exact = not (dtype.is_floating_point or dtype.is_complex)
-        if not _same_bits(ours, expected) or (exact and not _same_bits(ours, reference.all_reduce([parts[rank]], op)[0])):
+        if not _same_bits(ours, expected) or (
+            exact and not _same_bits(ours, reference.all_reduce([parts[rank]], op)[0])
+        ):
             failures.append(f"all_reduce {op} {dtype}")
     return failures
 
@@ -136,8 +152,9 @@ def _padded_leaves_parity(ops, shm, rank):
         padded = [pad_reference(leaf, dim, size, -2, pad_first) for leaf, size in zip(leaves, largest)]
         for index, (mine, theirs) in enumerate(zip(ours, TorchDistributedTransport().all_gather_ragged(padded))):
             if not _same_bits(mine, theirs):
-                failures.append(f"padded gather of several leaves: leaf {index} dim={dim} pad_first={pad_first} "
-                                f"on {world} ranks")
+                failures.append(
+                    f"padded gather of several leaves: leaf {index} dim={dim} pad_first={pad_first} on {world} ranks"
+                )
     return failures
 
 
@@ -150,8 +167,11 @@ def test_every_collective_matches_the_reference_bit_for_bit(world_size):
 def _mismatch_on_rank(kind):
     shm = _shm()
     rank = PartialState().process_index
-    leaf = {"ndim": torch.zeros([2] * (rank + 1)), "dtype": torch.zeros(2, dtype=torch.float32 if rank else torch.int32),
-            "count": None}[kind]  # fmt: skip
+    leaf = {
+        "ndim": torch.zeros([2] * (rank + 1)),
+        "dtype": torch.zeros(2, dtype=torch.float32 if rank else torch.int32),
+        "count": None,
+    }[kind]
     leaves = [torch.zeros(2)] * (rank + 1) if kind == "count" else [leaf]
     try:
         shm.all_gather(leaves)
@@ -191,7 +211,9 @@ def _stress_on_rank(rounds):
             time.sleep(torch.rand(1, generator=delays).item() * 0.003)
         mine = (torch.arange(sizes[rank], dtype=torch.int32) + step * 7 + rank) * (rank + 1)
         gathered = shm.all_gather_ragged([mine])[0]
-        expected = torch.cat([(torch.arange(n, dtype=torch.int32) + step * 7 + r) * (r + 1) for r, n in enumerate(sizes)])
+        expected = torch.cat(
+            [(torch.arange(n, dtype=torch.int32) + step * 7 + r) * (r + 1) for r, n in enumerate(sizes)]
+        )
         if not torch.equal(gathered, expected):
             return f"round {step}: wrong data"
     return None
@@ -205,9 +227,16 @@ def test_thousands_of_rounds_with_random_sizes_and_delays(monkeypatch, world_siz
 
 def _killed_mid_call(rank, world_size, port, report_dir):
     """One rank of a job outside the spawn pool (whose fail-fast would stop the survivors before they report)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), ACCEL_SHM_SLOT_BYTES="4096",
-                      ACCEL_PROCESS_GROUP_TIMEOUT="60")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        ACCEL_SHM_SLOT_BYTES="4096",
+        ACCEL_PROCESS_GROUP_TIMEOUT="60",
+    )
     shm = _shm()
     payload = torch.zeros(64 << 20, dtype=torch.uint8)  # 64 MiB in 4 KiB rounds: the kill lands mid-call
     if rank == 1:

@@ -37,18 +37,29 @@ def test_hf_script_passes_under_accel_launch(tmp_path, name):
     script = tmp_path / f"{name}.py"
     script.write_text(re.sub(r"\baccelerate\b", "accel", (folder / f"{name}.py").read_text()))
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(script)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, f"{name} failed under accel launch:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    result = subprocess.run(
+        [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, (
+        f"{name} failed under accel launch:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    )
 
 
 def test_accel_never_imports_hf_accelerate():
     # HF Accelerate is installed beside accel in the test environment: no accel module may lean on it.
-    code = ("import importlib, pkgutil, sys, accel\n"
-            "for info in pkgutil.walk_packages(accel.__path__, 'accel.'):\n"
-            "    if info.name not in ('accel._C', 'accel.__main__'):  # _C loads through accel._ext; __main__ runs the CLI\n"
-            "        importlib.import_module(info.name)\n"
-            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'accelerate'))")  # fmt: skip
+    code = (
+        "import importlib, pkgutil, sys, accel\n"
+        "for info in pkgutil.walk_packages(accel.__path__, 'accel.'):\n"
+        # accel._C loads through accel._ext; accel.__main__ runs the CLI
+        "    if info.name not in ('accel._C', 'accel.__main__'):\n"
+        "        importlib.import_module(info.name)\n"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] == 'accelerate'))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -37,7 +37,7 @@ NOT_PROVIDED: dict[str, str] = {}
 
 
 def _renamed(module: str) -> str:
-    return "accel" + module[len("accelerate"):]
+    return "accel" + module[len("accelerate") :]
 
 
 def _resolves(module: str, name: str | None) -> bool:
@@ -97,18 +97,26 @@ def surfaces() -> dict[str, tuple[list, object]]:
     }
     for cls, names in SURFACE["members"].items():
         table[f"public members of `{cls}`"] = (names, lambda n, cls=cls: hasattr(_state_class(cls), n))
-    table["`accelerate launch` options"] = (SURFACE["launch_options"], lambda o: o in _launch_parser()._option_string_actions)
+    table["`accelerate launch` options"] = (
+        SURFACE["launch_options"],
+        lambda o: o in _launch_parser()._option_string_actions,
+    )
     table["subcommands"] = (SURFACE["subcommands"], lambda name: name in _subcommands())
     table["module paths"] = (SURFACE["module_paths"], lambda path: _resolves(f"accelerate.{path}", None))
     table["names each module path defines"] = (
         [f"{path}:{name}" for path, names in SURFACE["module_names"].items() for name in names],
-        lambda entry: hasattr(importlib.import_module("accel." + entry.split(":")[0]), entry.split(":")[1]))
+        lambda entry: hasattr(importlib.import_module("accel." + entry.split(":")[0]), entry.split(":")[1]),
+    )
     for library, used in SURFACE["libraries"].items():
         table[f"`accelerate` names {library} {used['version']} uses"] = (
-            sorted(used["references"]), lambda reference: _tool().resolves(reference, _renamed))
+            sorted(used["references"]),
+            lambda reference: _tool().resolves(reference, _renamed),
+        )
     for kind in ("examples", "test_scripts"):
         table[f"HF's {kind} whose unconditional imports resolve"] = (
-            sorted(SURFACE[kind]), lambda file, kind=kind: _file_imports_resolve(SURFACE[kind][file]))
+            sorted(SURFACE[kind]),
+            lambda file, kind=kind: _file_imports_resolve(SURFACE[kind][file]),
+        )
     return table
 
 
@@ -155,8 +163,10 @@ def test_names_each_module_path_defines(path):
 
 @pytest.mark.parametrize("kind", ["examples", "test_scripts"])
 def test_unconditional_imports_of_hf_files(kind):
-    missing = {file: [f"{module}.{name}" for module, name in imports if not _resolves(module, name)]
-               for file, imports in SURFACE[kind].items()}  # fmt: skip
+    missing = {
+        file: [f"{module}.{name}" for module, name in imports if not _resolves(module, name)]
+        for file, imports in SURFACE[kind].items()
+    }
     assert {file: names for file, names in missing.items() if names} == {}
 
 
@@ -164,8 +174,9 @@ def test_unconditional_imports_of_hf_files(kind):
 def test_names_libraries_built_on_hf_accelerate_use(library):
     """Frozen: every `accelerate` name the pinned release uses resolves in accel (conditional uses included)."""
     tool, used = _tool(), SURFACE["libraries"][library]
-    missing = {reference: places for reference, places in used["references"].items()
-               if not tool.resolves(reference, _renamed)}  # fmt: skip
+    missing = {
+        reference: places for reference, places in used["references"].items() if not tool.resolves(reference, _renamed)
+    }
     assert missing == {}, _lacking(library, used["version"], missing)
 
 
@@ -184,22 +195,32 @@ def test_the_scan_finds_every_kind_of_use():
         "    return accelerate.__version__, other.accelerate.thing\n"
     )
     assert _tool().accelerate_references(source) == {
-        "accelerate": [1], "accelerate.utils:gather": [3], "accelerate.utils:reduce": [3], "accelerate.hooks": [5],
-        "accelerate:utils.memory.release_memory": [9], "accelerate.hooks:remove_hook_from_module": [10],
+        "accelerate": [1],
+        "accelerate.utils:gather": [3],
+        "accelerate.utils:reduce": [3],
+        "accelerate.hooks": [5],
+        "accelerate:utils.memory.release_memory": [9],
+        "accelerate.hooks:remove_hook_from_module": [10],
         "accelerate:__version__": [11],
-    }  # fmt: skip
+    }
     assert _tool().resolves("accelerate:utils.memory.release_memory", _renamed)
     assert not _tool().resolves("accelerate.utils:no_such_name", _renamed)
     assert not _tool().resolves("accelerate.no_such_module", _renamed)
 
 
 def _lacking(library: str, version: str, missing: dict) -> str:
-    lines = [f"{library} {version} uses `accelerate` names accel lacks, so it breaks under the switch "
-             "(ACCEL_AS_ACCELERATE / --as_accelerate):"]  # fmt: skip
-    lines += [f"  {reference}  (used at {', '.join(places[:3])}{', ...' if len(places) > 3 else ''})"
-              for reference, places in sorted(missing.items())]  # fmt: skip
-    lines.append("Add each to accel with HF Accelerate 1.15's semantics, then refreeze the surface: "
-                 "python tools/hf_surface.py --libraries-only --out tests/conformance/hf_accelerate_surface.json")
+    lines = [
+        f"{library} {version} uses `accelerate` names accel lacks, so it breaks under the switch "
+        "(ACCEL_AS_ACCELERATE / --as_accelerate):"
+    ]
+    lines += [
+        f"  {reference}  (used at {', '.join(places[:3])}{', ...' if len(places) > 3 else ''})"
+        for reference, places in sorted(missing.items())
+    ]
+    lines.append(
+        "Add each to accel with HF Accelerate 1.15's semantics, then refreeze the surface: "
+        "python tools/hf_surface.py --libraries-only --out tests/conformance/hf_accelerate_surface.json"
+    )
     return "\n".join(lines)
 
 
@@ -233,8 +254,14 @@ def test_the_installed_release_uses_only_names_accel_serves(library):
     version = _installed(library)
     used = _scanned(library)["references"]
     env = {k: v for k, v in os.environ.items() if k not in ("ACCEL_AS_ACCELERATE", "ACCELERATE_AS_ACCELERATE")}
-    done = subprocess.run([sys.executable, "-c", _RESOLVE_WITH_THE_SWITCH, str(TOOL)], input=json.dumps(sorted(used)),
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _RESOLVE_WITH_THE_SWITCH, str(TOOL)],
+        input=json.dumps(sorted(used)),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     missing = {reference: used[reference] for reference in json.loads(done.stdout.strip().splitlines()[-1])}
     assert missing == {}, _lacking(library, version, missing)
@@ -257,4 +284,6 @@ if __name__ == "__main__":  # the README's conformance table: python tests/confo
     print(f"HF Accelerate {SURFACE['version']} surface | resolves in accel")
     for title, (entries, check) in surfaces().items():
         missing = _missing(entries, check)
-        print(f"{title} | {len(entries) - len(missing)} / {len(entries)}" + (f"  missing: {missing}" if missing else ""))
+        print(
+            f"{title} | {len(entries) - len(missing)} / {len(entries)}" + (f"  missing: {missing}" if missing else "")
+        )

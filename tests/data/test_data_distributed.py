@@ -6,11 +6,10 @@ Each rank function runs many configurations and returns what failed, so that one
 import itertools
 
 import torch
-import torch.distributed as dist
+from data_fixtures import Stream
 from spawn_pool import run_on_ranks
 from torch.utils.data import DataLoader
 
-from data_fixtures import Stream
 from accel.collectives import gather_ragged
 from accel.data import (
     SeedableRandomSampler,
@@ -57,8 +56,12 @@ def _eval_pass(prepared):
         ends.append(state.end_of_dataloader)
         local.append(rows.tolist())
         kept += gather_for_metrics_truncation(gather_ragged(rows)).tolist()
-        outputs = {"batch": batch, "pair": (rows * 2, [rows[:, None]]), "scalar": torch.tensor(3),
-                   "per_process": torch.ones(1, 2)}  # fmt: skip
+        outputs = {
+            "batch": batch,
+            "pair": (rows * 2, [rows[:, None]]),
+            "scalar": torch.tensor(3),
+            "per_process": torch.ones(1, 2),
+        }
         ours, composed = gather_for_metrics(outputs), gather_for_metrics_truncation(gather_ragged(outputs))
         if _listed(ours) != _listed(composed):
             unlike.append((ours, composed))
@@ -77,17 +80,25 @@ def _expected(length, batch, world, drop_last, split):
 def _grid_on_rank():
     world = PartialState().num_processes
     failures = []
-    grid = itertools.product((1, 5, 7, 16), (1, 3, 4), (False, True), (False, True), (False, True), (False, True),
-                             ("map", "iterable"))
+    grid = itertools.product(
+        (1, 5, 7, 16), (1, 3, 4), (False, True), (False, True), (False, True), (False, True), ("map", "iterable")
+    )
     for length, batch, drop_last, split, dispatch, even, kind in grid:
         if split and batch % world:
             continue
-        case = dict(length=length, batch=batch, drop_last=drop_last, split=split, dispatch=dispatch, even=even,
-                    kind=kind)
+        case = dict(
+            length=length, batch=batch, drop_last=drop_last, split=split, dispatch=dispatch, even=even, kind=kind
+        )
         dataset = Records(length) if kind == "map" else Stream(length)
         loader = DataLoader(dataset, batch_size=batch, drop_last=drop_last)
-        prepared = prepare_data_loader(loader, device=torch.device("cpu"), split_batches=split, put_on_device=True,
-                                       dispatch_batches=dispatch, even_batches=even)
+        prepared = prepare_data_loader(
+            loader,
+            device=torch.device("cpu"),
+            split_batches=split,
+            put_on_device=True,
+            dispatch_batches=dispatch,
+            even_batches=even,
+        )
         kept, ends, local, unlike = _eval_pass(prepared)
         expected = _expected(length, batch, world, drop_last, split)
         if unlike:
@@ -163,8 +174,9 @@ def _resume_on_rank():
     for split, dispatch in itertools.product((False, True), (False, True)):
         set_seed(11)
         loader = DataLoader(range(13), batch_size=2, shuffle=True)
-        prepared = prepare_data_loader(loader, split_batches=split, put_on_device=True, dispatch_batches=dispatch,
-                                       use_seedable_sampler=True)
+        prepared = prepare_data_loader(
+            loader, split_batches=split, put_on_device=True, dispatch_batches=dispatch, use_seedable_sampler=True
+        )
         prepared.set_epoch(4)
         kept, _, local, _ = _eval_pass(prepared)
         resumed = skip_first_batches(prepared, 2)
@@ -173,7 +185,7 @@ def _resume_on_rank():
         case = f"split={split} dispatch={dispatch}"
         if local_after != local[2:]:
             failures.append(f"{case}: resumed batches {local_after}, expected {local[2:]}")
-        if kept_after != kept[2 * prepared.total_batch_size:]:
+        if kept_after != kept[2 * prepared.total_batch_size :]:
             failures.append(f"{case}: resumed gather_for_metrics {kept_after}, full pass {kept}")
         if not ends_after or not ends_after[-1] or len(local_after) != len(resumed):
             failures.append(f"{case}: end_of_dataloader {ends_after}, len {len(resumed)}")
@@ -211,8 +223,12 @@ class _FailsAt(torch.utils.data.Dataset):
 
 
 def _dispatch_failing_dataset():
-    loader = prepare_data_loader(torch.utils.data.DataLoader(_FailsAt(), batch_size=2), device=torch.device("cpu"),
-                                 put_on_device=True, dispatch_batches=True)
+    loader = prepare_data_loader(
+        torch.utils.data.DataLoader(_FailsAt(), batch_size=2),
+        device=torch.device("cpu"),
+        put_on_device=True,
+        dispatch_batches=True,
+    )
     try:
         for _ in loader:
             pass

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from data_fixtures import Stream
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
-from data_fixtures import Stream
 from accel.data import (
     DataLoaderAdapter,
     DataLoaderDispatcher,
@@ -36,8 +36,9 @@ def test_prepared_loader_keeps_dataloader_semantics():
 
 
 def test_iterable_dataset_is_sharded_and_keeps_its_batch_size():
-    prepared = prepare_data_loader(DataLoader(Stream(7), batch_size=4), num_processes=2, process_index=0,
-                                   split_batches=True)
+    prepared = prepare_data_loader(
+        DataLoader(Stream(7), batch_size=4), num_processes=2, process_index=0, split_batches=True
+    )
     assert prepared.batch_size == 2 and prepared.total_batch_size == 4 and len(prepared) == 2
     assert [batch.tolist() for batch in prepared] == [[0, 1], [4, 5]]
 
@@ -58,8 +59,9 @@ def test_remainder_without_even_batches_counts_each_rank_s_last_step():
     # 5 samples, batch 2, 2 processes: rank 1 has one batch (step 0: 4 real samples); rank 0 has two (step 1: 1)
     remainders = []
     for rank in (0, 1):
-        prepared = prepare_data_loader(DataLoader(range(5), batch_size=2), num_processes=2, process_index=rank,
-                                       even_batches=False)
+        prepared = prepare_data_loader(
+            DataLoader(range(5), batch_size=2), num_processes=2, process_index=rank, even_batches=False
+        )
         remainders.append([GradientState().remainder for _ in prepared])
     assert remainders == [[1, 1], [4]]
 
@@ -84,8 +86,9 @@ def test_nested_loaders_report_the_innermost():
 @pytest.mark.parametrize("dispatch", (False, True))
 def test_batches_are_put_on_the_device(dispatch):
     loader = DataLoader([{"x": torch.ones(2), "n": i} for i in range(4)], batch_size=2)
-    prepared = prepare_data_loader(loader, device=torch.device("meta"), put_on_device=True,
-                                   dispatch_batches=dispatch, non_blocking=True)
+    prepared = prepare_data_loader(
+        loader, device=torch.device("meta"), put_on_device=True, dispatch_batches=dispatch, non_blocking=True
+    )
     assert isinstance(prepared, DataLoaderDispatcher if dispatch else DataLoaderShard)
     batches = list(prepared)
     assert len(batches) == 2
@@ -105,8 +108,9 @@ def test_prepare_leaves_the_user_s_objects_alone():
     loader = DataLoader(range(8), batch_size=2, shuffle=True)
     rng_types = ["torch", "generator"]
     original_batch_sampler = loader.batch_sampler
-    prepared = prepare_data_loader(loader, rng_types=rng_types, use_seedable_sampler=True, data_seed=3,
-                                   num_processes=2, process_index=0)
+    prepared = prepare_data_loader(
+        loader, rng_types=rng_types, use_seedable_sampler=True, data_seed=3, num_processes=2, process_index=0
+    )
     assert rng_types == ["torch", "generator"] and prepared.rng_types == ["torch"]
     assert loader.batch_sampler is original_batch_sampler and isinstance(loader.sampler, RandomSampler)
     assert not isinstance(loader.sampler, SeedableRandomSampler)
@@ -137,8 +141,9 @@ def test_skip_first_batches_on_plain_and_prepared_loaders():
 
 
 def _state(end, remainder, rows=None):
-    return SimpleNamespace(end_of_dataloader=end, remainder=remainder,
-                           active_dataloader=SimpleNamespace(_last_global_rows=rows))
+    return SimpleNamespace(
+        end_of_dataloader=end, remainder=remainder, active_dataloader=SimpleNamespace(_last_global_rows=rows)
+    )
 
 
 Pair = namedtuple("Pair", "pred label")
@@ -166,8 +171,12 @@ def test_truncation_of_gather_object_lists():
 
 
 def test_gather_for_metrics_on_one_process_returns_its_input_until_the_last_batch_cuts_it():
-    outputs = {"out": Pair(torch.arange(8), torch.arange(8) * 2), "ids": [torch.arange(8).view(8, 1)],
-               "per_rank": torch.ones(4), "scalar": torch.tensor(1.0)}  # fmt: skip
+    outputs = {
+        "out": Pair(torch.arange(8), torch.arange(8) * 2),
+        "ids": [torch.arange(8).view(8, 1)],
+        "per_rank": torch.ones(4),
+        "scalar": torch.tensor(1.0),
+    }
     assert gather_for_metrics(outputs, _state(False, 5, 8)) is outputs
     assert gather_for_metrics(outputs, _state(True, -1, None)) is outputs
     cut = gather_for_metrics(outputs, _state(True, 5, 8))
@@ -205,8 +214,9 @@ def test_prepared_loaders_pickle():
     import pickle
 
     for dispatch in (False, True):
-        prepared = prepare_data_loader(DataLoader(list(range(6)), batch_size=2), put_on_device=True,
-                                       dispatch_batches=dispatch)
+        prepared = prepare_data_loader(
+            DataLoader(list(range(6)), batch_size=2), put_on_device=True, dispatch_batches=dispatch
+        )
         for _ in prepared:
             pass
         restored = pickle.loads(pickle.dumps(prepared))
@@ -229,8 +239,9 @@ def test_remainder_is_unknown_without_lengths():
 @pytest.mark.parametrize("dispatch", (False, True))
 def test_batches_go_to_cuda_with_non_blocking_copies(dispatch):
     loader = DataLoader(torch.arange(8.0), batch_size=4, pin_memory=True)
-    prepared = prepare_data_loader(loader, device=torch.device("cuda"), put_on_device=True,
-                                   dispatch_batches=dispatch, non_blocking=True)
+    prepared = prepare_data_loader(
+        loader, device=torch.device("cuda"), put_on_device=True, dispatch_batches=dispatch, non_blocking=True
+    )
     batches = list(prepared)
     torch.cuda.synchronize()
     assert all(batch.is_cuda for batch in batches)

@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 import torch
+from data_fixtures import Stream
 from torch.utils.data import BatchSampler
 
-from data_fixtures import Stream
 from accel.data import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler, SkipBatchSampler
 
 
@@ -35,15 +35,31 @@ def test_docstring_example_whole_and_split_batches():
 @pytest.mark.parametrize(
     ("length", "drop_last", "even", "expected"),
     [
-        (21, False, True, [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]],
-                           [[3, 4, 5], [9, 10, 11], [15, 16, 17], [0, 1, 2]]]),
-        (22, False, True, [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]],
-                           [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 0, 1]]]),
-        (20, False, True, [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 0]],
-                           [[3, 4, 5], [9, 10, 11], [15, 16, 17], [1, 2, 3]]]),
+        (
+            21,
+            False,
+            True,
+            [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [0, 1, 2]]],
+        ),
+        (
+            22,
+            False,
+            True,
+            [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 0, 1]]],
+        ),
+        (
+            20,
+            False,
+            True,
+            [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 0]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [1, 2, 3]]],
+        ),
         (20, True, True, [[[0, 1, 2], [6, 7, 8], [12, 13, 14]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]]]),
-        (21, False, False, [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]],
-                            [[3, 4, 5], [9, 10, 11], [15, 16, 17]]]),
+        (
+            21,
+            False,
+            False,
+            [[[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]]],
+        ),
         (2, False, True, [[[0, 1, 0]], [[1, 0, 1]]]),
     ],
 )
@@ -98,8 +114,7 @@ def test_batch_sampler_shard_covers_every_sample_in_order(world):
         if split and batch % world:
             continue
         case = (length, batch, world, drop_last, split, even)
-        per_rank = shards(BatchSampler(range(length), batch, drop_last), world, split_batches=split,
-                          even_batches=even)
+        per_rank = shards(BatchSampler(range(length), batch, drop_last), world, split_batches=split, even_batches=even)
         for rank, batches in enumerate(per_rank):
             shard = BatchSamplerShard(BatchSampler(range(length), batch, drop_last), world, rank, split, even)
             assert len(shard) == len(batches), case
@@ -126,7 +141,7 @@ def test_iterable_dataset_shard_covers_every_sample_in_order(world):
             samples = list(shard)
             assert len(shard) == len(samples), case
             size = shard.process_batch_size
-            per_rank.append([samples[i:i + size] for i in range(0, len(samples), size)])
+            per_rank.append([samples[i : i + size] for i in range(0, len(samples), size)])
         kept = _kept(length, batch, world, drop_last, split)
         flat = steps_in_rank_order(per_rank)
         assert flat[:kept] == list(range(kept)), case

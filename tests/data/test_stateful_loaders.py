@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch
+from data_fixtures import Stream
 from spawn_pool import run_on_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel import Accelerator, DataLoaderConfiguration
 from accel.checkpointing import load_accelerator_state, save_accelerator_state
-from data_fixtures import Stream
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -103,14 +103,21 @@ def _save_state_round_trip(folder, per_rank):
     accelerator.load_state(second)
     sharded_resumed, _ = _run(sharded)
     next_epoch, _ = _run(dispatched)  # `second` saved the dispatched loader after its epoch: the next one is whole
-    return (files, dispatched_after == dispatched_resumed, sharded_after == sharded_resumed, len(sharded_after),
-            len(next_epoch), sorted(n for n in os.listdir(folder) if n.startswith(".")))  # fmt: skip
+    return (
+        files,
+        dispatched_after == dispatched_resumed,
+        sharded_after == sharded_resumed,
+        len(sharded_after),
+        len(next_epoch),
+        sorted(n for n in os.listdir(folder) if n.startswith(".")),
+    )
 
 
 @pytest.mark.parametrize("per_rank", [False, True], ids=["shared-folder", "folder-per-process"])
 def test_save_state_and_load_state_resume_stateful_loaders(tmp_path, per_rank):
     for files, dispatched_ok, sharded_ok, sharded_left, next_epoch, hidden in run_on_ranks(
-            _save_state_round_trip, 2, str(tmp_path), per_rank, timeout=180):  # fmt: skip
+        _save_state_round_trip, 2, str(tmp_path), per_rank, timeout=180
+    ):
         assert files == ["dl_state_dict.bin", "dl_state_dict_1.bin", "sampler.bin", "sampler_1.bin"]
         assert dispatched_ok and sharded_ok and sharded_left == 1 and next_epoch == 6
         assert hidden == []  # no staging folder left behind, also by the process that is not the main one
@@ -134,7 +141,8 @@ def test_a_plain_stateful_dataloader_state_loads(tmp_path):
     iterator = iter(plain)
     next(iterator), next(iterator)
     loader = Accelerator(dataloader_config=DataLoaderConfiguration(**STATEFUL)).prepare(
-        DataLoader(torch.arange(10), batch_size=2))
+        DataLoader(torch.arange(10), batch_size=2)
+    )
     loader.load_state_dict(plain.state_dict())
     assert _run(loader)[0] == [[4, 5], [6, 7], [8, 9]] and loader.iteration == 1
 

@@ -12,8 +12,14 @@ from torch.utils.data import DataLoader
 from accel.test_utils.training import RegressionDataset
 
 # HF's `dist_env`: what `accelerate launch --use_deepspeed` exports to one process.
-DIST_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "MASTER_ADDR": "localhost", "MASTER_PORT": "10999", "RANK": "0",
-            "LOCAL_RANK": "0", "WORLD_SIZE": "1"}  # fmt: skip
+DIST_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "MASTER_ADDR": "localhost",
+    "MASTER_PORT": "10999",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "1",
+}
 
 # The values HF's tests hand `deepspeed_config_process` (fp16 -> bf16: DeepSpeed on CPU has no fp16).
 FILL_KWARGS = {
@@ -33,43 +39,88 @@ FILL_KWARGS = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
 }
 
-_PRECISION = {"fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-                       "hysteresis": 2, "min_loss_scale": 1},
-              "bf16": {"enabled": "auto"}}  # fmt: skip
-_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True,
-                                          "adam_w_mode": True}}  # fmt: skip
-_SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                             "warmup_num_steps": "auto"}}  # fmt: skip
-_BATCH = {"gradient_accumulation_steps": 1, "gradient_clipping": "auto", "steps_per_print": 2000,
-          "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+_PRECISION = {
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": "auto"},
+}
+_OPTIMIZER = {
+    "type": "AdamW",
+    "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True, "adam_w_mode": True},
+}
+_SCHEDULER = {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+}
+_BATCH = {
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
 _CPU = {"device": "cpu", "pin_memory": True}
 
 
 def zero2_config() -> dict:
     """HF's ds_config_zero2.json: ZeRO-2, optimizer state offloaded to the CPU, DeepSpeed's AdamW and WarmupLR."""
-    zero = {"stage": 2, "offload_optimizer": dict(_CPU), "allgather_partitions": True, "allgather_bucket_size": 2e8,
-            "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True}
-    return copy.deepcopy({**_PRECISION, "optimizer": _OPTIMIZER, "scheduler": _SCHEDULER, "zero_optimization": zero,
-                          **_BATCH})  # fmt: skip
+    zero = {
+        "stage": 2,
+        "offload_optimizer": dict(_CPU),
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    }
+    return copy.deepcopy(
+        {**_PRECISION, "optimizer": _OPTIMIZER, "scheduler": _SCHEDULER, "zero_optimization": zero, **_BATCH}
+    )
 
 
 def zero3_config() -> dict:
     """HF's ds_config_zero3.json, with `stage3_gather_16bit_weights_on_model_save` False as its tests set it."""
-    zero = {"stage": 3, "offload_optimizer": dict(_CPU), "offload_param": dict(_CPU), "overlap_comm": True,
-            "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-            "stage3_gather_16bit_weights_on_model_save": False}  # fmt: skip
-    return copy.deepcopy({**_PRECISION, "optimizer": _OPTIMIZER, "scheduler": _SCHEDULER, "zero_optimization": zero,
-                          **_BATCH})  # fmt: skip
+    zero = {
+        "stage": 3,
+        "offload_optimizer": dict(_CPU),
+        "offload_param": dict(_CPU),
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    return copy.deepcopy(
+        {**_PRECISION, "optimizer": _OPTIMIZER, "scheduler": _SCHEDULER, "zero_optimization": zero, **_BATCH}
+    )
 
 
 def zero3_model_only_config() -> dict:
     """HF's ds_config_zero3_model_only.json: an inference engine (no optimizer), parameters offloaded."""
-    zero = {"stage": 3, "offload_param": dict(_CPU), "overlap_comm": True, "sub_group_size": 1e9,
-            "reduce_bucket_size": 1e9, "stage3_prefetch_bucket_size": 1e9, "stage3_param_persistence_threshold": 1e9,
-            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-            "stage3_gather_16bit_weights_on_model_save": True}  # fmt: skip
+    zero = {
+        "stage": 3,
+        "offload_param": dict(_CPU),
+        "overlap_comm": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": 1e9,
+        "stage3_prefetch_bucket_size": 1e9,
+        "stage3_param_persistence_threshold": 1e9,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
     return copy.deepcopy({**_PRECISION, "zero_optimization": zero, "train_micro_batch_size_per_gpu": 1})
 
 
@@ -94,8 +145,7 @@ def linear_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_schedule
     """HF's `get_scheduler("linear", ..., num_warmup_steps=0, num_training_steps=1000)`."""
     import transformers
 
-    return transformers.get_scheduler(name="linear", optimizer=optimizer, num_warmup_steps=0,
-                                      num_training_steps=1000)  # fmt: skip
+    return transformers.get_scheduler(name="linear", optimizer=optimizer, num_warmup_steps=0, num_training_steps=1000)
 
 
 def regression_loaders(train_batch: int = 16, eval_batch: int = 32) -> tuple[DataLoader, DataLoader]:

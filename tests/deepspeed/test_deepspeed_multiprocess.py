@@ -32,8 +32,15 @@ def tiny_causal_lm(seed: int) -> torch.nn.Module:
 def _sharding_and_batch_values():
     plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=2, gradient_clipping=1.0)
     config = plugin.deepspeed_config
-    config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                                "warmup_num_steps": "auto", "total_num_steps": "auto"}}
+    config["scheduler"] = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    }
     config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
     accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16")
     rank = accelerator.process_index
@@ -42,16 +49,22 @@ def _sharding_and_batch_values():
     optimizer = DummyOptim(model.parameters(), lr=1e-2)
     scheduler = DummyScheduler(optimizer, total_num_steps=11, warmup_num_steps=2)
     engine, _, loader, _ = accelerator.prepare(model, optimizer, DataLoader(dataset, batch_size=2), scheduler)
-    under_ddp = prepare_data_loader(DataLoader(dataset, batch_size=2), num_processes=2, process_index=rank,
-                                    put_on_device=False)  # fmt: skip
+    under_ddp = prepare_data_loader(
+        DataLoader(dataset, batch_size=2), num_processes=2, process_index=rank, put_on_device=False
+    )
     seen = [batch.tolist() for batch in loader]
     for step, batch in enumerate(seen):
         tokens = token_batch(2, seed=100 * rank + step)
         with accelerator.accumulate(engine):
             accelerator.backward(engine(input_ids=tokens, labels=tokens).loss)
     weights = torch.cat([parameter.detach().float().flatten() for parameter in engine.module.parameters()])
-    result = {"seen": seen, "ddp": [batch.tolist() for batch in under_ddp], "config": accelerator.deepspeed_config,
-              "global_steps": engine.global_steps, "weights": weights}  # fmt: skip
+    result = {
+        "seen": seen,
+        "ddp": [batch.tolist() for batch in under_ddp],
+        "config": accelerator.deepspeed_config,
+        "global_steps": engine.global_steps,
+        "weights": weights,
+    }
     accelerator.end_training()
     return result
 
@@ -136,7 +149,8 @@ def test_checkpointing_resumes_on_two_processes(tmp_path, stage):
     assert (folder / "latest").read_text().strip() == "pytorch_model"
     files = os.listdir(folder / "pytorch_model")
     for rank in (0, 1):
-        assert any(name.startswith(f"bf16_zero_pp_rank_{rank}_") and name.endswith("optim_states.pt")
-                   for name in files), files  # fmt: skip
+        assert any(
+            name.startswith(f"bf16_zero_pp_rank_{rank}_") and name.endswith("optim_states.pt") for name in files
+        ), files
     assert {"zero_to_fp32.py", "random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(folder))
     assert ("scheduler.bin" in os.listdir(folder)) == (stage == 2)  # ZeRO-3's WarmupLR is inside the engine's

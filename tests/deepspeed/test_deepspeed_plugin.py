@@ -26,8 +26,14 @@ if importlib.util.find_spec("deepspeed") is None:  # not imported here: accel im
 
 STAGES = {"zero2": zero2_config, "zero3": zero3_config}
 # What HF's tests build with ZeRO-3 init on and everything offloaded.
-OFFLOADED = dict(gradient_accumulation_steps=1, gradient_clipping=1.0, offload_optimizer_device="cpu",
-                 offload_param_device="cpu", zero3_save_16bit_model=True, zero3_init_flag=True)  # fmt: skip
+OFFLOADED = dict(
+    gradient_accumulation_steps=1,
+    gradient_clipping=1.0,
+    offload_optimizer_device="cpu",
+    offload_param_device="cpu",
+    zero3_save_16bit_model=True,
+    zero3_init_flag=True,
+)
 
 
 def config_file(folder, config: dict, name: str = "ds_config.json") -> str:
@@ -92,11 +98,15 @@ def test_ds_config(tmp_path, stage):
 def test_plugin_fields_come_from_the_launcher_variables(monkeypatch, tmp_path):
     """What `accelerate launch --use_deepspeed` exports (ACCELERATE_*; accel's ACCEL_* too) fills the unset fields,
     and ACCELERATE_DEEPSPEED_CONFIG_FILE names the config."""
-    for name, value in {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4", "ACCELERATE_GRADIENT_CLIPPING": "0.5",
-                        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
-                        "ACCEL_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
-                        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
-                        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}.items():  # fmt: skip
+    for name, value in {
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4",
+        "ACCELERATE_GRADIENT_CLIPPING": "0.5",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCEL_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
+        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+    }.items():
         monkeypatch.setenv(name, value)
     plugin = DeepSpeedPlugin()
     config = plugin.deepspeed_config
@@ -148,15 +158,26 @@ def test_config_sources(tmp_path):
 def test_ds_config_assertions(monkeypatch, dist_env, tmp_path):
     """HF's test_ds_config_assertions: a config file together with the launcher's DeepSpeed fields (as
     ACCELERATE_CONFIG_DS_FIELDS lists them) is refused, saying which to drop."""
-    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "gradient_accumulation_steps,gradient_clipping,zero_stage,"
-                       "offload_optimizer_device,offload_param_device,zero3_save_16bit_model,mixed_precision")
+    monkeypatch.setenv(
+        "ACCELERATE_CONFIG_DS_FIELDS",
+        "gradient_accumulation_steps,gradient_clipping,zero_stage,"
+        "offload_optimizer_device,offload_param_device,zero3_save_16bit_model,mixed_precision",
+    )
     with pytest.raises(ValueError) as raised:
-        DeepSpeedPlugin(hf_ds_config=config_file(tmp_path, zero3_config()), zero3_init_flag=True,
-                        gradient_accumulation_steps=1, gradient_clipping=1.0, zero_stage=2,
-                        offload_optimizer_device="cpu", offload_param_device="cpu", zero3_save_16bit_model=True)
+        DeepSpeedPlugin(
+            hf_ds_config=config_file(tmp_path, zero3_config()),
+            zero3_init_flag=True,
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            zero_stage=2,
+            offload_optimizer_device="cpu",
+            offload_param_device="cpu",
+            zero3_save_16bit_model=True,
+        )
     # HF's sentence, with accel's name for the config file `accel config` writes.
-    assert ("If you are using an accel config file, remove others config variables mentioned in the above specified "
-            "list.") in str(raised.value)  # fmt: skip
+    assert (
+        "If you are using an accel config file, remove others config variables mentioned in the above specified list."
+    ) in str(raised.value)
 
 
 def test_accelerate_state_deepspeed(dist_env, new_accelerator):
@@ -210,8 +231,13 @@ def test_autofill_dsconfig_from_ds_plugin(dist_env, new_accelerator):
     config["zero_optimization"]["offload_optimizer"]["device"] = "auto"
     config["zero_optimization"]["offload_param"]["device"] = "auto"
     config.update(gradient_accumulation_steps="auto", gradient_clipping="auto")
-    fields = dict(zero_stage=2, gradient_clipping=1.0, offload_optimizer_device="cpu", offload_param_device="cpu",
-                  zero3_save_16bit_model=True)  # fmt: skip
+    fields = dict(
+        zero_stage=2,
+        gradient_clipping=1.0,
+        offload_optimizer_device="cpu",
+        offload_param_device="cpu",
+        zero3_save_16bit_model=True,
+    )
 
     plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=True, gradient_accumulation_steps=2, **fields)
     filled = new_accelerator(deepspeed_plugin=plugin, mixed_precision="bf16").state.deepspeed_plugin.deepspeed_config
@@ -223,8 +249,10 @@ def test_autofill_dsconfig_from_ds_plugin(dist_env, new_accelerator):
     assert filled["bf16"]["enabled"] is True
 
     AcceleratorState._reset_state(True)
-    with pytest.raises(ValueError, match="`--mixed_precision` arg cannot be set to `fp16` when `bf16` is set in the "
-                                         "DeepSpeed config file."):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="`--mixed_precision` arg cannot be set to `fp16` when `bf16` is set in the DeepSpeed config file.",
+    ):
         new_accelerator(deepspeed_plugin=plugin, mixed_precision="fp16")
 
     AcceleratorState._reset_state(True)
@@ -255,7 +283,9 @@ class HideDeepSpeed(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, HideDeepSpeed())
 """
 
-_WITHOUT_DEEPSPEED = _HIDE_DEEPSPEED + """
+_WITHOUT_DEEPSPEED = (
+    _HIDE_DEEPSPEED
+    + """
 from accel import Accelerator
 from accel.backends.deepspeed import DeepSpeedPlugin
 from accel.state import AcceleratorState
@@ -271,6 +301,7 @@ for kwargs in ({"deepspeed_plugin": plugin}, {}):  # the second: ACCELERATE_USE_
     AcceleratorState._reset_state(True)
 print(json.dumps(errors))
 """
+)
 
 
 def test_missing_deepspeed_gives_one_import_error_with_the_install_command(monkeypatch):
@@ -279,8 +310,13 @@ def test_missing_deepspeed_gives_one_import_error_with_the_install_command(monke
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_WITHOUT_DEEPSPEED)], capture_output=True, text=True,
-                          timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WITHOUT_DEEPSPEED)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert errors == [f"DeepSpeed is not installed => run `{INSTALL}`."] * 2

@@ -38,18 +38,30 @@ def engine_class() -> type:
     import deepspeed
 
     return deepspeed.DeepSpeedEngine
+
+
 transformers = pytest.importorskip("transformers")
 
 # HF's plugin for a torch optimizer and scheduler: ZeRO-2, everything offloaded to the CPU, no ZeRO-3 init.
-OFFLOADED_ZERO2 = dict(gradient_accumulation_steps=1, gradient_clipping=1.0, zero_stage=2,
-                       offload_optimizer_device="cpu", offload_param_device="cpu", zero3_save_16bit_model=False,
-                       zero3_init_flag=False)  # fmt: skip
-NO_DATALOADER = ("When using DeepSpeed, `accelerate.prepare()` requires you to pass at least one of training or "
-                 "evaluation dataloaders with `batch_size` attribute returning an integer value or alternatively set "
-                 "an integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer "
-                 "value to `AcceleratorState().deepspeed_plugin.deepspeed_config['train_micro_batch_size_per_gpu']`.")
-NO_SCHEDULER_CALLABLE = ("Either specify a scheduler in the config file or pass in the `lr_scheduler_callable` "
-                         "parameter when using `accelerate.utils.DummyScheduler`.")  # fmt: skip
+OFFLOADED_ZERO2 = dict(
+    gradient_accumulation_steps=1,
+    gradient_clipping=1.0,
+    zero_stage=2,
+    offload_optimizer_device="cpu",
+    offload_param_device="cpu",
+    zero3_save_16bit_model=False,
+    zero3_init_flag=False,
+)
+NO_DATALOADER = (
+    "When using DeepSpeed, `accelerate.prepare()` requires you to pass at least one of training or "
+    "evaluation dataloaders with `batch_size` attribute returning an integer value or alternatively set "
+    "an integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer "
+    "value to `AcceleratorState().deepspeed_plugin.deepspeed_config['train_micro_batch_size_per_gpu']`."
+)
+NO_SCHEDULER_CALLABLE = (
+    "Either specify a scheduler in the config file or pass in the `lr_scheduler_callable` "
+    "parameter when using `accelerate.utils.DummyScheduler`."
+)
 
 
 def filled(plugin: DeepSpeedPlugin, num_processes: int = 1) -> None:
@@ -79,8 +91,9 @@ def test_prepare_deepspeed_custom_optimizer_custom_scheduler(dist_env, new_accel
     scheduler = linear_schedule(optimizer)
     dummy_optimizer = DummyOptim(params=model.parameters())
 
-    with pytest.raises(ValueError, match="You cannot create a `DummyOptim` without specifying an optimizer in the "
-                                         "config file."):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="You cannot create a `DummyOptim` without specifying an optimizer in the config file."
+    ):
         accelerator.prepare(model, dummy_optimizer, train, evaluation, scheduler)
     with pytest.raises(ValueError) as raised:
         accelerator.prepare(model, optimizer, train, evaluation, DummyScheduler(dummy_optimizer))
@@ -108,15 +121,18 @@ def test_prepare_deepspeed_deepspeed_optimizer_deepspeed_scheduler(dist_env, new
     dummy_scheduler = DummyScheduler(dummy_optimizer)
     filled(accelerator.state.deepspeed_plugin)
 
-    with pytest.raises(ValueError, match="You cannot specify an optimizer in the config file and in the code at the "
-                                         "same time"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="You cannot specify an optimizer in the config file and in the code at the same time"
+    ):
         accelerator.prepare(model, optimizer, train, evaluation, dummy_scheduler)
-    with pytest.raises(ValueError, match="You cannot specify a scheduler in the config file and in the code at the "
-                                         "same time"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="You cannot specify a scheduler in the config file and in the code at the same time"
+    ):
         accelerator.prepare(model, dummy_optimizer, train, evaluation, scheduler)
 
-    model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, dummy_optimizer, train, evaluation,
-                                                                         dummy_scheduler)  # fmt: skip
+    model, optimizer, train, evaluation, scheduler = accelerator.prepare(
+        model, dummy_optimizer, train, evaluation, dummy_scheduler
+    )
     assert_engine_parts(accelerator, model, optimizer, scheduler, DeepSpeedSchedulerWrapper)
     assert type(scheduler.scheduler).__name__ == "WarmupLR" and scheduler.scheduler is model.lr_scheduler
 
@@ -132,8 +148,9 @@ def test_prepare_deepspeed_custom_optimizer_deepspeed_scheduler(dist_env, new_ac
     filled(accelerator.state.deepspeed_plugin)
     del accelerator.state.deepspeed_plugin.deepspeed_config["optimizer"]
 
-    model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, optimizer, train, evaluation,
-                                                                         dummy_scheduler)  # fmt: skip
+    model, optimizer, train, evaluation, scheduler = accelerator.prepare(
+        model, optimizer, train, evaluation, dummy_scheduler
+    )
     assert_engine_parts(accelerator, model, optimizer, scheduler, DeepSpeedSchedulerWrapper)
 
 
@@ -148,8 +165,11 @@ def test_prepare_deepspeed_deepspeed_optimizer_custom_scheduler(dist_env, new_ac
     filled(accelerator.state.deepspeed_plugin)
     del accelerator.state.deepspeed_plugin.deepspeed_config["scheduler"]
 
-    with pytest.raises(ValueError, match=r"You can only specify `accelerate.utils.DummyScheduler` in the code when "
-                                         r"using `accelerate.utils.DummyOptim`."):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"You can only specify `accelerate.utils.DummyScheduler` in the code when "
+        r"using `accelerate.utils.DummyOptim`.",
+    ):
         accelerator.prepare(model, dummy_optimizer, train, evaluation, scheduler)
     with pytest.raises(ValueError) as raised:
         accelerator.prepare(model, dummy_optimizer, train, evaluation, DummyScheduler(dummy_optimizer))
@@ -162,8 +182,9 @@ def test_prepare_deepspeed_deepspeed_optimizer_custom_scheduler(dist_env, new_ac
         return built[-1]
 
     dummy_scheduler = DummyScheduler(dummy_optimizer, lr_scheduler_callable=build_schedule)
-    model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, dummy_optimizer, train, evaluation,
-                                                                         dummy_scheduler)  # fmt: skip
+    model, optimizer, train, evaluation, scheduler = accelerator.prepare(
+        model, dummy_optimizer, train, evaluation, dummy_scheduler
+    )
     assert_engine_parts(accelerator, model, optimizer, scheduler, DeepSpeedSchedulerWrapper)
     assert len(built) == 1 and scheduler.scheduler is built[0] and built[0].optimizer is model.basic_optimizer
 
@@ -177,16 +198,18 @@ def test_dataloader_with_batch_sampler(dist_env, new_accelerator):
     accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(**OFFLOADED_ZERO2))
     train_set, eval_set = RegressionDataset(length=80), RegressionDataset(length=20)
     train = DataLoader(train_set, batch_sampler=BatchSampler(RandomSampler(train_set), batch_size=10, drop_last=False))
-    evaluation = DataLoader(eval_set, batch_sampler=BatchSampler(SequentialSampler(eval_set), batch_size=10,
-                                                                 drop_last=False))  # fmt: skip
+    evaluation = DataLoader(
+        eval_set, batch_sampler=BatchSampler(SequentialSampler(eval_set), batch_size=10, drop_last=False)
+    )
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
     with pytest.raises(ValueError) as raised:
         accelerator.prepare(model, optimizer, train, evaluation, linear_schedule(optimizer))
-    assert ("At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. Please set an "
-            "integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer value to "
-            "`AcceleratorState().deepspeed_plugin.deepspeed_config['train_micro_batch_size_per_gpu']`."
-            ) in str(raised.value)  # fmt: skip
+    assert (
+        "At least one of the dataloaders passed to `accelerate.prepare()` has `None` as batch size. Please set an "
+        "integer value in `train_micro_batch_size_per_gpu` in the deepspeed config file or assign integer value to "
+        "`AcceleratorState().deepspeed_plugin.deepspeed_config['train_micro_batch_size_per_gpu']`."
+    ) in str(raised.value)
 
 
 def test_device_placement_and_two_models_are_refused(dist_env, new_accelerator):
@@ -197,8 +220,11 @@ def test_device_placement_and_two_models_are_refused(dist_env, new_accelerator):
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
     with pytest.raises(ValueError, match="You can't customize device placements with DeepSpeed or Megatron-LM."):
         accelerator.prepare(model, optimizer, train, device_placement=[True, True, True])
-    with pytest.raises(AssertionError, match=r"You can't use same `Accelerator\(\)` instance with multiple models "
-                                             r"when using DeepSpeed"):  # fmt: skip
+    with pytest.raises(
+        AssertionError,
+        match=r"You can't use same `Accelerator\(\)` instance with multiple models "
+        r"when using DeepSpeed",
+    ):
         accelerator.prepare(model, tiny_gpt2(), optimizer, train)
     assert accelerator.deepspeed_engine_wrapped is None  # nothing was built
 
@@ -260,8 +286,15 @@ def test_autofill_gradient_accumulation_steps_from_the_accelerator(dist_env, new
     config = zero3_config()
     del config["fp16"]
     config["gradient_accumulation_steps"] = "auto"
-    plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=True, gradient_clipping=1.0, zero_stage=2,
-                             offload_optimizer_device="cpu", offload_param_device="cpu", zero3_save_16bit_model=True)
+    plugin = DeepSpeedPlugin(
+        hf_ds_config=config,
+        zero3_init_flag=True,
+        gradient_clipping=1.0,
+        zero_stage=2,
+        offload_optimizer_device="cpu",
+        offload_param_device="cpu",
+        zero3_save_16bit_model=True,
+    )
     accelerator = new_accelerator(deepspeed_plugin=plugin, mixed_precision="bf16", gradient_accumulation_steps=8)
     train, evaluation = regression_loaders()
     model = tiny_gpt2(causal_lm=True)
@@ -280,8 +313,9 @@ class ConfigWithoutHiddenSize:
         self._name_or_path = "dummy"
 
 
-@pytest.mark.parametrize("model_type", ["no_config", "config_with_no_hidden_size", "config_with_hidden_size",
-                                        "config_with_hidden_sizes"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type", ["no_config", "config_with_no_hidden_size", "config_with_hidden_size", "config_with_hidden_sizes"]
+)
 def test_autofill_comm_buffers_dsconfig(dist_env, new_accelerator, model_type):
     """HF's test_autofill_comm_buffers_dsconfig: the hidden-size based "auto" bucket keys need `model.config` with
     `hidden_size` or `hidden_sizes` (the largest); without them prepare names what is missing. (DeepSpeed 0.19.8's
@@ -305,9 +339,10 @@ def test_autofill_comm_buffers_dsconfig(dist_env, new_accelerator, model_type):
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
     objects = (model, optimizer, train, evaluation, linear_schedule(optimizer))
 
-    errors = {"no_config": "Can't find `model.config` entry",
-              "config_with_no_hidden_size": "Can find neither `model.config.hidden_size` nor "
-                                            "`model.config.hidden_sizes`"}  # fmt: skip
+    errors = {
+        "no_config": "Can't find `model.config` entry",
+        "config_with_no_hidden_size": "Can find neither `model.config.hidden_size` nor `model.config.hidden_sizes`",
+    }
     if model_type in errors:
         with pytest.raises(ValueError, match=errors[model_type]):
             accelerator.prepare(*objects)
@@ -323,12 +358,26 @@ def test_ds_zero3_no_init_autofill(dist_env, new_accelerator):
     """HF's test_ds_zero3_no_init_autofill: with ZeRO-3 init off, transformers still gets the ZeRO-3 config (HF hands
     it over whatever the flag), with the batch-size "auto" values it cannot take replaced, so a model builds
     (partitioned, under DeepSpeed's zero.Init) before prepare has filled anything."""
-    config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0, "gradient_accumulation_steps": 1,
-              "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 2000000,
-              "zero_optimization": {"stage": 3, "allgather_partitions": True, "allgather_bucket_size": 5e8,
-                                    "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto",
-                                    "contiguous_gradients": True, "stage3_gather_16bit_weights_on_model_save": False,
-                                    "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}}}
+    config = {
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 2000000,
+        "zero_optimization": {
+            "stage": 3,
+            "allgather_partitions": True,
+            "allgather_bucket_size": 5e8,
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": "auto",
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": False,
+            "offload_optimizer": {"device": "none"},
+            "offload_param": {"device": "none"},
+        },
+    }
     new_accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False))
     from transformers.integrations import deepspeed_config
 
@@ -342,14 +391,30 @@ def test_prepare_deepspeed_prepare_moe(dist_env, new_accelerator):
     """HF's test_prepare_deepspeed_prepare_moe: the classes `transformer_moe_cls_names` names become ZeRO-3 leaf
     modules at prepare (a tiny local Qwen2-MoE for HF's Hub one). DeepSpeed 0.19.8 makes Qwen2MoeSparseMoeBlock a
     leaf by itself, so a class it does not know (the attention) is named too: only the plugin makes that a leaf."""
-    plugin = DeepSpeedPlugin(zero3_init_flag=True, gradient_accumulation_steps=1, gradient_clipping=1.0, zero_stage=3,
-                             offload_optimizer_device="none", offload_param_device="none", zero3_save_16bit_model=True,
-                             transformer_moe_cls_names="Qwen2MoeSparseMoeBlock,Qwen2MoeAttention")  # fmt: skip
+    plugin = DeepSpeedPlugin(
+        zero3_init_flag=True,
+        gradient_accumulation_steps=1,
+        gradient_clipping=1.0,
+        zero_stage=3,
+        offload_optimizer_device="none",
+        offload_param_device="none",
+        zero3_save_16bit_model=True,
+        transformer_moe_cls_names="Qwen2MoeSparseMoeBlock,Qwen2MoeAttention",
+    )
     accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
     accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-    config = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                         shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     model = accelerator.prepare(transformers.AutoModelForCausalLM.from_config(config))
     from transformers.models.qwen2_moe import modeling_qwen2_moe
 
@@ -377,10 +442,12 @@ def test_save_checkpoints(dist_env, new_accelerator):
     # HF's message, with accel's `accel config` for `accelerate config` (and `accel merge-weights` beside
     # zero_to_fp32.py, after the part asserted).
     message = str(raised.value)
-    assert ("Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in DeepSpeed config is "
-            "False. To save the model weights in 16bit, set `stage3_gather_16bit_weights_on_model_save` to True in "
-            "DeepSpeed config file or set `zero3_save_16bit_model` to True when using `accel config`. To save the full "
-            "checkpoint, run `model.save_checkpoint(save_dir)` and use `zero_to_fp32.py`") in message  # fmt: skip
+    assert (
+        "Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` in DeepSpeed config is "
+        "False. To save the model weights in 16bit, set `stage3_gather_16bit_weights_on_model_save` to True in "
+        "DeepSpeed config file or set `zero3_save_16bit_model` to True when using `accel config`. To save the full "
+        "checkpoint, run `model.save_checkpoint(save_dir)` and use `zero_to_fp32.py`"
+    ) in message
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -449,8 +516,10 @@ def test_one_process_trains_without_launcher_variables(new_accelerator, stage):
 
 
 def accumulating(new_accelerator, steps: int):
-    plugin = DeepSpeedPlugin(gradient_accumulation_steps=steps, **{k: v for k, v in OFFLOADED_ZERO2.items()
-                                                                   if k != "gradient_accumulation_steps"})
+    plugin = DeepSpeedPlugin(
+        gradient_accumulation_steps=steps,
+        **{k: v for k, v in OFFLOADED_ZERO2.items() if k != "gradient_accumulation_steps"},
+    )
     accelerator = new_accelerator(mixed_precision="bf16", deepspeed_plugin=plugin)
     model = tiny_gpt2()
     train = DataLoader(RegressionDataset(length=16), batch_size=8)
@@ -564,7 +633,6 @@ def test_load_state_names_a_missing_engine_checkpoint(dist_env, new_accelerator,
     with pytest.raises(Exception, match="pytorch_model"):
         accelerator.load_state(str(tmp_path / "empty"))
     assert all(torch.equal(before[name], tensor) for name, tensor in model.module.state_dict().items())
-
 
 
 def test_a_new_accelerator_after_end_training_builds_an_engine(dist_env, new_accelerator):

@@ -120,7 +120,8 @@ def test_a_zero_checkpoint_has_hf_layout_and_resumes_bit_identically(tmp_path, s
     for straight, resumed, listing, engine_files in run_on_ranks(_save_train_load_train, 2, folder, stage, timeout=240):
         assert straight == resumed
         assert {"latest", "pytorch_model", "zero_to_fp32.py", "random_states_0.pkl", "random_states_1.pkl"} <= set(
-            listing)
+            listing
+        )
         assert "model.safetensors" not in listing and "optimizer.bin" not in listing  # inside the engine's folder
         assert sum(name.endswith("optim_states.pt") for name in engine_files) == 2  # one partition per process
     with open(os.path.join(folder, "latest")) as f:
@@ -137,8 +138,9 @@ def _converts_with_zero_to_fp32_and_merge_weights(folder, tmp_path):
     assert {name for name in expected if not name.endswith(".attn.bias")} <= set(weights)
     assert all(weights[name].dtype == torch.float32 and weights[name].shape == expected[name].shape for name in weights)
     for source, out in ((folder, "merged"), (os.path.join(folder, "pytorch_model"), "merged_tag")):
-        subprocess.run([sys.executable, "-m", "accel", "merge-weights", source, str(tmp_path / out)], check=True,
-                       timeout=120)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "accel", "merge-weights", source, str(tmp_path / out)], check=True, timeout=120
+        )
         merged = load_file(str(tmp_path / out / "model.safetensors"))
         assert merged.keys() == weights.keys()
         assert all(torch.equal(merged[name], weights[name]) for name in weights)
@@ -184,8 +186,9 @@ def test_a_process_killed_mid_save_leaves_the_previous_engine_checkpoint_whole(t
             child.wait(timeout=30)
         accelerator = fresh_accelerator(2)
         model = torch.nn.Linear(512, 1024)
-        model, _, _ = accelerator.prepare(model, torch.optim.Adam(model.parameters()),
-                                          torch.utils.data.DataLoader(torch.zeros(4, 512), batch_size=2))
+        model, _, _ = accelerator.prepare(
+            model, torch.optim.Adam(model.parameters()), torch.utils.data.DataLoader(torch.zeros(4, 512), batch_size=2)
+        )
         accelerator.load_state(str(folder))
         weight = model.module.weight
         assert torch.all(weight == weight[0, 0])  # one consistent save, never a mix

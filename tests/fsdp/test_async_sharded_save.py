@@ -98,7 +98,8 @@ def test_an_asynchronous_sharded_save_resumes_as_a_synchronous_one_and_holds_the
         assert straight == resumed == reference[1]  # bit-identical to the synchronous save's resume
         assert {"pytorch_model_fsdp_0", "optimizer_0", "random_states_1.pkl"} <= set(listing)
         assert sorted(os.listdir(tmp_path / "async" / "pytorch_model_fsdp_0")) == sorted(
-            os.listdir(tmp_path / "sync" / "pytorch_model_fsdp_0"))  # fmt: skip
+            os.listdir(tmp_path / "sync" / "pytorch_model_fsdp_0")
+        )
     at_save, loaded = asynchronous[0][2], asynchronous[0][3]  # the main process holds the full weights
     for name, tensor in at_save.items():  # the steps taken while it was written did not leak into it
         assert torch.equal(loaded[name], tensor), name
@@ -250,7 +251,6 @@ def test_a_process_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_l
         assert torch.equal(loaded[name], tensor), name
 
 
-
 def _full_state_written_in_the_background(folder):
     """(the model's file was in the staging folder when save_state returned, it holds the weights of the call)."""
     accelerator = fresh_accelerator("FULL_STATE_DICT")
@@ -369,11 +369,24 @@ def two_processes(script, *args, extra_env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", **(extra_env or {})}  # fmt: skip
-    jobs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            for rank in (0, 1)]  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        **(extra_env or {}),
+    }
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in (0, 1)
+    ]
     try:
         return [job.communicate(timeout=120) for job in jobs], jobs
     finally:

@@ -31,14 +31,24 @@ def data(train):
 def fresh_run(state_dict_type, seed):
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type,
-                                            auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["BertLayer"])  # fmt: skip
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        state_dict_type=state_dict_type,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["BertLayer"],
+    )
     # A seedable sampler, so that an epoch's order does not depend on the epochs before it in this process.
     accelerator = Accelerator(fsdp_plugin=plugin, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     torch.manual_seed(seed)  # the model's initial weights: a resumed run's are overwritten by the checkpoint
-    config = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     vocab_size=64, max_position_embeddings=16, num_labels=2)  # fmt: skip
+    config = transformers.BertConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        vocab_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
     model = transformers.BertForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_loader = DataLoader(data(train=True), batch_size=8, shuffle=True)
@@ -87,22 +97,30 @@ def _save_then_resume(folder, state_dict_type, async_save):
 
     accelerator, model, optimizer, train_loader, eval_loader, scheduler = fresh_run(state_dict_type, seed=1)
     accelerator.load_state(os.path.join(folder, "epoch_0"))
-    resumed_state = (evaluate(accelerator, model, eval_loader), scheduler.get_last_lr()[0],
-                     optimizer.param_groups[0]["lr"])  # fmt: skip
+    resumed_state = (
+        evaluate(accelerator, model, eval_loader),
+        scheduler.get_last_lr()[0],
+        optimizer.param_groups[0]["lr"],
+    )
     resumed = train_epoch(accelerator, model, optimizer, train_loader, scheduler)
     return saved, resumed_state, straight, resumed, sorted(os.listdir(os.path.join(folder, "epoch_0")))
 
 
-@pytest.mark.parametrize(("state_dict_type", "async_save", "layout"), [
-    ("SHARDED_STATE_DICT", False, {"pytorch_model_fsdp_0", "optimizer_0"}),
-    ("FULL_STATE_DICT", False, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
-    ("SHARDED_STATE_DICT", True, {"pytorch_model_fsdp_0", "optimizer_0"}),
-    ("FULL_STATE_DICT", True, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
-])  # fmt: skip
-def test_an_fsdp2_checkpoint_resumes_with_the_same_accuracy_learning_rates_and_losses(tmp_path, state_dict_type,
-                                                                                      async_save, layout):  # fmt: skip
+@pytest.mark.parametrize(
+    ("state_dict_type", "async_save", "layout"),
+    [
+        ("SHARDED_STATE_DICT", False, {"pytorch_model_fsdp_0", "optimizer_0"}),
+        ("FULL_STATE_DICT", False, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
+        ("SHARDED_STATE_DICT", True, {"pytorch_model_fsdp_0", "optimizer_0"}),
+        ("FULL_STATE_DICT", True, {"pytorch_model_fsdp.bin", "optimizer.bin"}),
+    ],
+)
+def test_an_fsdp2_checkpoint_resumes_with_the_same_accuracy_learning_rates_and_losses(
+    tmp_path, state_dict_type, async_save, layout
+):
     for saved, resumed_state, straight, resumed, listing in run_on_ranks(
-            _save_then_resume, 2, str(tmp_path), state_dict_type, async_save, timeout=180):  # fmt: skip
+        _save_then_resume, 2, str(tmp_path), state_dict_type, async_save, timeout=180
+    ):
         assert resumed_state == saved  # HF's checks: accuracy, the scheduler's and the optimizer's learning rates
         assert resumed == straight  # the next epoch as if never interrupted (data order, optimizer state, RNG)
         assert layout <= set(listing) and {"scheduler.bin", "sampler.bin", "random_states_1.pkl"} <= set(listing)

@@ -9,8 +9,16 @@ import warnings
 
 import pytest
 import torch
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, CPUOffloadPolicy, MixedPrecision
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    StateDictType,
+)
 
 from accel.backends.fsdp import (
     FSDP_AUTO_WRAP_POLICY,
@@ -34,8 +42,14 @@ def fsdp_env(monkeypatch):
     """Sets the environment `accelerate launch --use_fsdp` gives one process; returns a setter for more."""
     for name in [n for n in os.environ if n.startswith("FSDP_")]:
         monkeypatch.delenv(name)
-    base = {"MASTER_ADDR": "localhost", "MASTER_PORT": "10999", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-            "ACCELERATE_USE_FSDP": "true"}  # fmt: skip
+    base = {
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "10999",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "ACCELERATE_USE_FSDP": "true",
+    }
 
     def setenv(version, **variables):
         for name, value in {**base, "FSDP_VERSION": str(version), **variables}.items():
@@ -79,8 +93,9 @@ def test_backward_prefetch_by_name_and_enum_and_none_under_fsdp2(fsdp_env, versi
         expected = None if name == "NO_PREFETCH" or version == 2 else BackwardPrefetch(i + 1)
         warns = version == 2 and name != "NO_PREFETCH"
         fsdp_env(version, FSDP_BACKWARD_PREFETCH=name)
-        attempts = [{}, {"backward_prefetch": name}] + ([{"backward_prefetch": BackwardPrefetch(i + 1)}]
-                                                         if name != "NO_PREFETCH" else [])  # fmt: skip
+        attempts = [{}, {"backward_prefetch": name}] + (
+            [{"backward_prefetch": BackwardPrefetch(i + 1)}] if name != "NO_PREFETCH" else []
+        )
         for kwargs in attempts:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -112,10 +127,17 @@ def test_state_dict_types_and_their_configs(fsdp_env, version):
 
 def tiny_models():
     """(model, its layer class name) for tiny local Llama and BERT models (HF's test downloads the real ones)."""
-    llama = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     num_key_value_heads=2, vocab_size=64)  # fmt: skip
-    bert = transformers.BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                   vocab_size=64)  # fmt: skip
+    llama = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    bert = transformers.BertConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=64
+    )
     return [(transformers.LlamaModel(llama), "LlamaDecoderLayer"), (transformers.BertModel(bert), "BertLayer")]
 
 
@@ -123,15 +145,19 @@ def tiny_models():
 def test_auto_wrap_policies_bind_to_the_model(fsdp_env, version):
     for model, layer in tiny_models():
         for policy in FSDP_AUTO_WRAP_POLICY:
-            extra = {"TRANSFORMER_BASED_WRAP": {"FSDP_TRANSFORMER_CLS_TO_WRAP": layer},
-                     "SIZE_BASED_WRAP": {"FSDP_MIN_NUM_PARAMS": "2000"}}.get(policy, {})  # fmt: skip
+            extra = {
+                "TRANSFORMER_BASED_WRAP": {"FSDP_TRANSFORMER_CLS_TO_WRAP": layer},
+                "SIZE_BASED_WRAP": {"FSDP_MIN_NUM_PARAMS": "2000"},
+            }.get(policy, {})
             fsdp_env(version, FSDP_AUTO_WRAP_POLICY=policy, **extra)
             from_env = FullyShardedDataParallelPlugin()
             fsdp_env(version)
             minimum = int(extra["FSDP_MIN_NUM_PARAMS"]) if "FSDP_MIN_NUM_PARAMS" in extra else None
             from_args = FullyShardedDataParallelPlugin(
-                auto_wrap_policy=policy, transformer_cls_names_to_wrap=extra.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
-                min_num_params=minimum)
+                auto_wrap_policy=policy,
+                transformer_cls_names_to_wrap=extra.get("FSDP_TRANSFORMER_CLS_TO_WRAP"),
+                min_num_params=minimum,
+            )
             for plugin in (from_env, from_args):
                 plugin.set_auto_wrap_policy(model)
                 if policy == "NO_WRAP":
@@ -143,8 +169,9 @@ def test_auto_wrap_policies_bind_to_the_model(fsdp_env, version):
     with pytest.raises(ValueError, match=missing):
         FullyShardedDataParallelPlugin().set_auto_wrap_policy(model)
     fsdp_env(version)
-    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-                                            transformer_cls_names_to_wrap="T5Layer")  # fmt: skip
+    plugin = FullyShardedDataParallelPlugin(
+        auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap="T5Layer"
+    )
     with pytest.raises(ValueError, match=missing):
         plugin.set_auto_wrap_policy(model)
     # A minimum of 0 parameters wraps nothing (no policy).
@@ -167,8 +194,9 @@ def test_mixed_precision_policies_from_the_precision_or_a_dict(fsdp_env, version
         plugin = FullyShardedDataParallelPlugin()
         plugin.set_mixed_precision(name)
         assert plugin.mixed_precision_policy == expected
-        plugin = FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": dtype, "reduce_dtype": dtype,
-                                                                        third: dtype})  # fmt: skip
+        plugin = FullyShardedDataParallelPlugin(
+            mixed_precision_policy={"param_dtype": dtype, "reduce_dtype": dtype, third: dtype}
+        )
         assert plugin.mixed_precision_policy == expected
 
 
@@ -178,8 +206,9 @@ def test_fsdp1_buffer_autocast_keeps_buffers_in_fp32(fsdp_env):
         fsdp_env(1)
         plugin = FullyShardedDataParallelPlugin()
         plugin.set_mixed_precision(dtype, buffer_autocast=True, override=True)
-        assert plugin.mixed_precision_policy == MixedPrecision(param_dtype=dtype, reduce_dtype=dtype,
-                                                               buffer_dtype=torch.float32)  # fmt: skip
+        assert plugin.mixed_precision_policy == MixedPrecision(
+            param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=torch.float32
+        )
 
 
 @VERSIONS
@@ -207,11 +236,12 @@ def test_cpu_ram_efficient_loading_toggles(fsdp_env, monkeypatch, version):
     assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "False"
 
 
-@pytest.mark.skip(reason="FSDP1's ignored_modules regex is checked on FSDP1's wrapped model (_ignored_modules), "
-                         "which accel does not build: fsdp_version 1 plugins run on FSDP2")  # fmt: skip
+@pytest.mark.skip(
+    reason="FSDP1's ignored_modules regex is checked on FSDP1's wrapped model (_ignored_modules), "
+    "which accel does not build: fsdp_version 1 plugins run on FSDP2"
+)
 def test_fsdp1_ignored_modules_regex():
     """HF's test_ignored_modules_regex."""
-
 
 
 def _precision_of_fsdp_accelerators():
@@ -225,11 +255,14 @@ def _precision_of_fsdp_accelerators():
             AcceleratorState._reset_state()
             os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if from_plugin else name  # the pool restores it
             policy = {"param_dtype": dtype, "reduce_dtype": dtype, "output_dtype": dtype}
-            accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
-                                      if from_plugin else None)  # fmt: skip
-            results[name, from_plugin] = (str(accelerator.distributed_type),
-                                          accelerator.state.fsdp_plugin.mixed_precision_policy,
-                                          isinstance(accelerator.scaler, torch.amp.GradScaler))  # fmt: skip
+            accelerator = Accelerator(
+                fsdp_plugin=FullyShardedDataParallelPlugin(mixed_precision_policy=policy) if from_plugin else None
+            )
+            results[name, from_plugin] = (
+                str(accelerator.distributed_type),
+                accelerator.state.fsdp_plugin.mixed_precision_policy,
+                isinstance(accelerator.scaler, torch.amp.GradScaler),
+            )
     return results
 
 

@@ -1,9 +1,8 @@
 """The workspace every integration test shares: a tokenizer trained on the tests' own corpus and the data files,
 made once per session, offline."""
 
-import pytest
-
 import hf_stack
+import pytest
 
 
 @pytest.fixture(scope="session")

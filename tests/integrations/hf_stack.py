@@ -19,12 +19,25 @@ from safetensors.torch import load_file
 JOBS = pathlib.Path(__file__).parent / "jobs"
 LIBRARIES = ("hf", "accel")
 JOB_TIMEOUT_S = 240
-WORDS = ("the a one this that cat dog bird fish fox owl sees likes eats finds chases follows red blue small big old "
-         "quick lazy tree river hill house field garden and but then").split()  # fmt: skip
+WORDS = (
+    "the a one this that cat dog bird fish fox owl sees likes eats finds chases follows red blue small big old "
+    "quick lazy tree river hill house field garden and but then"
+).split()
 # Variables of the parent that would change what a child does: the alias switch, a launcher's or another job's
 # rank variables, and accel's own settings (a test's ACCEL_DISABLE_NATIVE, for instance).
-_DROPPED = ("ACCEL_", "ACCELERATE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_", "OMP_NUM_THREADS", "PYTEST_")  # fmt: skip
+_DROPPED = (
+    "ACCEL_",
+    "ACCELERATE_",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_",
+    "OMP_NUM_THREADS",
+    "PYTEST_",
+)
 
 
 def sentences(count: int, seed: int) -> list[str]:
@@ -42,10 +55,13 @@ def build_tokenizer(folder: pathlib.Path) -> pathlib.Path:
     special = ["[PAD]", "[UNK]", "[BOS]", "[EOS]", "[CLS]", "[SEP]"]
     tokenizer.train_from_iterator([" ".join(WORDS)] * 2, trainers.WordLevelTrainer(special_tokens=special))
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A [EOS]", pair="$A [SEP] $B:1 [EOS]:1",
-        special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[EOS]", "[SEP]")])  # fmt: skip
-    names = dict(pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", cls_token="[CLS]",
-                 sep_token="[SEP]")  # fmt: skip
+        single="$A [EOS]",
+        pair="$A [SEP] $B:1 [EOS]:1",
+        special_tokens=[(token, tokenizer.token_to_id(token)) for token in ("[EOS]", "[SEP]")],
+    )
+    names = dict(
+        pad_token="[PAD]", unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]", cls_token="[CLS]", sep_token="[SEP]"
+    )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **names)
     path = folder / "tokenizer"
     wrapped.save_pretrained(path)
@@ -80,10 +96,18 @@ def _free_port() -> int:
 
 def child_env(library: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED)}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", WANDB_DISABLED="true", MASTER_ADDR="127.0.0.1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(pathlib.Path(__file__).parents[2]),
-                                                        os.environ.get("PYTHONPATH")])))  # fmt: skip
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_DISABLED="true",
+        MASTER_ADDR="127.0.0.1",
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(pathlib.Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
+        ),
+    )
     if library == "hf":
         env["ACCELERATE_USE_CPU"] = "1"
     for name in ("ACCEL_DISABLE_NATIVE", "ACCEL_TRANSPORT"):  # the mode the suite runs in reaches accel's ranks
@@ -95,21 +119,54 @@ def child_env(library: str) -> dict[str, str]:
 def command(library: str, script: pathlib.Path, args: list[str]) -> list[str]:
     port = str(_free_port())
     if library == "hf":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", port, str(script), *args]  # fmt: skip
-    return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", "--main_process_ip",
-            "127.0.0.1", "--main_process_port", port, "--as_accelerate", str(script), *args]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            port,
+            str(script),
+            *args,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "accel",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        port,
+        "--as_accelerate",
+        str(script),
+        *args,
+    ]
 
 
-def run_job(library: str, job: str, args: list[str], cwd: pathlib.Path, timeout: float = JOB_TIMEOUT_S
-            ) -> subprocess.CompletedProcess:  # fmt: skip
+def run_job(
+    library: str, job: str, args: list[str], cwd: pathlib.Path, timeout: float = JOB_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """Runs jobs/`job`.py on 2 CPU processes under `library` ("hf" or "accel"), in `cwd` (its caches go there
     too); fails the test, with the job's output, when it fails or outlives `timeout` seconds."""
     assert library in LIBRARIES, library
     env = dict(child_env(library), HF_HOME=str(cwd / "hf_home"))
     # A session of its own: a job past its deadline is ended with all its ranks (torchrun's workers outlive it).
-    with subprocess.Popen(command(library, JOBS / f"{job}.py", args), cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:  # fmt: skip
+    with subprocess.Popen(
+        command(library, JOBS / f"{job}.py", args),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -13,16 +13,28 @@ to its uninterrupted run (the shuffling sampler's generator is not in the checkp
 
 import json
 
+import hf_stack
 import pytest
 
-import hf_stack
-
 SCRIPTS = {
-    "clm": (["--train_file", "train.txt", "--validation_file", "validation.txt", "--gradient_accumulation_steps", "2",
-             "--checkpointing_steps", "3"], "step_3"),
-    "glue": (["--train_file", "train.csv", "--validation_file", "validation.csv", "--checkpointing_steps", "epoch"],
-             "epoch_0"),
-}  # fmt: skip
+    "clm": (
+        [
+            "--train_file",
+            "train.txt",
+            "--validation_file",
+            "validation.txt",
+            "--gradient_accumulation_steps",
+            "2",
+            "--checkpointing_steps",
+            "3",
+        ],
+        "step_3",
+    ),
+    "glue": (
+        ["--train_file", "train.csv", "--validation_file", "validation.csv", "--checkpointing_steps", "epoch"],
+        "epoch_0",
+    ),
+}
 # In this order: a resumed run's source ran before it.
 RUNS = ("hf", "accel", "hf_from_hf", "hf_from_accel", "accel_from_hf")
 # Past the jobs' own deadlines (hf_stack.JOB_TIMEOUT_S each), so that a stuck job is ended with its ranks first.
@@ -56,8 +68,9 @@ def _scalars(folder):
     (events,) = [path.parent for path in folder.glob("*_no_trainer/events.out.tfevents.*")]
     accumulator = EventAccumulator(str(events))
     accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}  # fmt: skip
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 def _assert_same_weights(folder, reference):

@@ -11,9 +11,8 @@ from HF's.
 
 import json
 
-import pytest
-
 import hf_stack
+import pytest
 
 TASKS = {"lm": ["--bf16"], "lora": [], "sft": []}
 RESUME_STEP = 4
@@ -24,10 +23,27 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S 
 
 def _job(workspace, task, folder, resume=None):
     out = workspace / "trainer" / folder / task
-    argv = ["--task", task, "--tokenizer", str(workspace / "tokenizer"), "--train", str(workspace / "train.jsonl"),
-            "--validation", str(workspace / "validation.jsonl"), "--output_dir", str(out),
-            "--result", str(out / "result.json"), "--max_steps", "8", "--save_steps", str(RESUME_STEP),
-            "--grad_accum", "2", *TASKS[task]]  # fmt: skip
+    argv = [
+        "--task",
+        task,
+        "--tokenizer",
+        str(workspace / "tokenizer"),
+        "--train",
+        str(workspace / "train.jsonl"),
+        "--validation",
+        str(workspace / "validation.jsonl"),
+        "--output_dir",
+        str(out),
+        "--result",
+        str(out / "result.json"),
+        "--max_steps",
+        "8",
+        "--save_steps",
+        str(RESUME_STEP),
+        "--grad_accum",
+        "2",
+        *TASKS[task],
+    ]
     if resume is not None:
         argv += ["--resume_from_checkpoint", str(workspace / "trainer" / resume / task / f"checkpoint-{RESUME_STEP}")]
     return argv
@@ -44,13 +60,20 @@ def _launch(library, workspace, name, jobs):
 def runs(workspace):
     """{run name: {task: output folder}} once the three launches are done."""
     _launch("accel", workspace, "accel", [_job(workspace, task, "accel") for task in TASKS])
-    _launch("hf", workspace, "hf", [_job(workspace, task, "hf") for task in TASKS]
-            + [_job(workspace, task, f"hf_from_{source}", resume=source) for source in ("hf", "accel")
-               for task in TASKS])  # fmt: skip
-    _launch("accel", workspace, "accel_from_hf",
-            [_job(workspace, task, "accel_from_hf", resume="hf") for task in TASKS])  # fmt: skip
-    return {name: {task: workspace / "trainer" / name / task for task in TASKS}
-            for name in ("hf", "accel", "hf_from_hf", "hf_from_accel", "accel_from_hf")}  # fmt: skip
+    _launch(
+        "hf",
+        workspace,
+        "hf",
+        [_job(workspace, task, "hf") for task in TASKS]
+        + [_job(workspace, task, f"hf_from_{source}", resume=source) for source in ("hf", "accel") for task in TASKS],
+    )
+    _launch(
+        "accel", workspace, "accel_from_hf", [_job(workspace, task, "accel_from_hf", resume="hf") for task in TASKS]
+    )
+    return {
+        name: {task: workspace / "trainer" / name / task for task in TASKS}
+        for name in ("hf", "accel", "hf_from_hf", "hf_from_accel", "accel_from_hf")
+    }
 
 
 def _result(folder):
@@ -111,8 +134,10 @@ def test_same_log_history_metrics_and_weights_as_hf(runs, task):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_checkpoints_have_the_same_files(runs, task):
-    files = {name: sorted(p.name for p in (runs[name][task] / f"checkpoint-{RESUME_STEP}").iterdir())
-             for name in ("hf", "accel")}  # fmt: skip
+    files = {
+        name: sorted(p.name for p in (runs[name][task] / f"checkpoint-{RESUME_STEP}").iterdir())
+        for name in ("hf", "accel")
+    }
     assert files["accel"] == files["hf"]
 
 
@@ -128,8 +153,9 @@ def test_each_resumes_the_others_checkpoint_as_hf_resumes_its_own(runs, task, re
     assert after_resume["accelerate"] == served_by
     uninterrupted = _result(runs["hf"][task])
     clipped = _clipped(uninterrupted)
-    _assert_same_log(after_resume["log_history"] + [after_resume["eval"]],
-                     reference["log_history"] + [reference["eval"]], clipped)  # fmt: skip
+    _assert_same_log(
+        after_resume["log_history"] + [after_resume["eval"]], reference["log_history"] + [reference["eval"]], clipped
+    )
     _assert_same_log(_steps(after_resume), _steps(uninterrupted), clipped)
     _assert_same_weights(runs[resumed][task], runs["hf"][task], clipped)
 

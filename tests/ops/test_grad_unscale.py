@@ -239,7 +239,12 @@ def test_the_clip_reuses_the_norms_measured_by_the_unscale():
     exact = torch.stack([p.grad.double().square().sum() for p in params]).sum().sqrt()
     # Half of the parameters: the measured sums are picked out; the others would be measured anew.
     total = grad_ops.total_norm_([p.grad for p in params[::2]], measured)
-    torch.testing.assert_close(total.double(), torch.stack([p.grad.double().square().sum() for p in params[::2]]).sum().sqrt(), rtol=1e-6, atol=0)  # noqa: E501
+    torch.testing.assert_close(
+        total.double(),
+        torch.stack([p.grad.double().square().sum() for p in params[::2]]).sum().sqrt(),
+        rtol=1e-6,
+        atol=0,
+    )  # noqa: E501
     norm = grad_ops.clip_grad_norm_(params, 1e9, measured=measured)
     torch.testing.assert_close(norm.double(), exact, rtol=1e-6, atol=0)
 
@@ -263,8 +268,10 @@ def test_grads_the_kernels_do_not_take_go_through_torch():
     for p, g in zip(reference, grads):
         p.grad = g.clone()
     torch.testing.assert_close(grad_ops.clip_grad_norm_(params, 1.0), torch.nn.utils.clip_grad_norm_(reference, 1.0))
-    torch.testing.assert_close(grad_ops.clip_grad_norm_(params, 1.0, norm_type=1.0),
-                               torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type=1.0))  # fmt: skip
+    torch.testing.assert_close(
+        grad_ops.clip_grad_norm_(params, 1.0, norm_type=1.0),
+        torch.nn.utils.clip_grad_norm_(reference, 1.0, norm_type=1.0),
+    )
 
 
 def test_clip_grad_norm_with_no_gradients_is_zero_like_torch():
@@ -276,12 +283,45 @@ def test_clip_grad_norm_with_no_gradients_is_zero_like_torch():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (lambda: ([torch.ones(3)], torch.zeros((), dtype=torch.float64), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), "found_inf must be a one-element float32"),  # noqa: E501
-        (lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor([1.0, 2.0]), torch.empty(1, dtype=torch.float64)), "inv_scale must be a one-element float32"),  # noqa: E501
-        (lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor(1.0), torch.empty(2, dtype=torch.float64)), "one entry per grad"),  # noqa: E501
-        (lambda: ([torch.ones(3), torch.ones(3, dtype=torch.float64)], torch.zeros(()), torch.tensor(1.0), torch.empty(2, dtype=torch.float64)), r"grads\[1\] is Double"),  # noqa: E501
-        (lambda: ([torch.ones(4, 4).t()], torch.zeros(()), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), r"grads\[0\] is not contiguous"),  # noqa: E501
-        (lambda: ([torch.ones(3).to_sparse()], torch.zeros(()), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)), "'SparseCPU' backend"),  # the dispatcher refuses it before the kernel  # noqa: E501
+        (
+            lambda: (
+                [torch.ones(3)],
+                torch.zeros((), dtype=torch.float64),
+                torch.tensor(1.0),
+                torch.empty(1, dtype=torch.float64),
+            ),
+            "found_inf must be a one-element float32",
+        ),  # noqa: E501
+        (
+            lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor([1.0, 2.0]), torch.empty(1, dtype=torch.float64)),
+            "inv_scale must be a one-element float32",
+        ),  # noqa: E501
+        (
+            lambda: ([torch.ones(3)], torch.zeros(()), torch.tensor(1.0), torch.empty(2, dtype=torch.float64)),
+            "one entry per grad",
+        ),  # noqa: E501
+        (
+            lambda: (
+                [torch.ones(3), torch.ones(3, dtype=torch.float64)],
+                torch.zeros(()),
+                torch.tensor(1.0),
+                torch.empty(2, dtype=torch.float64),
+            ),
+            r"grads\[1\] is Double",
+        ),  # noqa: E501
+        (
+            lambda: ([torch.ones(4, 4).t()], torch.zeros(()), torch.tensor(1.0), torch.empty(1, dtype=torch.float64)),
+            r"grads\[0\] is not contiguous",
+        ),  # noqa: E501
+        (
+            lambda: (
+                [torch.ones(3).to_sparse()],
+                torch.zeros(()),
+                torch.tensor(1.0),
+                torch.empty(1, dtype=torch.float64),
+            ),
+            "'SparseCPU' backend",
+        ),  # the dispatcher refuses it before the kernel  # noqa: E501
     ],
 )
 def test_bad_input_names_the_problem_and_changes_nothing(args, message):
@@ -409,8 +449,9 @@ def test_cuda_unscale_then_clip_grad_norm_matches_torch(dtype):
 @pytest.mark.native_cuda
 @pytest.mark.parametrize("norm", [0.5, 3.0, 1e4, float("inf"), float("nan")])
 def test_cuda_clip_matches_torch(norm):
-    grads = gradient_set("mixed", [torch.float32, torch.float16, torch.bfloat16], torch.Generator().manual_seed(14),
-                         device="cuda")  # fmt: skip
+    grads = gradient_set(
+        "mixed", [torch.float32, torch.float16, torch.bfloat16], torch.Generator().manual_seed(14), device="cuda"
+    )
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
     for p, g in zip(params, grads):
         p.grad = g.clone()
@@ -425,8 +466,12 @@ def test_cuda_clip_matches_torch(norm):
 @pytest.mark.native_cuda
 def test_cuda_opcheck():
     grads = gradient_set("mixed", [torch.float32, torch.float16], torch.Generator().manual_seed(15), device="cuda")
-    args = (grads, torch.zeros((), device="cuda"), torch.tensor(0.5, device="cuda"),
-            torch.empty(len(grads), dtype=torch.float64, device="cuda"))  # fmt: skip
+    args = (
+        grads,
+        torch.zeros((), device="cuda"),
+        torch.tensor(0.5, device="cuda"),
+        torch.empty(len(grads), dtype=torch.float64, device="cuda"),
+    )
     torch.library.opcheck(torch.ops.accel.unscale_grads_.default, args)
     torch.library.opcheck(torch.ops.accel.clip_grads_.default, (grads, torch.tensor(40.0, device="cuda"), 1.0))
 

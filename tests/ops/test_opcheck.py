@@ -157,8 +157,11 @@ LEAVES = [
 
 def _shm_all_gather(res: Resources) -> list[Sample]:
     group = res.ready_group()
-    return [Sample((group, leaves, pad_dim, pad_value, pad_first, "gather"))
-            for leaves in LEAVES for pad_dim, pad_value, pad_first in ((None, 0, False), (-1, 1.5, True))]  # fmt: skip
+    return [
+        Sample((group, leaves, pad_dim, pad_value, pad_first, "gather"))
+        for leaves in LEAVES
+        for pad_dim, pad_value, pad_first in ((None, 0, False), (-1, 1.5, True))
+    ]
 
 
 def _shm_all_gather_bytes(res: Resources) -> list[Sample]:
@@ -341,8 +344,13 @@ def test_unscale_and_clip_under_torch_compile(device, backend, poison):
 
     def make_args():
         copies = [g.clone() for g in grads]
-        return (copies, torch.zeros((), device=device), torch.tensor(0.25, device=device),
-                torch.empty(len(copies), dtype=torch.float64, device=device), torch.tensor(40.0, device=device))
+        return (
+            copies,
+            torch.zeros((), device=device),
+            torch.tensor(0.25, device=device),
+            torch.empty(len(copies), dtype=torch.float64, device=device),
+            torch.tensor(40.0, device=device),
+        )
 
     (eager_args, eager), (compiled_args, result) = _run_twice(_unscale_then_clip, make_args, backend)
     assert _same(compiled_args[:2], eager_args[:2]) and _same(result, eager)

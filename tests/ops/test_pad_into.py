@@ -10,9 +10,19 @@ from accel import _ext
 from accel.collectives import pad_reference, pad_tensor
 
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 PAD_VALUES = {torch.bool: [False, True], torch.uint8: [0, 7]}
 
 
@@ -79,7 +89,7 @@ def test_native_parallel_chunks_match_reference(num_threads, dim):
 def test_native_reads_non_contiguous_src_and_writes_into_a_buffer_view():
     src = torch.arange(24, dtype=torch.int32).view(4, 6).t()  # non-contiguous (6, 4)
     buffer = torch.full((100,), 99, dtype=torch.int32)
-    out = buffer[10:10 + 6 * 7].view(6, 7)  # a contiguous view inside a bigger buffer, like a pack slot
+    out = buffer[10 : 10 + 6 * 7].view(6, 7)  # a contiguous view inside a bigger buffer, like a pack slot
     torch.ops.accel.pad_into(src, 1, -5, True, out)
     assert same_bits(out, pad_reference(src, 1, 7, -5, True))
     assert (buffer[:10] == 99).all() and (buffer[52:] == 99).all()
@@ -175,7 +185,7 @@ def test_cuda_matches_reference_in_every_case(dtype):
 def test_cuda_reads_non_contiguous_src_writes_into_a_view_and_strides_over_a_large_grid():
     src = torch.arange(24, dtype=torch.int32, device="cuda").view(4, 6).t()  # non-contiguous (6, 4)
     buffer = torch.full((100,), 99, dtype=torch.int32, device="cuda")
-    out = buffer[10:10 + 6 * 7].view(6, 7)
+    out = buffer[10 : 10 + 6 * 7].view(6, 7)
     torch.ops.accel.pad_into(src, 1, -5, True, out)
     assert same_bits(out.cpu(), pad_reference(src.cpu(), 1, 7, -5, True))
     assert (buffer[:10] == 99).all() and (buffer[52:] == 99).all()

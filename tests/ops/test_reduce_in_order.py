@@ -37,13 +37,27 @@ def _expected(parts, op, factor=FACTOR):
     """Left to right in torch, fp16/bf16 in fp32: the same operations in the same order as the kernels."""
     dtype = parts[0].dtype
     if dtype == torch.bool:
-        combine = {"sum": torch.logical_or, "max": torch.logical_or, "bor": torch.logical_or,
-                   "product": torch.logical_and, "min": torch.logical_and, "band": torch.logical_and,
-                   "bxor": torch.logical_xor}[op]  # fmt: skip
+        combine = {
+            "sum": torch.logical_or,
+            "max": torch.logical_or,
+            "bor": torch.logical_or,
+            "product": torch.logical_and,
+            "min": torch.logical_and,
+            "band": torch.logical_and,
+            "bxor": torch.logical_xor,
+        }[op]
     else:
-        combine = {"sum": torch.add, "avg": torch.add, "premul_sum": torch.add, "product": torch.mul,
-                   "min": torch.minimum, "max": torch.maximum, "band": torch.bitwise_and,
-                   "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]  # fmt: skip
+        combine = {
+            "sum": torch.add,
+            "avg": torch.add,
+            "premul_sum": torch.add,
+            "product": torch.mul,
+            "min": torch.minimum,
+            "max": torch.maximum,
+            "band": torch.bitwise_and,
+            "bor": torch.bitwise_or,
+            "bxor": torch.bitwise_xor,
+        }[op]
     wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     result = parts[0].to(wide)
     for part in parts[1:]:

@@ -38,8 +38,11 @@ def parse(*argv):
 
 
 def test_read_jsonl_run_flattens_groups_and_keeps_numbers_only(tmp_path):
-    write_run(tmp_path / "run", [(0, {"loss": 2.0, "note": "x", "eval": {"acc": 0.5}, "flag": True}), (1, {"loss": 1.0})],
-              config={"lr": 0.1})  # fmt: skip
+    write_run(
+        tmp_path / "run",
+        [(0, {"loss": 2.0, "note": "x", "eval": {"acc": 0.5}, "flag": True}), (1, {"loss": 1.0})],
+        config={"lr": 0.1},
+    )
     (run,) = read_runs([tmp_path / "run"])
     assert run.name == "run" and run.config == {"lr": 0.1} and run.torn_lines == 0
     assert run.series == {"loss": [(0.0, 2.0), (1.0, 1.0)], "eval/acc": [(0.0, 0.5)]}
@@ -54,8 +57,17 @@ def test_a_torn_last_line_is_skipped_and_counted(tmp_path):
 
 
 def test_steps_going_back_mean_a_resumed_run_whose_values_win(tmp_path):
-    folder = write_run(tmp_path / "run", [(1, {"loss": 4.0}), (2, {"loss": 3.0}), (3, {"loss": 2.9}),
-                                          (2, {"loss": 3.0}), (3, {"loss": 2.0}), (None, {"loss": 1.0})])  # fmt: skip
+    folder = write_run(
+        tmp_path / "run",
+        [
+            (1, {"loss": 4.0}),
+            (2, {"loss": 3.0}),
+            (3, {"loss": 2.9}),
+            (2, {"loss": 3.0}),
+            (3, {"loss": 2.0}),
+            (None, {"loss": 1.0}),
+        ],
+    )
     (run,) = read_runs([folder])
     assert run.series["loss"] == [(1.0, 4.0), (2.0, 3.0), (3.0, 2.0), (4.0, 1.0)]  # no step: one after the last
 
@@ -102,8 +114,9 @@ def test_plot_runs_writes_a_png_with_one_panel_per_metric(tmp_path):
     drawn = plot_runs([a, b], tmp_path / "out.png", smoothing=0.5, title="two runs")
     assert drawn == ["loss", "acc"]  # first-logged order; a metric that is never finite is not drawn
     assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
-    assert plot_runs([Run("x", "x", {"eval/acc": [(0, 1.0)], "loss": [(0, 1.0)]})], tmp_path / "e.png",
-                     metrics=["eval/*"]) == ["eval/acc"]  # fmt: skip
+    assert plot_runs(
+        [Run("x", "x", {"eval/acc": [(0, 1.0)], "loss": [(0, 1.0)]})], tmp_path / "e.png", metrics=["eval/*"]
+    ) == ["eval/acc"]
 
 
 def test_plot_runs_rejects_bad_input(tmp_path):
@@ -146,8 +159,23 @@ def test_tracking_example_on_two_processes_logs_once_and_plots(tmp_path):
     env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), TMPDIR=str(tmp_path))
     if "ACCEL_DISABLE_NATIVE" in os.environ:
         env["ACCEL_DISABLE_NATIVE"] = os.environ["ACCEL_DISABLE_NATIVE"]
-    launch = [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", str(REPO / "examples" / "tracking.py"),
-              "--with_tracking", "--log_with", "tensorboard,jsonl", "--project_dir", "logs", "--num_epochs", "2"]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "accel",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        str(REPO / "examples" / "tracking.py"),
+        "--with_tracking",
+        "--log_with",
+        "tensorboard,jsonl",
+        "--project_dir",
+        "logs",
+        "--num_epochs",
+        "2",
+    ]
     result = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     printed = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
@@ -159,15 +187,22 @@ def test_tracking_example_on_two_processes_logs_once_and_plots(tmp_path):
     for name in ("train_loss", "lr", "accuracy", "eval_loss", "epoch"):
         logged = [(record["step"], record["values"][name]) for record in records if name in record["values"]]
         assert [(event.step, event.value) for event in events.Scalars(name)] == [
-            (step, pytest.approx(value, rel=1e-6)) for step, value in logged]  # fmt: skip
+            (step, pytest.approx(value, rel=1e-6)) for step, value in logged
+        ]
     epochs = [record["values"] for record in records if "accuracy" in record["values"]]
     assert printed[-1] == f"epoch 1: accuracy {epochs[-1]['accuracy']:.4f}, eval loss {epochs[-1]['eval_loss']:.4f}"
     assert [record["step"] for record in records if "train_loss" in record["values"]] == list(range(4, 65, 4))
     assert len(list((tmp_path / "logs" / "tracking").glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
     assert json.loads((tmp_path / "logs" / "tracking" / "config.json").read_text())["batch_size"] == 32
 
-    plotted = subprocess.run([sys.executable, "-m", "accel", "plot", "logs", "-o", "curves.png"], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    plotted = subprocess.run(
+        [sys.executable, "-m", "accel", "plot", "logs", "-o", "curves.png"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plotted.returncode == 0, plotted.stderr
     assert "5 metric(s) of 1 run(s) -> curves.png" in plotted.stdout
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG_SIGNATURE)

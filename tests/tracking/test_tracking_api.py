@@ -70,8 +70,18 @@ class OtherTracker(RecordingTracker):
 
 def test_logger_type_has_hf_members_and_jsonl():
     assert {member.value for member in LoggerType} == {
-        "all", "aim", "tensorboard", "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab", "jsonl"
-    }  # fmt: skip
+        "all",
+        "aim",
+        "tensorboard",
+        "wandb",
+        "trackio",
+        "comet_ml",
+        "mlflow",
+        "clearml",
+        "dvclive",
+        "swanlab",
+        "jsonl",
+    }
     assert "wandb" in LoggerType and "wandbb" not in LoggerType
     assert str(LoggerType.TENSORBOARD) == "tensorboard"
     assert accel.utils.LoggerType is LoggerType
@@ -93,7 +103,9 @@ def test_unknown_tracker_name_lists_the_valid_ones_and_the_closest():
 
 
 def test_a_tracker_class_instead_of_an_instance_says_how_to_pass_it():
-    with pytest.raises(ValueError, match=r"Pass an instance \(RecordingTracker\(...\)\) or call register_tracker_class"):
+    with pytest.raises(
+        ValueError, match=r"Pass an instance \(RecordingTracker\(...\)\) or call register_tracker_class"
+    ):
         filter_trackers([RecordingTracker])
 
 
@@ -113,10 +125,17 @@ def test_a_tracker_that_writes_files_needs_a_directory(monkeypatch):
 
 def test_all_is_every_installed_tracker_plus_instances(monkeypatch, tmp_path):
     for kind in ("tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio"):
-        monkeypatch.setattr(accel.availability, f"is_{kind}_available", lambda kind=kind: kind in ("mlflow", "tensorboard"))
+        monkeypatch.setattr(
+            accel.availability, f"is_{kind}_available", lambda kind=kind: kind in ("mlflow", "tensorboard")
+        )
     assert get_available_trackers() == [LoggerType.TENSORBOARD, LoggerType.MLFLOW, LoggerType.JSONL]
     custom = RecordingTracker()
-    assert filter_trackers(["all", custom], tmp_path) == [custom, LoggerType.TENSORBOARD, LoggerType.MLFLOW, LoggerType.JSONL]
+    assert filter_trackers(["all", custom], tmp_path) == [
+        custom,
+        LoggerType.TENSORBOARD,
+        LoggerType.MLFLOW,
+        LoggerType.JSONL,
+    ]
     # Without a directory, the file-writing trackers are left out, with a warning naming those HF users know.
     with pytest.warns(UserWarning, match=r"log_with='all' leaves out tensorboard: they write files"):
         assert filter_trackers(LoggerType.ALL) == [LoggerType.MLFLOW]
@@ -124,7 +143,9 @@ def test_all_is_every_installed_tracker_plus_instances(monkeypatch, tmp_path):
 
 def test_log_with_and_nothing_installed_warns_as_hf(monkeypatch):
     monkeypatch.setattr("accel.tracking.registry.get_available_trackers", lambda: [])
-    with pytest.warns(UserWarning, match=r"`log_with=all` was passed but no supported trackers are currently installed"):
+    with pytest.warns(
+        UserWarning, match=r"`log_with=all` was passed but no supported trackers are currently installed"
+    ):
         accelerator = Accelerator(log_with="all")
     assert accelerator.log_with == [] and accelerator.trackers == []
 
@@ -166,7 +187,12 @@ def test_custom_tracker_receives_config_logs_and_finish():
     assert accelerator.get_tracker("recording") is custom
     assert accelerator.get_tracker("recording", unwrap=True) is custom.calls
     accelerator.end_training()
-    assert custom.calls == [("start",), ("config", {"lr": 0.1}), ("log", {"loss": 0.5}, 3, {"commit": False}), ("finish",)]
+    assert custom.calls == [
+        ("start",),
+        ("config", {"lr": 0.1}),
+        ("log", {"loss": 0.5}, 3, {"commit": False}),
+        ("finish",),
+    ]
     accelerator.end_training()  # a second end_training does not finish twice
     assert custom.calls[-2:] == [("log", {"loss": 0.5}, 3, {"commit": False}), ("finish",)]
 
@@ -193,7 +219,9 @@ def test_get_tracker_unknown_name_and_placeholders():
     accelerator = Accelerator(log_with=RecordingTracker())
     assert isinstance(accelerator.get_tracker("wandb"), InactiveTracker)  # no tracker yet: inert, as HF's blank one
     accelerator.init_trackers("proj")
-    with pytest.raises(ValueError, match=r"wandb is not an available tracker stored inside the `Accelerator`; it has \['recording'\]"):
+    with pytest.raises(
+        ValueError, match=r"wandb is not an available tracker stored inside the `Accelerator`; it has \['recording'\]"
+    ):
         accelerator.get_tracker("wandb")
     placeholder = InactiveTracker("wandb")
     assert placeholder.log_images({"a": []}) is None and placeholder.tracker.add_scalar("x", 1) is None
@@ -235,12 +263,22 @@ def test_on_main_process_decorator_reads_the_attribute_when_called():
 
 def test_config_values_a_backend_cannot_store_are_flattened_and_stringified(tmp_path):
     accelerator = Accelerator(log_with="jsonl", project_dir=str(tmp_path))
-    config = {"lr": 0.1, "optimizer": {"name": "adamw", "betas": [0.9, 0.99]}, "path": tmp_path, "dtype": LoggerType.WANDB}
+    config = {
+        "lr": 0.1,
+        "optimizer": {"name": "adamw", "betas": [0.9, 0.99]},
+        "path": tmp_path,
+        "dtype": LoggerType.WANDB,
+    }
     accelerator.init_trackers("run", config=config)
     accelerator.end_training()
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert stored == {"lr": 0.1, "optimizer/name": "adamw", "optimizer/betas": "[0.9, 0.99]", "path": str(tmp_path),
-                      "dtype": "wandb"}  # fmt: skip
+    assert stored == {
+        "lr": 0.1,
+        "optimizer/name": "adamw",
+        "optimizer/betas": "[0.9, 0.99]",
+        "path": str(tmp_path),
+        "dtype": "wandb",
+    }
 
 
 # --- two ranks --------------------------------------------------------------------------------------------------------
@@ -262,14 +300,22 @@ def _track_on_ranks(project_dir):
 
 
 def test_main_process_only_trackers_run_on_rank_0_and_the_others_everywhere(tmp_path):
-    (names0, kind0, everywhere0, main0), (names1, kind1, everywhere1, main1) = run_on_ranks(_track_on_ranks, 2, str(tmp_path))
+    (names0, kind0, everywhere0, main0), (names1, kind1, everywhere1, main1) = run_on_ranks(
+        _track_on_ranks, 2, str(tmp_path)
+    )
     assert names0 == ["recording", "other", "jsonl"] and names1 == ["recording"]
     assert kind0 == "JSONLTracker" and kind1 == "InactiveTracker"
-    assert [call[0] for call in everywhere0] == [call[0] for call in everywhere1] == ["start", "config", "log", "log", "log", "finish"]
+    assert (
+        [call[0] for call in everywhere0]
+        == [call[0] for call in everywhere1]
+        == ["start", "config", "log", "log", "log", "finish"]
+    )
     assert everywhere1[2] == ("log", {"loss": 0.0, "rank": 1}, 0, {})
     assert [call[0] for call in main0] == ["start", "config", "log", "log", "log", "finish"] and main1 == []
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["values"] for line in lines] == [{"loss": float(s), "rank": 0} for s in range(3)] + [{"x": 1}]
+    assert [json.loads(line)["values"] for line in lines] == [{"loss": float(s), "rank": 0} for s in range(3)] + [
+        {"x": 1}
+    ]
 
 
 # --- resuming from a checkpoint continues the step count -------------------------------------------------------------

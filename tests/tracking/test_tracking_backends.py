@@ -16,8 +16,19 @@ from accel import Accelerator
 
 CONFIG = {"lr": 0.01, "batch_size": 8, "optimizer": {"name": "adamw", "eps": 1e-8}, "amp": True, "resume": None}
 # What each step logs: a float, a numpy scalar, a 0-d tensor, text, and a value no scalar backend takes.
-STEPS = [(step, {"loss": 1.0 / (step + 1), "acc": np.float32(0.5 + step / 10), "grad_norm": torch.tensor(2.0 * step),
-                 "phase": "warmup" if step < 2 else "main", "sample": [1, 2, 3]}) for step in range(4)]  # fmt: skip
+STEPS = [
+    (
+        step,
+        {
+            "loss": 1.0 / (step + 1),
+            "acc": np.float32(0.5 + step / 10),
+            "grad_norm": torch.tensor(2.0 * step),
+            "phase": "warmup" if step < 2 else "main",
+            "sample": [1, 2, 3],
+        },
+    )
+    for step in range(4)
+]
 
 
 def _log_steps(accelerator):
@@ -47,8 +58,9 @@ def test_tensorboard_event_files_hold_every_scalar_text_and_the_hparams(tmp_path
     accelerator.end_training()
 
     assert type(writer).__name__ == "SummaryWriter"
-    events = event_accumulator.EventAccumulator(str(tmp_path / "run"), size_guidance={event_accumulator.SCALARS: 0,
-                                                                                       event_accumulator.TENSORS: 0})  # fmt: skip
+    events = event_accumulator.EventAccumulator(
+        str(tmp_path / "run"), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0}
+    )
     events.Reload()
     for name in ("loss", "acc", "grad_norm"):
         logged = events.Scalars(name)
@@ -57,7 +69,8 @@ def test_tensorboard_event_files_hold_every_scalar_text_and_the_hparams(tmp_path
     assert [event.step for event in events.Tensors("phase/text_summary")] == [0, 1, 2, 3]
     assert [m for m in messages if "sample" in m] == [
         "tensorboard cannot log 'sample' (a list; it takes numbers, text or a dict of numbers): skipped, "
-        "and skipped without this warning from now on"]  # fmt: skip
+        "and skipped without this warning from now on"
+    ]
     group = event_accumulator.EventAccumulator(str(tmp_path / "run" / "eval_loss"))
     group.Reload()
     assert [(event.step, event.value) for event in group.Scalars("eval")] == [(4, 0.25)]
@@ -91,14 +104,22 @@ def test_mlflow_run_holds_metrics_by_step_and_flattened_params(tmp_path, monkeyp
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("experiment").experiment_id])
     assert run.info.run_name == "first" and run.info.status == "FINISHED"
-    assert run.data.params == {"lr": "0.01", "batch_size": "8", "optimizer/name": "adamw", "optimizer/eps": "1e-08",
-                               "amp": "True", "resume": "None"}  # fmt: skip
+    assert run.data.params == {
+        "lr": "0.01",
+        "batch_size": "8",
+        "optimizer/name": "adamw",
+        "optimizer/eps": "1e-08",
+        "amp": "True",
+        "resume": "None",
+    }
     for name in ("loss", "acc", "grad_norm"):
         history = client.get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [0, 1, 2, 3]
         assert [m.value for m in history] == pytest.approx(_expected(name), rel=1e-6)
     assert sorted(m.split(" (")[0] for m in messages if "mlflow cannot log" in m) == [
-        "mlflow cannot log 'phase'", "mlflow cannot log 'sample'"]  # one warning per key, not per step
+        "mlflow cannot log 'phase'",
+        "mlflow cannot log 'sample'",
+    ]  # one warning per key, not per step
 
 
 # --- wandb ----------------------------------------------------------------------------------------------------------
@@ -114,8 +135,8 @@ def _wandb_records(path):
         if left < 7:  # a block's tail too short for a record header is padding
             position += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        payload += data[position + 7:position + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        payload += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # a whole record, or the last fragment of one
             records.append(wandb_internal_pb2.Record.FromString(payload))
@@ -131,8 +152,13 @@ def test_wandb_offline_run_file_holds_config_and_history(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     import wandb
 
-    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
-                        "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_CACHE_DIR": str(tmp_path / "cache")}.items():  # fmt: skip
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+        "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+    }.items():
         monkeypatch.setenv(name, value)
     accelerator = Accelerator(log_with="wandb")
     try:
@@ -140,18 +166,29 @@ def test_wandb_offline_run_file_holds_config_and_history(tmp_path, monkeypatch):
         accelerator.log({"loss": 0.5, "phase": "warmup"}, step=0)
         accelerator.log({"loss": 0.25, "grad_norm": torch.tensor(2.0)}, step=1)
         run = accelerator.get_tracker("wandb", unwrap=True)
-        assert run.project == "project" and run.name == "first" and run.config["optimizer"] == {"name": "adamw", "eps": 1e-8}
+        assert (
+            run.project == "project"
+            and run.name == "first"
+            and run.config["optimizer"] == {"name": "adamw", "eps": 1e-8}
+        )
         accelerator.end_training()
     finally:
         wandb.teardown()  # the wandb service process must not outlive the test
 
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = _wandb_records(path)
-    config = {_key(item): json.loads(item.value_json) for record in records if record.HasField("config")
-              for item in record.config.update}  # fmt: skip
+    config = {
+        _key(item): json.loads(item.value_json)
+        for record in records
+        if record.HasField("config")
+        for item in record.config.update
+    }
     assert config["lr"] == 0.01 and config["optimizer"] == {"name": "adamw", "eps": 1e-8}
-    history = [{_key(item): json.loads(item.value_json) for item in record.history.item} for record in records
-               if record.HasField("history")]  # fmt: skip
+    history = [
+        {_key(item): json.loads(item.value_json) for item in record.history.item}
+        for record in records
+        if record.HasField("history")
+    ]
     assert [(row["_step"], row["loss"]) for row in history] == [(0, 0.5), (1, 0.25)]
     assert history[0]["phase"] == "warmup" and history[1]["grad_norm"] == 2.0
 

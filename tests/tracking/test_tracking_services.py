@@ -68,9 +68,11 @@ def test_comet(monkeypatch, tmp_path):
     run_through_accelerator("comet_ml", tmp_path, {"online": False})
     assert calls[0] == ("comet_ml.start", (), {"project_name": "proj", "online": False})
     assert calls[1] == ("comet_ml.start().log_parameters", ({"lr": 0.1, "opt/name": "adam"},), {})
-    assert calls[2:5] == [("comet_ml.start().set_step", (3,), {}),
-                          ("comet_ml.start().log_metric", ("loss", 0.5), {"step": 3}),
-                          ("comet_ml.start().log_metric", ("eval_acc", 0.75), {"step": 3})]  # fmt: skip
+    assert calls[2:5] == [
+        ("comet_ml.start().set_step", (3,), {}),
+        ("comet_ml.start().log_metric", ("loss", 0.5), {"step": 3}),
+        ("comet_ml.start().log_metric", ("eval_acc", 0.75), {"step": 3}),
+    ]
     assert paths(calls[5:]) == ["comet_ml.start().end"]
 
 
@@ -79,21 +81,27 @@ def test_aim_tracks_in_the_project_dir(monkeypatch, tmp_path):
     run_through_accelerator("aim", tmp_path)
     assert calls[0] == ("aim.Run", (), {"repo": str(tmp_path)})
     assert calls[1] == ("aim.Run()['hparams']=", (CONFIG,), {})
-    assert calls[2:4] == [("aim.Run().track", (0.5,), {"name": "loss", "step": 3}),
-                          ("aim.Run().track", (0.75,), {"name": "eval_acc", "step": 3})]  # fmt: skip
+    assert calls[2:4] == [
+        ("aim.Run().track", (0.5,), {"name": "loss", "step": 3}),
+        ("aim.Run().track", (0.75,), {"name": "eval_acc", "step": 3}),
+    ]
     assert paths(calls[4:]) == ["aim.Run().close"]
 
 
 def test_clearml_reports_series_from_key_prefixes(monkeypatch, tmp_path):
     calls = fake_package(monkeypatch, "clearml")
     # No task started by the user: current_task() is None, so the tracker starts (and later closes) its own.
-    sys.modules["clearml"].Task = types.SimpleNamespace(current_task=lambda: None, init=Recorder(calls, "clearml.Task.init"))
+    sys.modules["clearml"].Task = types.SimpleNamespace(
+        current_task=lambda: None, init=Recorder(calls, "clearml.Task.init")
+    )
     run_through_accelerator("clearml", tmp_path)
     assert calls[0] == ("clearml.Task.init", (), {"project_name": "proj", "task_name": "proj"})
     assert calls[1] == ("clearml.Task.init().connect_configuration", (CONFIG,), {})
     scalars = [kwargs for path, _, kwargs in calls if path.endswith("report_scalar")]
-    assert scalars == [{"title": "loss", "series": "train", "value": 0.5, "iteration": 3},
-                       {"title": "acc", "series": "eval", "value": 0.75, "iteration": 3}]  # fmt: skip
+    assert scalars == [
+        {"title": "loss", "series": "train", "value": 0.5, "iteration": 3},
+        {"title": "acc", "series": "eval", "value": 0.75, "iteration": 3},
+    ]
     assert paths(calls)[-1] == "clearml.Task.init().close"
 
 
@@ -103,14 +111,28 @@ def test_dvclive(monkeypatch, tmp_path):
     run_through_accelerator("dvclive", tmp_path, {"dir": str(tmp_path / "live")})
     assert calls[0] == ("dvclive.Live", (), {"dir": str(tmp_path / "live")})
     assert calls[1] == ("dvclive.Live().log_params", (CONFIG,), {})
-    assert calls[2:] == [("dvclive.Live().log_metric", ("loss", 0.5), {}), ("dvclive.Live().log_metric", ("eval_acc", 0.75), {}),
-                         ("dvclive.Live().next_step", (), {}), ("dvclive.Live().end", (), {})]  # fmt: skip
+    assert calls[2:] == [
+        ("dvclive.Live().log_metric", ("loss", 0.5), {}),
+        ("dvclive.Live().log_metric", ("eval_acc", 0.75), {}),
+        ("dvclive.Live().next_step", (), {}),
+        ("dvclive.Live().end", (), {}),
+    ]
 
 
-@pytest.mark.parametrize("kind, command", [("aim", 'pip install "aim<4"'), ("comet_ml", "pip install comet-ml"),
-                                           ("clearml", "pip install clearml"), ("dvclive", "pip install dvclive"),
-                                           ("swanlab", "pip install swanlab"), ("trackio", "pip install trackio")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, command",
+    [
+        ("aim", 'pip install "aim<4"'),
+        ("comet_ml", "pip install comet-ml"),
+        ("clearml", "pip install clearml"),
+        ("dvclive", "pip install dvclive"),
+        ("swanlab", "pip install swanlab"),
+        ("trackio", "pip install trackio"),
+    ],
+)
 def test_a_missing_service_package_names_its_install_command(kind, command, monkeypatch):
     monkeypatch.setattr(accel.availability, f"is_{kind}_available", lambda: False)
-    with pytest.raises(MissingTrackerPackageError, match=f"needs the `{kind}` package, which is not installed: {command}"):
+    with pytest.raises(
+        MissingTrackerPackageError, match=f"needs the `{kind}` package, which is not installed: {command}"
+    ):
         Accelerator(log_with=kind, project_dir="unused")

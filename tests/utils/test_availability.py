@@ -57,8 +57,9 @@ def test_torchao_needs_0_6_1_and_gates_fp8(tmp_path, monkeypatch, version, expec
     monkeypatch.syspath_prepend(str(tmp_path))
     _fake_package(tmp_path, "torchao", version=version)
     assert availability.is_torchao_available() is expected
-    assert availability.is_fp8_available() is (expected or availability.is_msamp_available()
-                                                or availability.is_transformer_engine_available())
+    assert availability.is_fp8_available() is (
+        expected or availability.is_msamp_available() or availability.is_transformer_engine_available()
+    )
 
 
 def test_mlflow_counts_its_client_only_distribution(tmp_path, monkeypatch):
@@ -129,8 +130,9 @@ def test_a_plugin_device_is_asked_and_cached(tmp_path, monkeypatch):
             raise RuntimeError("no NPU")
         return 1
 
-    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=device_count),
-                        raising=False)  # fmt: skip
+    monkeypatch.setattr(
+        torch, "npu", types.SimpleNamespace(is_available=lambda: True, device_count=device_count), raising=False
+    )
     availability.is_npu_available.cache_clear()
     try:
         assert availability.is_npu_available() is True
@@ -171,8 +173,10 @@ def test_every_check_answers_a_bool():
 
 @pytest.mark.gpu
 def test_cuda_check_leaves_a_fresh_process_able_to_fork():
-    code = ("import torch; from accel.availability import is_cuda_available, is_bf16_available; "
-            "print(is_cuda_available(), torch.cuda.is_initialized())")  # fmt: skip
+    code = (
+        "import torch; from accel.availability import is_cuda_available, is_bf16_available; "
+        "print(is_cuda_available(), torch.cuda.is_initialized())"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["True", "False"]
     assert availability.is_bf16_available() is torch.cuda.is_bf16_supported()

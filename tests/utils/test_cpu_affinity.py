@@ -17,8 +17,12 @@ from accel.cpu_affinity import (
 
 # 2 NUMA nodes of 8 cores with 2 hyperthreads each: core i is CPUs (i, i + 16).
 TWO_NODES = [[(i, i + 16) for i in range(8)], [(i, i + 16) for i in range(8, 16)]]
-FOUR_NODES_UNEVEN = [[(i,) for i in range(0, 6)], [(i,) for i in range(6, 8)], [(i,) for i in range(8, 12)],
-                     [(i,) for i in range(12, 13)]]  # fmt: skip
+FOUR_NODES_UNEVEN = [
+    [(i,) for i in range(0, 6)],
+    [(i,) for i in range(6, 8)],
+    [(i,) for i in range(8, 12)],
+    [(i,) for i in range(12, 13)],
+]
 
 
 def _node_of(cpu, nodes):
@@ -46,8 +50,12 @@ def test_plans_are_disjoint_and_numa_local(nodes):
 
 def test_ranks_get_whole_cores_and_fill_nodes_in_order():
     plan = plan_affinity(TWO_NODES, 4)
-    assert plan == [{0, 1, 2, 3, 16, 17, 18, 19}, {4, 5, 6, 7, 20, 21, 22, 23},
-                    {8, 9, 10, 11, 24, 25, 26, 27}, {12, 13, 14, 15, 28, 29, 30, 31}]  # fmt: skip
+    assert plan == [
+        {0, 1, 2, 3, 16, 17, 18, 19},
+        {4, 5, 6, 7, 20, 21, 22, 23},
+        {8, 9, 10, 11, 24, 25, 26, 27},
+        {12, 13, 14, 15, 28, 29, 30, 31},
+    ]
     for world_size in (2, 4, 8, 16):
         for rank_cpus in plan_affinity(TWO_NODES, world_size):
             assert all((cpu + 16 in rank_cpus) for cpu in rank_cpus if cpu < 16)  # both threads of each core
@@ -84,8 +92,10 @@ def test_topology_from_sysfs(tmp_path):
     _fake_sysfs(tmp_path, TWO_NODES)
     allowed = frozenset(range(32)) - {3, 19, 31}  # e.g. a cpuset without core 3 and half of core 15
     nodes = numa_nodes(allowed, tmp_path)
-    assert nodes == [sorted((set(range(8)) | set(range(16, 24))) - {3, 19}),
-                     sorted(set(range(8, 16)) | set(range(24, 31)))]  # fmt: skip
+    assert nodes == [
+        sorted((set(range(8)) | set(range(16, 24))) - {3, 19}),
+        sorted(set(range(8, 16)) | set(range(24, 31))),
+    ]
     cores = physical_cores(nodes[1], tmp_path)
     assert cores[-1] == (15,) and cores[0] == (8, 24)
 

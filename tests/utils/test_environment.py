@@ -155,12 +155,15 @@ def test_gpu_info_from_nvidia_smi(monkeypatch):
     assert get_gpu_info() == (["NVIDIA H100", "NVIDIA H100"], 2)
 
 
-@pytest.mark.parametrize("names, driver, expected", [
-    (["NVIDIA GeForce RTX 4090"] * 2, "535.1", False),
-    (["NVIDIA GeForce RTX 4090"] * 2, "550.54.14", True),
-    (["NVIDIA GeForce RTX 4090"], "535.1", True),
-    (["NVIDIA A100"] * 2, "535.1", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "names, driver, expected",
+    [
+        (["NVIDIA GeForce RTX 4090"] * 2, "535.1", False),
+        (["NVIDIA GeForce RTX 4090"] * 2, "550.54.14", True),
+        (["NVIDIA GeForce RTX 4090"], "535.1", True),
+        (["NVIDIA A100"] * 2, "535.1", True),
+    ],
+)
 def test_p2p_ib_support(monkeypatch, names, driver, expected):
     _fake_gpus(monkeypatch, [{"count": str(len(names)), "name": name, "driver_version": driver} for name in names])
     assert check_cuda_p2p_ib_support() is expected

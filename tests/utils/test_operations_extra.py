@@ -29,8 +29,11 @@ from accel.utils.operations import (
 
 
 def test_convert_to_fp32():
-    data = {"logits": torch.ones(2, dtype=torch.bfloat16), "ids": torch.ones(2, dtype=torch.int64),
-            "pair": (torch.ones(1, dtype=torch.float16), "text")}  # fmt: skip
+    data = {
+        "logits": torch.ones(2, dtype=torch.bfloat16),
+        "ids": torch.ones(2, dtype=torch.int64),
+        "pair": (torch.ones(1, dtype=torch.float16), "text"),
+    }
     converted = convert_to_fp32(data)
     assert converted["logits"].dtype == torch.float32 and converted["pair"][0].dtype == torch.float32
     assert converted["ids"] is data["ids"] and converted["pair"][1] == "text"
@@ -107,8 +110,17 @@ def _operations_on_two_ranks():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         padded = pad_across_processes({"nested": nested, "rows": torch.ones(rank + 1, 2)})
-    return (copied.dtype, copied.tolist(), torch.signbit(copied).tolist(), shape.tolist(), dtype_code, errors,
-            padded["nested"] is nested, padded["rows"].shape, [w.category.__name__ for w in caught])
+    return (
+        copied.dtype,
+        copied.tolist(),
+        torch.signbit(copied).tolist(),
+        shape.tolist(),
+        dtype_code,
+        errors,
+        padded["nested"] is nested,
+        padded["rows"].shape,
+        [w.category.__name__ for w in caught],
+    )
 
 
 def test_on_two_ranks():

@@ -160,8 +160,14 @@ def _unwrap_prepared(mixed_precision):
     kept_wrapper = kept.forward.__func__ is not torch.nn.Linear.forward
     same_as_accelerator = kept is accelerator.unwrap_model(prepared)
     plain = extract_model_from_parallel(prepared, keep_fp32_wrapper=False)
-    return (type(prepared).__name__, kept is model, kept_wrapper, same_as_accelerator, plain is model,
-            plain.forward.__func__ is not torch.nn.Linear.forward)
+    return (
+        type(prepared).__name__,
+        kept is model,
+        kept_wrapper,
+        same_as_accelerator,
+        plain is model,
+        plain.forward.__func__ is not torch.nn.Linear.forward,
+    )
 
 
 def test_unwrap_a_model_prepared_on_two_processes():
@@ -280,8 +286,12 @@ def test_names_and_sizes():
     assert get_pretty_name(torch.optim.AdamW) == "AdamW"
     assert get_pretty_name(torch.nn.Linear(1, 1)) == "Linear"
     assert get_pretty_name(Stack.forward) == "Stack.forward"
-    assert [convert_bytes(size) for size in (512, 1536, 3 * 2**30, 2**50 * 5)] == ["512 bytes", "1.5 KB", "3.0 GB",
-                                                                                  "5.0 PB"]  # fmt: skip
+    assert [convert_bytes(size) for size in (512, 1536, 3 * 2**30, 2**50 * 5)] == [
+        "512 bytes",
+        "1.5 KB",
+        "3.0 GB",
+        "5.0 PB",
+    ]
 
 
 def test_merge_dicts():

@@ -1,13 +1,14 @@
 """One rank of bench_gather's first call, as the benchmark makes it: a gloo default group, accel's and HF's
 PartialState, the shared-memory transport, then pad_across_processes + gather of 64 - rank uint8 elements."""
+
 import faulthandler
 import os
 
 faulthandler.enable()
+import accelerate as hf
 import torch
 import torch.distributed as dist
 
-import accelerate as hf
 from accel.collectives import gather, pad_across_processes
 from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState

@@ -1,8 +1,13 @@
 """One process, a world-1 shared-memory group: each transport op once, printing before each call."""
-import faulthandler, os, secrets, sys
+
+import faulthandler
+import secrets
+
 faulthandler.enable()
 import torch
+
 from accel import _ext, ops
+
 print("native:", _ext.status(), flush=True)
 h = ops.shm_group_create(0, 1, secrets.token_hex(16), (4 << 20) + 4096, 60.0, False)
 ops.shm_group_attach(h, ops.shm_group_locator(h))

@@ -61,7 +61,7 @@ def load_blocks(args, tokenizer, accelerator):
     def group_texts(examples):
         joined = {k: list(chain(*examples[k])) for k in examples}
         total = len(joined["input_ids"]) // args.block_size * args.block_size
-        blocks = {k: [t[i:i + args.block_size] for i in range(0, total, args.block_size)] for k, t in joined.items()}
+        blocks = {k: [t[i : i + args.block_size] for i in range(0, total, args.block_size)] for k, t in joined.items()}
         blocks["labels"] = blocks["input_ids"].copy()
         return blocks
 
@@ -111,27 +111,34 @@ def main():
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer_name)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2))
     data = load_blocks(args, tokenizer, accelerator)
-    train_dataloader = DataLoader(data["train"], shuffle=True, collate_fn=default_data_collator,
-                                  batch_size=args.per_device_train_batch_size)  # fmt: skip
-    eval_dataloader = DataLoader(data["validation"], collate_fn=default_data_collator,
-                                 batch_size=args.per_device_eval_batch_size)  # fmt: skip
+    train_dataloader = DataLoader(
+        data["train"], shuffle=True, collate_fn=default_data_collator, batch_size=args.per_device_train_batch_size
+    )
+    eval_dataloader = DataLoader(
+        data["validation"], collate_fn=default_data_collator, batch_size=args.per_device_eval_batch_size
+    )
     no_decay = ["bias", "layer_norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight"]
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": args.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-    ]  # fmt: skip
+    ]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
     # As the example: the schedule is sized before `prepare` shards the data, from the whole dataloader's length
     # when --max_train_steps is not given; the step count is then recomputed from the sharded length.
     overrode_max_train_steps = args.max_train_steps is None
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_update(train_dataloader, args)
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-                                 num_training_steps=max_train_steps if overrode_max_train_steps
-                                 else max_train_steps * accelerator.num_processes)  # fmt: skip
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps if overrode_max_train_steps else max_train_steps * accelerator.num_processes,
+    )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     if overrode_max_train_steps:
         max_train_steps = args.num_train_epochs * steps_per_update(train_dataloader, args)
     num_train_epochs = math.ceil(max_train_steps / steps_per_update(train_dataloader, args))
@@ -173,19 +180,30 @@ def main():
         logger.info(f"epoch {epoch}: perplexity: {perplexity} eval_loss: {eval_loss}")
         evaluations.append({"epoch": epoch, "step": completed_steps, "eval_loss": eval_loss, "perplexity": perplexity})
         if args.with_tracking:
-            accelerator.log({"perplexity": perplexity, "eval_loss": eval_loss,
-                             "train_loss": total_loss.item() / len(train_dataloader), "epoch": epoch},
-                            step=completed_steps)  # fmt: skip
+            accelerator.log(
+                {
+                    "perplexity": perplexity,
+                    "eval_loss": eval_loss,
+                    "train_loss": total_loss.item() / len(train_dataloader),
+                    "epoch": epoch,
+                },
+                step=completed_steps,
+            )
         if checkpointing_steps == "epoch":
             accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)  # fmt: skip
+    unwrapped.save_pretrained(
+        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
-        results = {"step_losses": step_losses, "evaluations": evaluations, "perplexity": perplexity,
-                   "accelerate": type(accelerator).__module__}  # fmt: skip
+        results = {
+            "step_losses": step_losses,
+            "evaluations": evaluations,
+            "perplexity": perplexity,
+            "accelerate": type(accelerator).__module__,
+        }
         pathlib.Path(args.output_dir, "results.json").write_text(json.dumps(results, indent=1))
     accelerator.end_training()  # last: it also ends the process group
 

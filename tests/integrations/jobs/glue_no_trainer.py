@@ -21,8 +21,13 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast,
-                          get_scheduler)  # fmt: skip
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerFast,
+    get_scheduler,
+)
 
 logger = get_logger(__name__)
 
@@ -99,32 +104,45 @@ def main():
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **tracking)
     set_seed(args.seed)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.tokenizer_name)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
-                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = BertForSequenceClassification(config)
     data = load_pairs(args, tokenizer, accelerator)
     collator = DataCollatorWithPadding(tokenizer)
-    train_dataloader = DataLoader(data["train"], shuffle=True, collate_fn=collator,
-                                  batch_size=args.per_device_train_batch_size)  # fmt: skip
+    train_dataloader = DataLoader(
+        data["train"], shuffle=True, collate_fn=collator, batch_size=args.per_device_train_batch_size
+    )
     eval_dataloader = DataLoader(data["validation"], collate_fn=collator, batch_size=args.per_device_eval_batch_size)
     no_decay = ["bias", "LayerNorm.weight"]
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
-         "weight_decay": args.weight_decay},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay)],
+            "weight_decay": args.weight_decay,
+        },
         {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay)], "weight_decay": 0.0},
-    ]  # fmt: skip
+    ]
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate)
     # As the example: the schedule is sized before `prepare` shards the data, from the whole dataloader's length
     # when --max_train_steps is not given; the step count is then recomputed from the sharded length.
     overrode_max_train_steps = args.max_train_steps is None
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_update(train_dataloader, args)
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
-                                 num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
-                                 num_training_steps=max_train_steps if overrode_max_train_steps
-                                 else max_train_steps * accelerator.num_processes)  # fmt: skip
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * accelerator.num_processes,
+        num_training_steps=max_train_steps if overrode_max_train_steps else max_train_steps * accelerator.num_processes,
+    )
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     if overrode_max_train_steps:
         max_train_steps = args.num_train_epochs * steps_per_update(train_dataloader, args)
     num_train_epochs = math.ceil(max_train_steps / steps_per_update(train_dataloader, args))
@@ -163,15 +181,18 @@ def main():
         logger.info(f"epoch {epoch}: accuracy {eval_accuracy} on {eval_count} examples")
         evaluations.append({"epoch": epoch, "step": completed_steps, "accuracy": eval_accuracy, "count": eval_count})
         if args.with_tracking:
-            accelerator.log({"accuracy": eval_accuracy, "train_loss": total_loss.item() / len(train_dataloader),
-                             "epoch": epoch}, step=completed_steps)  # fmt: skip
+            accelerator.log(
+                {"accuracy": eval_accuracy, "train_loss": total_loss.item() / len(train_dataloader), "epoch": epoch},
+                step=completed_steps,
+            )
         if checkpointing_steps == "epoch":
             accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)  # fmt: skip
+    unwrapped.save_pretrained(
+        args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
     if accelerator.is_main_process:
         results = {"step_losses": step_losses, "evaluations": evaluations, "accelerate": type(accelerator).__module__}
         pathlib.Path(args.output_dir, "results.json").write_text(json.dumps(results, indent=1))

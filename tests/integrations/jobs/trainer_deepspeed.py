@@ -30,17 +30,35 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32))
     deepspeed = None
     if args.stage is not None:  # HF's "auto" values, filled by the Trainer and the Accelerator
-        deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                     "gradient_clipping": "auto", "zero_optimization": {"stage": args.stage}}
-    training = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=4, max_steps=6,
-                                 logging_steps=1, learning_rate=1e-3, report_to=[], deepspeed=deepspeed, use_cpu=True,
-                                 save_strategy="no", seed=0)
+        deepspeed = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": args.stage},
+        }
+    training = TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=[],
+        deepspeed=deepspeed,
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
     trainer = Trainer(model=model, args=training, train_dataset=Tokens())
     trainer.train()
     if trainer.accelerator.is_main_process:
         with open(args.result, "w") as f:
-            json.dump({"distributed_type": str(trainer.accelerator.distributed_type),
-                       "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]}, f)
+            json.dump(
+                {
+                    "distributed_type": str(trainer.accelerator.distributed_type),
+                    "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,15 @@ import pathlib
 
 import torch
 from safetensors.torch import save_file
-from transformers import (GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments,
-                          default_data_collator, set_seed)  # fmt: skip
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
 
 BLOCK = 16
 
@@ -41,26 +48,47 @@ def blocks(tokenizer, path):
     ids = [token for text in texts(path) for token in tokenizer(text)["input_ids"]]
     examples = []
     for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-        chunk = torch.tensor(ids[start:start + BLOCK])
+        chunk = torch.tensor(ids[start : start + BLOCK])
         examples.append({"input_ids": chunk, "attention_mask": torch.ones_like(chunk), "labels": chunk.clone()})
     return examples
 
 
 def tiny_gpt2(tokenizer):
     set_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return GPT2LMHeadModel(config)
 
 
 def training_args(args, config_class=TrainingArguments, **extra):
     return config_class(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=4,
-        per_device_eval_batch_size=4, gradient_accumulation_steps=args.grad_accum, learning_rate=1e-3,
-        logging_steps=1, eval_strategy="steps", eval_steps=args.save_steps, save_strategy="steps",
-        save_steps=args.save_steps, bf16=args.bf16, use_cpu=True, seed=0, report_to=[], disable_tqdm=True,
-        dataloader_num_workers=0, **extra)  # fmt: skip
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=1e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=args.save_steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        bf16=args.bf16,
+        use_cpu=True,
+        seed=0,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
 
 
 def build_trainer(args, tokenizer):
@@ -71,15 +99,26 @@ def build_trainer(args, tokenizer):
 
         data = load_dataset("json", data_files={"train": args.train, "validation": args.validation})
         config = training_args(args, SFTConfig, max_length=BLOCK, dataset_text_field="text")
-        return SFTTrainer(model=model, args=config, train_dataset=data["train"], eval_dataset=data["validation"],
-                          processing_class=tokenizer)  # fmt: skip
+        return SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=data["train"],
+            eval_dataset=data["validation"],
+            processing_class=tokenizer,
+        )
     if args.task == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
-                                                 task_type="CAUSAL_LM"))  # fmt: skip
-    return Trainer(model=model, args=training_args(args), train_dataset=blocks(tokenizer, args.train),
-                   eval_dataset=blocks(tokenizer, args.validation), data_collator=default_data_collator)  # fmt: skip
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, task_type="CAUSAL_LM")
+        )
+    return Trainer(
+        model=model,
+        args=training_args(args),
+        train_dataset=blocks(tokenizer, args.train),
+        eval_dataset=blocks(tokenizer, args.validation),
+        data_collator=default_data_collator,
+    )
 
 
 def run(args):
@@ -91,8 +130,12 @@ def run(args):
         model = trainer.accelerator.unwrap_model(trainer.model)
         state = {name: tensor.detach().cpu().clone().contiguous() for name, tensor in model.state_dict().items()}
         save_file(state, str(pathlib.Path(args.output_dir) / "final.safetensors"))
-        result = {"log_history": trainer.state.log_history, "eval": metrics, "global_step": trainer.state.global_step,
-                  "accelerate": type(trainer.accelerator).__module__}  # fmt: skip
+        result = {
+            "log_history": trainer.state.log_history,
+            "eval": metrics,
+            "global_step": trainer.state.global_step,
+            "accelerate": type(trainer.accelerator).__module__,
+        }
         pathlib.Path(args.result).write_text(json.dumps(result, indent=1))
     trainer.accelerator.wait_for_everyone()
 
