@@ -3,8 +3,9 @@
 A user's own `init_process_group("gloo")` on 2 ranks of one host, then `Accelerator()`: the default group's CPU
 backend becomes accel's shared-memory backend (natively; gloo with ACCEL_TRANSPORT=torch or without the extension),
 and collectives, `gather`, `gather_for_metrics` and DDP training give the same results either way. Without LOCAL_RANK
-in the environment, the local rank and local world size come from the ranks' host identities (simulated hosts), a
-group spanning hosts stays gloo, and a launcher's LOCAL_RANK is kept. The adoption happens once per group.
+in the environment (a user's group; a group PartialState starts from RANK/WORLD_SIZE alone, as under Kubeflow), the
+local rank and local world size come from the ranks' host identities (simulated hosts), a group spanning hosts stays
+gloo, and a launcher's LOCAL_RANK is kept. The adoption happens once per group.
 """
 
 from __future__ import annotations
@@ -98,16 +99,18 @@ def test_a_users_gloo_group_is_adopted_and_shares_memory(monkeypatch):
         assert torch.equal(ours, theirs)
 
 
-def _on_simulated_hosts(hosts: list[str], keep_launcher_values: bool) -> tuple:
-    """Each rank claims the host named hosts[rank] (the rest of its identity unchanged), then adopts its group."""
+def _on_simulated_hosts(hosts: list[str], keep_launcher_values: bool, users_group: bool = True) -> tuple:
+    """Each rank claims the host named hosts[rank] (the rest of its identity unchanged), then adopts its group (the
+    user's, or the one PartialState starts from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     from accel.collectives import same_host
 
     real = same_host.host_identity
-    same_host.host_identity = lambda: (hosts[dist.get_rank()], *real()[1:])
+    same_host.host_identity = lambda: (hosts[int(os.environ["RANK"])], *real()[1:])
     try:
         if not keep_launcher_values:
             _without_launcher_placement()
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        if users_group:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
         state = PartialState()
         return state.local_process_index, int(os.environ["LOCAL_WORLD_SIZE"]), _cpu_backend_name()
     finally:
@@ -120,6 +123,12 @@ def test_local_ranks_come_from_the_hosts_when_no_launcher_gave_them():
     # spans hosts stays gloo as it is.
     results = run_on_ranks(_on_simulated_hosts, 3, ["a", "b", "a"], False, timeout=90)
     assert results == [(0, 2, "gloo"), (0, 1, "gloo"), (1, 2, "gloo")]
+
+
+@pytest.mark.timeout(120)
+def test_one_process_per_pod_without_local_rank_is_local_rank_zero():
+    # A Kubeflow PyTorchJob: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, no LOCAL_RANK; PartialState starts the group.
+    assert run_on_ranks(_on_simulated_hosts, 2, ["a", "b"], False, False, timeout=90) == [(0, 1, "gloo")] * 2
 
 
 @pytest.mark.timeout(120)
