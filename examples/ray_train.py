@@ -36,10 +36,11 @@ def make_dataset(samples: int = 512, features: int = 8, seed: int = 0) -> Tensor
 def save_and_report(accelerator: Accelerator, metrics: dict) -> None:
     """Saves the whole training state and hands it to Ray Train.
 
-    Every process saves into one folder named by the main process (on other hosts it is created there: each host's
-    first process writes the model and optimizer files, every process its RNG file), and each host's first process
-    reports it; Ray Train copies what the workers report into one checkpoint of the run's storage, then the folder is
-    removed. `ray.train.report` is collective: every worker calls it, with or without a checkpoint.
+    Every process saves into one folder named by the main process (created on the other hosts by their processes):
+    the main process writes the model, optimizer, ... files, every process its own RNG file. Each host's first
+    process reports its host's copy, and Ray Train merges what the workers report into one checkpoint of the run's
+    storage (the names never collide); then the folder is removed. `ray.train.report` is collective: every worker
+    calls it, with or without a checkpoint.
     """
     folder = tempfile.mkdtemp(prefix="accel-ray-") if accelerator.is_main_process else None
     folder = broadcast_object_list([folder])[0]
