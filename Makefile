@@ -12,7 +12,7 @@ RUNTIME_DEPS = pyyaml numpy packaging "safetensors>=0.4"
 # tests/conformance freezes the accelerate names these releases use (README: "Using Trainer, TRL, PEFT").
 TEST_DEPS = pytest pytest-timeout psutil pytest-benchmark "hypothesis>=6" \
 	"tensorboard>=2.10" "matplotlib>=3.5" "wandb>=0.17" "mlflow-skinny>=2.10" "torchdata>=0.8" "accelerate==1.15.0" \
-	"transformers==5.25.0" "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0" "deepspeed==0.19.8"
+	"transformers==5.25.0" "trl==1.16.0" "peft==0.21.2" "datasets==5.2.0" "deepspeed==0.19.8" "ray[train]==2.60.0"
 PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
@@ -36,8 +36,9 @@ test: test-native test-fallback test-pure
 test-native: setup
 	ACCEL_EXPECT_NATIVE=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The integration tests (real Trainer / TRL / PEFT jobs against HF Accelerate, minutes of 2-process runs) run once,
-# in test-native: the other two modes change only accel's kernels, which the rest of the suite checks in each.
+# The integration tests (real Trainer / TRL / PEFT jobs against HF Accelerate, minutes of 2-process runs; a Ray Train
+# job, ~30 s) run once, in test-native: the other two modes change only accel's kernels, which the rest of the suite
+# checks in each.
 test-fallback: setup
 	ACCEL_DISABLE_NATIVE=1 ACCEL_EXPECT_NATIVE=0 $(VENV)/bin/pytest $(PYTEST_ARGS) -m "not integration"
 

@@ -1,15 +1,25 @@
-"""The default process group: when to start one, its timeout, this process's device in it, and its barrier.
+"""The default process group: when to start one, how to adopt it, its timeout, this process's device in it, and its
+barrier.
 
 Below `accel.state` (whose `PartialState` starts or adopts the group and records what is resolved here) and below
 the collectives' transports (whose torch.distributed transport waits with `default_group_barrier`): both import this
-module, and it imports neither; it imports only the shared-memory process group it starts gloo groups with. Every
-wait is bounded by the group's timeout, so a process that never arrives makes the others raise instead of hanging.
+module, and it imports neither; it imports only the shared-memory process group it layers on gloo groups and the
+same-host facts. Every wait is bounded by the group's timeout, so a process that never arrives makes the others raise
+instead of hanging.
+
+A group accel starts and a group someone else initialized (a user's `init_process_group`, Ray Train's TorchTrainer,
+Kubeflow, torchrun without `accel launch`) are treated alike, once per group (`adopt_default_group`): the ranks
+exchange their host identities through the group's store, which gives LOCAL_RANK / LOCAL_WORLD_SIZE where the
+environment lacks them, and a gloo group whose ranks share one host gets accel's shared-memory backend for its CPU
+collectives (`share_memory_in_default_group`; ACCEL_TRANSPORT=torch keeps it gloo). A group whose ranks span hosts
+stays gloo as it is.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from accel._env import get_setting
-from accel.collectives.shm_process_group import share_memory_in_default_group
+from accel.collectives import same_host
+from accel.collectives.shm_process_group import StoreRounds, share_memory_in_default_group
 
 
 def launched_distributed(use_cuda: bool) -> bool:
@@ -72,8 +83,8 @@ def wait_limit() -> timedelta:
 
 
 def local_rank() -> int:
-    """This process's index on its machine in the initialized group: LOCAL_RANK, else its rank (a group the user
-    made may come without LOCAL_RANK)."""
+    """This process's index on its machine in the initialized group: LOCAL_RANK (which `adopt_default_group` exports
+    when a launcher did not), else its rank (before the group is adopted)."""
     return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
 
 
@@ -90,10 +101,7 @@ def device_for(distributed: bool, use_cuda: bool, local_process_index: int) -> t
 
 def start_process_group(backend: str, timeout: timedelta | None, device: torch.device, kwargs: dict) -> None:
     """Initializes the default group on `backend` (its CUDA device set first); a backend this torch build lacks
-    is refused, naming the one to use.
-
-    A gloo group then moves CPU tensors through shared memory when its processes share a host (collective: every
-    rank decides with the others, `share_memory_in_default_group`; the group stays gloo where they cannot).
+    is refused, naming the one to use. `adopt_default_group` then makes it accel's, as any group someone else made.
     """
     if ":" not in backend and not dist.is_backend_available(backend):
         fallback = "nccl" if device.type == "cuda" else "gloo"
@@ -101,8 +109,47 @@ def start_process_group(backend: str, timeout: timedelta | None, device: torch.d
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
-    if backend == "gloo":
-        share_memory_in_default_group()
+
+
+# The default group `adopt_default_group` last took over (a weak reference: a destroyed group must not live on).
+_adopted: weakref.ref | None = None
+
+
+def adopt_default_group() -> None:
+    """Makes the initialized default group accel's, whoever started it; once per group.
+
+    Collective over the group's store, on every rank of a group of several processes: each rank tells the others its
+    host identity (`same_host.host_identity`), and where LOCAL_RANK is not set, it is exported with LOCAL_WORLD_SIZE
+    from them (`export_local_placement`). Then a gloo group moves CPU tensors through shared memory when its ranks
+    share one host (`share_memory_in_default_group`; it stays gloo where they cannot, with ACCEL_TRANSPORT=torch, and
+    when its ranks span hosts). A group without a gloo CPU backend (NCCL) is left as it is. Calling it again for the
+    same group (a `PartialState` made again after `_reset_state`) does nothing, so no rank waits for a peer that does
+    not call it.
+    """
+    global _adopted
+    group = dist.distributed_c10d._get_default_group()
+    if _adopted is not None and _adopted() is group:
+        return
+    if group.size() > 1:
+        export_local_placement(group)
+    share_memory_in_default_group()
+    _adopted = weakref.ref(group)
+
+
+def export_local_placement(group: Any) -> tuple[int, int]:
+    """This rank's (local rank, local world size) in `group` (the default group), from every rank's host identity
+    exchanged through the group's store: the ranks of one host numbered in rank order (`same_host.placement`).
+    Exported as LOCAL_RANK and LOCAL_WORLD_SIZE where the environment lacks them (a user's group, Kubeflow's one
+    process per pod), as torchrun would have; a launcher's values are kept. Collective: every rank of `group` calls
+    it (whether or not its own environment has LOCAL_RANK), bounded by the store's timeout.
+    """
+    store = dist.PrefixStore("accel/placement/", dist.distributed_c10d._get_default_store())
+    hosts = StoreRounds(store, group.rank(), group.size()).all_gather("host", same_host.host_identity())
+    local, local_world = same_host.placement(hosts, group.rank())
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local)
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
+    return local, local_world
 
 
 # torch.distributed.barrier takes a timeout from torch 2.12 on; before, the group's own timeout bounds it.

@@ -11,8 +11,8 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its 
 for a script srun starts once per process without a launcher, from the step's SLURM_* variables (`accel.slurm`).
 Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
 processes simply use gloo on the CPU. When they all run on one host, the group's CPU collectives then go through
-shared memory instead of TCP (`accel.process_group` starts `accel.collectives.shm_process_group`;
-ACCEL_TRANSPORT=torch keeps plain gloo).
+shared memory instead of TCP (`accel.process_group` layers `accel.collectives.shm_process_group` on gloo, for a group
+it starts as for one someone else initialized; ACCEL_TRANSPORT=torch keeps plain gloo).
 """
 
 from __future__ import annotations
@@ -218,7 +218,10 @@ class PartialState:
 
     - launched by torchrun / `accel launch` (LOCAL_RANK or WORLD_SIZE > 1 in the environment): initializes the
       default process group, NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on the CPU
-      (`MULTI_GPU` / `MULTI_CPU`). A process group the user already initialized is adopted as it is.
+      (`MULTI_GPU` / `MULTI_CPU`). A process group someone else already initialized (the user's
+      `init_process_group`, Ray Train, torchrun without `accel launch`) is adopted: its ranks, store and timeout are
+      kept, and, like a group accel starts, it moves CPU tensors through shared memory when its ranks share one
+      host (`accel.process_group.adopt_default_group`: a collective, so every rank creates its `PartialState`).
     - started by srun as one of several tasks, without a launcher (`srun python script.py`): the same, with the
       rank, local rank and world size from SLURM_PROCID, SLURM_LOCALID and the step's task count, exported as
       RANK, LOCAL_RANK, WORLD_SIZE, ... (`accel.slurm.task_environment`).
@@ -276,6 +279,7 @@ class PartialState:
             process_group.start_process_group(backend, timeout, device, kwargs)
         if dist.is_initialized():
             wait_for_gloo_workers_at_exit()  # the group started above, or the user's: DDP runs on its gloo threads
+            process_group.adopt_default_group()  # the same for both: local placement, shared memory on one host
             fields = _distributed_fields(use_cuda, timeout)
         else:
             fields = _single_process_fields(use_cuda, timeout)

@@ -54,7 +54,7 @@ class Facts:
 
 def local_facts(native: bool) -> Facts:
     """This rank's facts; `native` says whether the caller's native code is loaded here."""
-    return Facts(_host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(), _cpu_quota())
+    return Facts(host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(), _cpu_quota())
 
 
 def why_not(everyone: list[Facts]) -> str | None:
@@ -107,9 +107,18 @@ def _boot_id() -> str | None:
         return None
 
 
-def _host_identity() -> tuple:
+def host_identity() -> tuple:
+    """What two processes on one host with one /dev/shm have in common: host name, boot id, /dev/shm's inode, mount
+    and pid namespaces (two containers of one machine are two hosts here)."""
     namespaces = tuple(_inode(f"/proc/self/ns/{name}") for name in ("mnt", "pid"))
     return socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces
+
+
+def placement(hosts: list[tuple], rank: int) -> tuple[int, int]:
+    """(local rank, local world size) of `rank` given every rank's `host_identity()`: the ranks of one host are
+    numbered in rank order, as torchrun numbers them when it starts rank r * n ... r * n + n - 1 on each host."""
+    mine = [other for other, host in enumerate(hosts) if host == hosts[rank]]
+    return mine.index(rank), len(mine)
 
 
 def on_every_rank(step: Callable[[], Any], all_gather: Callable[[Any], list]) -> tuple[list | None, str | None]:

@@ -7,7 +7,9 @@ waits under the process group's timeout that notice a dead peer) with vectorized
 everything else to a gloo backend over the same store.
 
 When it is used: when `PartialState` (so `Accelerator` and `accel launch`) starts the default process group of CPU
-processes, it starts gloo as HF Accelerate does and then calls `share_memory_in_default_group()`: the ranks decide
+processes, it starts gloo as HF Accelerate does and then calls `share_memory_in_default_group()`; when it finds a gloo
+group someone else initialized (a user's `init_process_group`, Ray Train, torchrun without `accel launch`), it adopts
+it the same way: it calls `share_memory_in_default_group()` on that group, over its own store. The ranks decide
 together, as the transport does (the same facts and rules: `accel.collectives.same_host`), whether they can share
 memory (one host, one /dev/shm, the native extension everywhere, no ACCEL_TRANSPORT=torch), and if so this backend
 becomes the group's CPU backend, with the gloo backend as its delegate. `torch.distributed.get_backend()` still says
@@ -15,8 +17,8 @@ becomes the group's CPU backend, with the gloo backend as its delegate. `torch.d
 it unchanged: DDP's gradient buckets, its comm hooks and `broadcast_buffers`, FSDP2's `fully_shard`, DeviceMesh.
 Groups can also ask for it by name: `init_process_group("accel")`, `new_group(ranks, backend="accel")` (the backend is
 registered with `Backend.register_backend("accel", ..., devices=["cpu"])`; where the ranks cannot share memory such a
-group is plain gloo). A group the user initialized before the Accelerator is adopted as it is; multi-node and GPU
-groups are unchanged.
+group is plain gloo). Groups whose ranks span hosts (they stay gloo, decided per group as above) and GPU groups
+(NCCL; a group without a CPU backend is left alone) are unchanged.
 
 Through shared memory: `all_reduce` (sum, avg, product, min, max, band/bor/bxor, premul_sum; fp32, fp64, fp16,
 bf16, int8/16/32/64, uint8, bool), `broadcast`, `all_gather`, `all_gather_into_tensor`, `reduce_scatter_tensor`,
@@ -90,8 +92,10 @@ def share_memory_in_default_group() -> Any:
     """Makes this backend the default group's CPU backend when its ranks can share memory.
 
     Collective: every rank of the default group (a gloo group of CPU processes) calls it, and all reach the same
-    outcome. `PartialState` calls it for the group it starts. A group that shares memory already is returned as it
-    is (no collective then); one that stayed gloo decides again, so every rank must make the same calls.
+    outcome. `PartialState` calls it for the group it starts and for one it adopts. A group that shares memory
+    already is returned as it is (no collective then); one that stayed gloo decides again, so every rank must make
+    the same calls. A group whose CPU backend is not gloo (or that has none: NCCL) is left as it is, with no
+    collective.
 
     Returns:
         The backend (an `accel._C.SharedMemoryBackend`; `rounds()` counts its shared-memory rounds), or None when
@@ -99,13 +103,22 @@ def share_memory_in_default_group() -> Any:
     """
     wait_for_gloo_workers_at_exit()  # the group's gloo threads, whether it shares memory or not
     group = dist.distributed_c10d._get_default_group()
-    cpu = group._get_backend(torch.device("cpu"))
-    if cpu.name() == BACKEND:
+    cpu = _cpu_backend(group)
+    if cpu is not None and cpu.name() == BACKEND:
         return cpu
-    if group.size() == 1 or cpu.name() != "gloo":
+    if group.size() == 1 or cpu is None or cpu.name() != "gloo":
         return None
     store = dist.PrefixStore("accel/default/", dist.distributed_c10d._get_default_store())
-    return _share_memory(_StoreRounds(store, group.rank(), group.size()), group, cpu.options._timeout)
+    return _share_memory(StoreRounds(store, group.rank(), group.size()), group, cpu.options._timeout)
+
+
+def _cpu_backend(group: Any) -> Any:
+    """The group's CPU backend, or None for a group without one (an NCCL-only group: its backend names are the same on
+    every rank, so every rank returns alike)."""
+    try:
+        return group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
 
 
 def register() -> None:
@@ -155,11 +168,11 @@ def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: time
     group = dist.ProcessGroup(store, rank, world_size)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    shared = _share_memory(_StoreRounds(store, rank, world_size), group, timeout)
+    shared = _share_memory(StoreRounds(store, rank, world_size), group, timeout)
     return gloo if shared is None else group
 
 
-def _share_memory(rounds: _StoreRounds, group: Any, timeout: timedelta) -> Any:
+def _share_memory(rounds: StoreRounds, group: Any, timeout: timedelta) -> Any:
     """Installs the backend into `group` (its CPU backend becomes the delegate) when every rank can share memory.
     Returns the backend, or None when the group stays as it was; the same outcome on every rank."""
     everyone = rounds.all_gather("facts", _local_facts(rounds.world_size))
@@ -180,7 +193,7 @@ def _local_facts(world_size: int) -> _Facts:
     return _Facts(same_host.local_facts(_native_ready()), _slot_bytes(), _one_shot_bytes(world_size))
 
 
-def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
+def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
     """Creates this rank's segment, attaches to every peer's, then installs the backend into `group`: (backend, None),
     or (None, the first failure) on every rank alike. A rank killed at any point leaves nothing behind (the segments
     have no name anywhere)."""
@@ -213,7 +226,7 @@ def _set_up(rounds: _StoreRounds, group: Any, everyone: list[_Facts], timeout: t
     return backend, None
 
 
-class _StoreRounds:
+class StoreRounds:
     """All-gathers of small picklable values through a group's store, while the group itself is being built.
 
     Keys carry a per-rank generation count, so a store reused by a later group of the same name (elastic restarts
