@@ -108,7 +108,7 @@ def start_process_group(backend: str, timeout: timedelta | None, device: torch.d
         raise ValueError(f"The backend {backend!r} is not available in this torch build; use {fallback!r}.")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    dist.init_process_group(backend=backend, timeout=timeout, **_this_attempts_store(timeout, kwargs), **kwargs)
 
 
 # The default group `adopt_default_group` last took over (a weak reference: a destroyed group must not live on).
@@ -150,6 +150,31 @@ def export_local_placement(group: Any) -> tuple[int, int]:
         os.environ["LOCAL_RANK"] = str(local)
         os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
     return local, local_world
+
+
+def _this_attempts_store(timeout: timedelta | None, kwargs: dict) -> dict[str, Any]:
+    """Under one torch elastic agent that shares its store with the workers (`TORCHELASTIC_USE_AGENT_STORE=True`,
+    `GROUP_WORLD_SIZE=1`: torchrun or `accel launch` on one machine), the store of this run attempt
+    (`TORCHELASTIC_RESTART_COUNT`), as init_process_group's `store`, `rank` and `world_size`; else, or when the caller
+    gives an init_method or a store, nothing.
+
+    Such an agent keeps one store for the whole job, and torch 2.13's env:// rendezvous connects the workers of every
+    attempt to it without a prefix of their own (torch/distributed/rendezvous.py, `_create_c10d_store`; pytorch#135712).
+    A worker group restarted after a failure (`--max_restarts`) then read the keys its previous attempt left: gloo
+    connected to the dead processes' addresses and timed out ("connectFullMesh failed ... Connection refused"), and
+    accel's set-up rounds could read a dead process's values. One agent's restart count is every worker's; agents on
+    several machines count their own restarts, so there `accel launch` has torch give each attempt a store of its own
+    instead (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, accel.cli.launch.restart_env)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not shared or os.environ.get("GROUP_WORLD_SIZE", "1") != "1" or {"init_method", "store"} & set(kwargs):
+        return {}
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    wait = timeout or dist.distributed_c10d.default_pg_timeout
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=wait
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"accel/attempt_{attempt}/", client), "rank": rank, "world_size": world_size}
 
 
 # torch.distributed.barrier takes a timeout from torch 2.12 on; before, the group's own timeout bounds it.

@@ -671,6 +671,7 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
         env["ACCEL_CPU_AFFINITY"] = "1"
     if config.as_accelerate:
         env[accelerate_alias.ENV_VARIABLE] = "1"
+    env.update(restart_env(config, environ))
     if config.downcast_bf16:
         # HF reads ACCELERATE_DOWNCAST_BF16 on TPUs only; accel runs none, so say that it changes nothing here.
         warnings.warn(
@@ -692,6 +693,18 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def restart_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """With restarts and a c10d rendezvous (one machine without a port, or `--rdzv_backend c10d`), torch's switch
+    that gives each rendezvous round a store of its own, hosted by the round's rank 0 on a new port. By default the
+    agents share their rendezvous store with the workers of every round, without a prefix per round, so a restarted
+    worker group reads its failed predecessor's keys and hangs connecting to dead processes (pytorch#135712; on one
+    machine accel.process_group also separates the attempts itself). A value the user set is kept."""
+    c10d = (config.num_machines == 1 and not config.main_process_port) or config.rdzv_backend == "c10d"
+    if config.max_restarts > 0 and c10d and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
+        return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {}
 
 
 def _silence_launcher_logs() -> None:
