@@ -2,7 +2,8 @@
 
 Settings come in layers, each overriding the one before: LaunchConfig's defaults (HF Accelerate's) < the config
 file (`--config_file`, else the default one, else HF Accelerate's) < Slurm's facts, under srun (`values_from_slurm`)
-< ACCEL_<NAME> environment variables < command-line flags. Process supervision, rendezvous, restarts, log files and
+< a Kubernetes PyTorchJob's PET_* variables (`values_from_pytorchjob`) < ACCEL_<NAME> environment variables <
+command-line flags. Process supervision, rendezvous, restarts, log files and
 error files are torch's elastic agent's. The options themselves (all of `accelerate launch`'s) are listed in
 launch_options.py; those of backends accel does not run are refused before anything starts.
 
@@ -17,7 +18,8 @@ Differences from `accelerate launch`, on purpose:
     own output shows, without the launcher's summary and the elastic agent's log lines.
   * Under srun, one `accel launch` per node (`srun --ntasks-per-node=1 accel launch ...`) takes the machines, its
     rank, the first machine's address, the GPUs' process count and, for several machines, the job's port from the
-    SLURM_* variables (`values_from_slurm`); HF reads none of them.
+    SLURM_* variables (`values_from_slurm`); HF reads none of them. Likewise in a PyTorchJob's pod, from the PET_*
+    variables Kubeflow sets for torchrun (`values_from_pytorchjob`).
   * `--main_training_function` (HF: TPU only) works on CPUs and GPUs: the script is imported and that
     function called. The config file's `main_training_function` key (HF writes `main` into every file) is
     read only on TPUs by HF and is ignored here as well.
@@ -61,7 +63,7 @@ from typing import Any
 from accel import accelerate_alias, availability, slurm
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.backends import fsdp_options
-from accel.cli import deepspeed_options
+from accel.cli import deepspeed_options, pytorchjob
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
@@ -332,6 +334,26 @@ def values_from_slurm(
     return values, origins
 
 
+def values_from_pytorchjob(
+    environ: Mapping[str, str], above: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings a Kubernetes PyTorchJob gives `accel launch` as its pod's command (accel.cli.pytorchjob: torchrun's
+    PET_* variables, which Kubeflow sets for one launcher per pod), and their variables. Only fields that no ACCEL_*
+    variable or flag sets (`above`) are read; like Slurm's, these facts about this very job and pod lie above the
+    config file.
+
+    Raises:
+        LaunchError: a variable needed is missing or malformed.
+    """
+    if not pytorchjob.in_pytorchjob(environ):
+        return {}, {}
+    wanted = {"num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes"} - set(above)
+    try:
+        return pytorchjob.settings(environ, wanted)
+    except pytorchjob.PyTorchJobError as error:
+        raise LaunchError(str(error)) from None
+
+
 def _slurm_port(values: dict[str, Any], origins: dict[str, str], environ: Mapping[str, str]) -> None:
     """Several machines under srun meet on the job's port (`accel.slurm.job_port`) when no layer names one, so
     jobs sharing a node do not collide; one machine keeps picking a free port."""
@@ -366,8 +388,8 @@ def _merged_use_cpu(values: dict[str, Any], *layers: dict[str, Any]) -> bool:
 
 
 def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> LaunchConfig:
-    """Builds the one LaunchConfig: config file < Slurm (under srun) < ACCEL_* env < flags (flags that were not given
-    are None).
+    """Builds the one LaunchConfig: config file < Slurm (under srun) < a PyTorchJob's PET_* variables < ACCEL_* env <
+    flags (flags that were not given are None).
 
     Raises:
         LaunchError: a setting is invalid (the message names it and where it came from).
@@ -383,10 +405,13 @@ def resolve(flags: dict[str, Any], environ: Mapping[str, str] = os.environ) -> L
         values["deepspeed_fields_from_accelerate_config"] += ("mixed_precision",)
     use_cpu = _merged_use_cpu(values, env_values, flag_values)  # Slurm's layer sets no device
     slurm_values, slurm_origins = values_from_slurm(environ, {**env_values, **flag_values}, use_cpu)
+    job_values, job_origins = values_from_pytorchjob(environ, {**env_values, **flag_values})
     _merge(values, slurm_values)
+    _merge(values, job_values)
     _merge(values, env_values)
     _merge(values, flag_values)
     origins.update(slurm_origins)
+    origins.update(job_origins)
     origins.update(env_origins)
     origins.update({k: f"--{'cpu' if k == 'use_cpu' else k}" for k in flag_values})
     _slurm_port(values, origins, environ)
