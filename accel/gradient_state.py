@@ -1,7 +1,7 @@
 """`GradientState`: gradient accumulation and dataloader bookkeeping, shared by every instance (a singleton).
 
 Its own module, below `accel.state` (which re-exports it, HF Accelerate's path) and below the collectives: the
-uneven-step protocol (`accel.collectives.uneven`) asks it for the active dataloader, and `PartialState`'s barrier
+uneven-step protocol (`accel.wire.uneven`) asks it for the active dataloader, and `PartialState`'s barrier
 runs that protocol.
 """
 

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from accel._env import MIXED_PRECISIONS
-from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
 from accel.environment import get_free_port, patch_environment
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
+from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit
 
 __all__ = [
     "ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION",

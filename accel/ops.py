@@ -1,7 +1,7 @@
 """Typed Python wrappers over accel's native ops, each with its fake (meta) kernel directly under it.
 
 Call sites do not use these directly when the extension may be missing: they go through the owner
-module (e.g. accel.collectives.padding), which checks :func:`accel._ext.native_for` and otherwise runs the
+module (e.g. accel.wire.padding), which checks :func:`accel._ext.native_for` and otherwise runs the
 pure-torch reference. The fakes give shapes and the kernels' argument checks to tracing (torch.compile,
 `torch.library.opcheck`); tests/ops/test_opcheck.py runs opcheck on every op the extension registers.
 """
@@ -13,7 +13,7 @@ import os
 import torch
 
 from accel import _ext
-from accel.collectives.errors import DistributedOperationException
+from accel.errors import DistributedOperationException
 
 try:  # private, but where torch marks its own print as effectful (torch >= 2.4)
     from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
@@ -178,7 +178,7 @@ def _map_file_leased_fake(fd, size, path):
 def shm_group_create(
     rank: int, world: int, token: str, slot_bytes: int, timeout_s: float, oversubscribed: bool = False
 ) -> int:
-    """Creates this rank's shared-memory segment; returns the group's handle (see accel.collectives.shm_transport).
+    """Creates this rank's shared-memory segment; returns the group's handle (see accel.wire.shm_transport).
 
     `oversubscribed`: more ranks on this host than CPUs, so waits sleep early instead of spinning.
     """

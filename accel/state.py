@@ -7,11 +7,12 @@ Three singletons share their state between all instances (Alex Martelli's "Borg"
 - `GradientState`: gradient accumulation and dataloader bookkeeping (`accel.gradient_state`, re-exported here).
 
 The process group comes from the environment `torchrun` (`accel launch`) exports: RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier: `accel.process_group`), or,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (starting it, its timeout and its barrier:
+`accel.wire.process_group`), or,
 for a script srun starts once per process without a launcher, from the step's SLURM_* variables (`accel.slurm`).
 Unlike HF Accelerate, several CPU processes are `MULTI_CPU` without `cpu=True`: when CUDA is unavailable the
 processes simply use gloo on the CPU. When they all run on one host, the group's CPU collectives then go through
-shared memory instead of TCP (`accel.process_group` layers `accel.collectives.shm_process_group` on gloo, for a group
+shared memory instead of TCP (`accel.wire.process_group` layers `accel.wire.shm_process_group` on gloo, for a group
 it starts as for one someone else initialized; ACCEL_TRANSPORT=torch keeps plain gloo).
 """
 
@@ -30,15 +31,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accel import process_group, slurm
+from accel import slurm
 from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
-from accel.collectives import uneven
-from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
-from accel.collectives.transport_selection import select_transport
 from accel.cpu_affinity import set_numa_affinity
 from accel.gradient_state import GradientState
 from accel.unsupported import refuse
+from accel.wire import process_group, uneven
+from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit
+from accel.wire.transport_selection import select_transport
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "is_initialized"]
 
@@ -221,7 +222,7 @@ class PartialState:
       (`MULTI_GPU` / `MULTI_CPU`). A process group someone else already initialized (the user's
       `init_process_group`, Ray Train, torchrun without `accel launch`) is adopted: its ranks, store and timeout are
       kept, and, like a group accel starts, it moves CPU tensors through shared memory when its ranks share one
-      host (`accel.process_group.adopt_default_group`: a collective, so every rank creates its `PartialState`).
+      host (`accel.wire.process_group.adopt_default_group`: a collective, so every rank creates its `PartialState`).
     - started by srun as one of several tasks, without a launcher (`srun python script.py`): the same, with the
       rank, local rank and world size from SLURM_PROCID, SLURM_LOCALID and the step's task count, exported as
       RANK, LOCAL_RANK, WORLD_SIZE, ... (`accel.slurm.task_environment`).

@@ -37,8 +37,8 @@ REPEATS = {"64B": (21, 200), "4KiB": (21, 200), "256KiB": (15, 20), "4MiB": (11,
 @pytest.fixture(scope="module")
 def groups():
     """(the default group, sharing memory; a gloo group of the same ranks)."""
-    from accel.collectives.shm_process_group import share_memory_in_default_group
     from accel.state import PartialState
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     assert share_memory_in_default_group() is not None, "the default group does not share memory"

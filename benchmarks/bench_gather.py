@@ -40,8 +40,8 @@ import pytest
 import torch
 
 from accel.collectives import gather, gather_object, pad_across_processes
-from accel.collectives.transport import TorchDistributedTransport
-from accel.collectives.transport_selection import select_transport, using_transport
+from accel.wire.transport import TorchDistributedTransport
+from accel.wire.transport_selection import select_transport, using_transport
 
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 multi_rank = pytest.mark.skipif(WORLD_SIZE < 2, reason="run under `accel launch --num_processes N` (see docstring)")

@@ -198,7 +198,7 @@ def raw_training(group: str, steps: int, clock: StepClock) -> tuple[list[float],
     """The hand-written torch loop; (every step's loss, facts about the run)."""
     dist.init_process_group("gloo")
     if group == "shm":
-        from accel.collectives.shm_process_group import share_memory_in_default_group
+        from accel.wire.shm_process_group import share_memory_in_default_group
 
         assert share_memory_in_default_group() is not None, "the ranks could not share memory"
     model = raw_model()

@@ -218,7 +218,7 @@ def raw_run(task: str, group: str, steps: int, clock: StepClock) -> list[float]:
 
     dist.init_process_group("gloo")
     if group == "shm":
-        from accel.collectives.shm_process_group import share_memory_in_default_group
+        from accel.wire.shm_process_group import share_memory_in_default_group
 
         assert share_memory_in_default_group() is not None, "the ranks could not share memory"
     rank, world = dist.get_rank(), dist.get_world_size()

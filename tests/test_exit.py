@@ -1,10 +1,10 @@
-"""Exit waits for gloo's worker threads to finish releasing their work (accel.collectives.gloo_workers), whichever
+"""Exit waits for gloo's worker threads to finish releasing their work (accel.wire.gloo_workers), whichever
 way accel started the process group.
 
 Without it a process could abort after its script succeeded ("terminate called without an active exception"): a
 gloo worker releasing a backward-pass all-reduce took the GIL while the interpreter was finalizing (1 in 30
 `accel test` runs under CPU load with ACCEL_DISABLE_NATIVE=1; 0 in 45 with the wait). With the wait registered only
-when `accel.process_group` was imported, a group started as `init_process_group("accel")` had none: a survivor of
+when `accel.wire.process_group` was imported, a group started as `init_process_group("accel")` had none: a survivor of
 a peer killed during a gloo `gather` aborted at exit in 2 to 3 of 6 runs.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from spawn_pool import free_port
 
-from accel.collectives import gloo_workers
+from accel.wire import gloo_workers
 
 PR_SET_NAME = 15
 
@@ -104,14 +104,14 @@ SURVIVOR = """
     torch.set_num_threads(1)
     timeout, group = timedelta(seconds=60), None
     if way == "init_process_group":
-        import accel.collectives.shm_process_group  # registers the "accel" backend
+        import accel.wire.shm_process_group  # registers the "accel" backend
         dist.init_process_group("accel", timeout=timeout)
     elif way == "new_group":
-        import accel.collectives.shm_process_group
+        import accel.wire.shm_process_group
         dist.init_process_group("gloo", timeout=timeout)
         group = dist.new_group(backend="accel")
     elif way == "share_memory_in_default_group":
-        from accel.collectives.shm_process_group import share_memory_in_default_group
+        from accel.wire.shm_process_group import share_memory_in_default_group
         dist.init_process_group("gloo", timeout=timeout)
         share_memory_in_default_group()
     elif way == "PartialState":

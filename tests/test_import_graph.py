@@ -1,4 +1,6 @@
-"""accel's modules import each other without cycles, counting imports inside functions (lazy imports too).
+"""accel's modules import each other without cycles, counting imports inside functions (lazy imports too), and so
+do its top-level packages and modules (`accel.wire`, `accel.state`, `accel.collectives`, ...) taken as wholes: the
+layers of the tree (the wire below the process state, HF's operations above it) are the import graph's.
 
 The graph is read from the source (AST), not from `sys.modules`, so an import that only runs on some path
 counts. An edge goes from a module to every module it imports and to the packages (`__init__.py`) that import
@@ -176,3 +178,33 @@ def test_accel_has_no_import_cycles():
     cycles = strongly_connected(graph)
     described = [" -> ".join(_one_cycle(graph, component)) + f"  (all of: {sorted(component)})" for component in cycles]
     assert not cycles, "import cycles in accel/:\n" + "\n".join(described)
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph with every module merged into its top-level package or module (`accel.wire.padding` ->
+    `accel.wire`); `accel` itself (its `__init__` names everything lazily) is left out."""
+    merged: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == "accel":
+            continue
+        source = ".".join(module.split(".")[:2])
+        merged.setdefault(source, set()).update(
+            ".".join(target.split(".")[:2]) for target in targets if target != "accel"
+        )
+        merged[source].discard(source)
+    return merged
+
+
+def test_package_graph_merges_modules_into_top_level_packages():
+    graph = {"accel": {"accel.a"}, "accel.a.x": {"accel.b", "accel.a.y"}, "accel.a.y": set(), "accel.b": {"accel"}}
+    assert package_graph(graph) == {"accel.a": {"accel.b"}, "accel.b": set()}
+    assert strongly_connected(package_graph({**graph, "accel.b": {"accel.a.y"}})) == [{"accel.a", "accel.b"}]
+
+
+def test_accels_top_level_packages_have_no_import_cycles():
+    graph = package_graph(import_graph())
+    assert {"accel.wire", "accel.state", "accel.collectives", "accel.backends"} <= set(graph)
+    assert "accel.state" in graph["accel.collectives"] and "accel.wire" in graph["accel.state"]  # the layers, read
+    cycles = strongly_connected(graph)
+    described = [" -> ".join(_one_cycle(graph, component)) + f"  (all of: {sorted(component)})" for component in cycles]
+    assert not cycles, "import cycles between accel's top-level packages:\n" + "\n".join(described)

@@ -1,4 +1,4 @@
-"""A process group someone else initialized, adopted by `PartialState` / `Accelerator` (accel.process_group).
+"""A process group someone else initialized, adopted by `PartialState` / `Accelerator` (accel.wire.process_group).
 
 A user's own `init_process_group("gloo")` on 2 ranks of one host, then `Accelerator()`: the default group's CPU
 backend becomes accel's shared-memory backend (natively; gloo with ACCEL_TRANSPORT=torch or without the extension),
@@ -109,7 +109,7 @@ def test_a_users_gloo_group_is_adopted_and_shares_memory(monkeypatch):
 def _on_simulated_hosts(hosts: list[str], keep_launcher_values: bool, users_group: bool = True) -> tuple:
     """Each rank claims the host named hosts[rank] (the rest of its identity unchanged), then adopts its group (the
     user's, or the one PartialState starts from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-    from accel.collectives import same_host
+    from accel.wire import same_host
 
     real = same_host.host_identity
     same_host.host_identity = lambda: (hosts[int(os.environ["RANK"])], *real()[1:])

@@ -44,6 +44,7 @@ def test_the_map_names_every_top_level_module_and_folder():
         "accel",
         "accel/data",
         "accel/collectives",
+        "accel/wire",
         "accel/checkpoint",
         "accel/big_modeling",
         "accel/cli",

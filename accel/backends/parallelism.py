@@ -338,7 +338,7 @@ def mesh_backend(device_type: str) -> str | None:
 
     if device_type != "cpu" or not dist.is_initialized():
         return None
-    from accel.collectives.shm_process_group import BACKEND
+    from accel.wire.shm_process_group import BACKEND
 
     cpu = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     return BACKEND if cpu.name() == BACKEND else None

@@ -47,7 +47,7 @@ from accel.checkpoint.progress import progress_bar
 from accel.checkpoint.safetensors_io import CheckpointError, FileIdentity, SafetensorsFile, _is_int, _shown
 from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
 from accel.checkpoint.target_lock import TargetLock
-from accel.process_group import wait_limit
+from accel.wire.process_group import wait_limit
 
 logger = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ from accel.checkpoint.sharded import FullStates, ShardedStates, StagedShards, wr
 from accel.checkpoint.target_lock import TargetLock
 from accel.data import get_sampler
 from accel.environment import get_cpu_distributed_information
-from accel.process_group import wait_limit
+from accel.wire.process_group import wait_limit
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def native_facts() -> dict[str, str]:
 
 def transport_fact(native_loaded: bool) -> str:
     """What same-host collectives will use, as far as this process can tell (the group decides at run time)."""
-    from accel.collectives.shm_transport import requested_transport
+    from accel.wire.shm_transport import requested_transport
 
     try:
         choice = requested_transport()

@@ -725,7 +725,7 @@ def restart_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -
     that gives each rendezvous round a store of its own, hosted by the round's rank 0 on a new port. By default the
     agents share their rendezvous store with the workers of every round, without a prefix per round, so a restarted
     worker group reads its failed predecessor's keys and hangs connecting to dead processes (pytorch#135712; on one
-    machine accel.process_group also separates the attempts itself). A value the user set is kept."""
+    machine accel.wire.process_group also separates the attempts itself). A value the user set is kept."""
     c10d = (config.num_machines == 1 and not config.main_process_port) or config.rdzv_backend == "c10d"
     if config.max_restarts > 0 and c10d and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in environ:
         return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -1,7 +1,7 @@
 """gather, gather_object, broadcast, broadcast_object_list and reduce over pytrees, with HF Accelerate's semantics.
 
 Each operation flattens its pytree into tensor leaves, makes one call on the transport `select_transport`
-picks for them (see `accel.collectives.transport`) and rebuilds the pytree. On one process every operation
+picks for them (see `accel.wire.transport`) and rebuilds the pytree. On one process every operation
 is a no-op, as in HF Accelerate (`reduce` returns copies). With ACCEL_DEBUG_MODE=1 the tensor operations
 first compare every rank's structure, shapes, dtypes and devices, and raise `DistributedOperationException`
 on every rank when they differ, instead of hanging or mixing up data.
@@ -26,12 +26,12 @@ from typing import Any, Callable
 
 import torch
 
-from accel.collectives import uneven
-from accel.collectives.errors import DistributedOperationException
-from accel.collectives.transport_selection import select_transport
+from accel.errors import DistributedOperationException
 from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.state import AcceleratorState, DistributedType, PartialState, is_initialized
 from accel.unsupported import refuse
+from accel.wire import uneven
+from accel.wire.transport_selection import select_transport
 
 REDUCTIONS = ("mean", "sum", "max", "min", "none")
 # HF's list of the distributed types whose collectives go through torch.distributed.

@@ -1,7 +1,7 @@
 """`pad_across_processes`: every tensor of a pytree padded to the largest size any process has along a dim.
 
 One exchange of shapes for the whole structure through the transport `select_transport` picks (on one host,
-shared memory, the padding done in the same native call), then the local padding of `accel.collectives.padding`.
+shared memory, the padding done in the same native call), then the local padding of `accel.wire.padding`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel.collectives import uneven
-from accel.collectives.padding import pad_to_largest_shapes
-from accel.collectives.transport_selection import select_transport
 from accel.pytree import replace_tensor_leaves, tensor_leaves
+from accel.wire import uneven
+from accel.wire.padding import pad_to_largest_shapes
+from accel.wire.transport_selection import select_transport
 
 
 class CannotPadNestedTensorWarning(UserWarning):

@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from accel import pytree
-from accel.collectives import uneven
 from accel.data.rng import multi_process
 from accel.gradient_state import GradientState
+from accel.wire import uneven
 
 __all__ = ["DataLoaderAdapter", "DataLoaderStateMixin", "get_sampler"]
 
@@ -87,7 +87,7 @@ class DataLoaderStateMixin:
     end_of_dataloader = False
     remainder = -1
     _last_global_rows = None  # rows `gather` returns at the last step; truncation only touches leaves this long
-    # Without even_batches some processes may have no batch in the last step (see accel.collectives.uneven):
+    # Without even_batches some processes may have no batch in the last step (see accel.wire.uneven):
     # _uneven_role says which side this process is on (None when every process has the same number of batches).
     _uneven_role: str | None = None
     in_uneven_step = False  # True while this process uses its batch of such a last step

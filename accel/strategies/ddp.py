@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from accel.collectives import uneven
 from accel.settings import DistributedDataParallelKwargs
 from accel.strategies.base import Strategy, compile_model
+from accel.wire import uneven
 
 
 class DDPStrategy(Strategy):

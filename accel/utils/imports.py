@@ -1,5 +1,9 @@
 """`accelerate.utils.imports` import path: re-exports of accel.availability (what is installed and present), and
-HF's `deepspeed_required` from accel.backends.deepspeed_required."""
+HF's `deepspeed_required` decorator, defined here as in HF (it reads the process state when called: this module,
+a shim above every layer, may import it; the plugin packages below the state may not)."""
+
+import functools
+from typing import Callable
 
 from accel.availability import (
     compare_versions,
@@ -65,7 +69,25 @@ from accel.availability import (
     is_xpu_available,
     torchao_required,
 )
-from accel.backends.deepspeed_required import deepspeed_required
 from accel.environment import parse_flag_from_env, patch_environment, str_to_bool
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+
+def deepspeed_required(func: Callable) -> Callable:
+    """Decorator: calling `func` once an `Accelerator` runs without DeepSpeed raises ValueError (as in HF). Before
+    an Accelerator exists, `func` is called."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from accel.state import AcceleratorState, DistributedType, is_initialized  # (imports torch: not at import)
+
+        if is_initialized() and AcceleratorState().distributed_type != DistributedType.DEEPSPEED:
+            raise ValueError(
+                "DeepSpeed is not enabled, please make sure that an `Accelerator` is configured for `deepspeed` "
+                "before calling this function."
+            )
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("functools", "Callable")]

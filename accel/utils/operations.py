@@ -8,7 +8,6 @@ from accel.availability import (
     is_torch_version,
     is_torch_xla_available,
 )
-from accel.collectives.errors import DistributedOperationException
 from accel.collectives.operations import (
     TENSOR_INT_TO_DTYPE,
     TENSOR_TYPE_TO_INT,
@@ -25,7 +24,7 @@ from accel.collectives.operations import (
     verify_operation,
 )
 from accel.collectives.pad_across import CannotPadNestedTensorWarning, pad_across_processes
-from accel.collectives.padding import pad_input_tensors
+from accel.errors import DistributedOperationException
 from accel.pytree import (
     ConvertOutputsToFp32,
     TensorInformation,
@@ -49,5 +48,6 @@ from accel.pytree import (
     slice_tensors,
 )
 from accel.state import AcceleratorState, DistributedType, PartialState
+from accel.wire.padding import pad_input_tensors
 
 __all__ = [name for name in dir() if not name.startswith("_")]

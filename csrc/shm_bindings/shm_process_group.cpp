@@ -2,7 +2,7 @@
 // csrc/shm/ (the transport's torch-free core: sealed memfd segments, two slots per rank, epoch counters, waits
 // under a deadline that notice a dead peer), everything else handed to the gloo backend it wraps.
 //
-// How it plugs in (accel/collectives/shm_process_group.py has the Python side): the ranks of a c10d ProcessGroup
+// How it plugs in (accel/wire/shm_process_group.py has the Python side): the ranks of a c10d ProcessGroup
 // whose CPU backend is gloo (the default group PartialState starts, or a group created with the backend name
 // "accel") decide through the group's store whether they can share memory; if so each constructs a
 // SharedMemoryBackend (accel._C.SharedMemoryBackend, a Python subclass of torch's Backend), they exchange the locators
@@ -575,7 +575,7 @@ int add_python_types(PyObject* module) {
     py::module_::import("torch.distributed");  // registers c10d's Python types (Backend, ProcessGroup) first
     py::class_<SharedMemoryBackend, c10d::Backend, c10::intrusive_ptr<SharedMemoryBackend>>(
         module, "SharedMemoryBackend",
-        "accel's shared-memory backend for CPU tensors (accel.collectives.shm_process_group sets it up).")
+        "accel's shared-memory backend for CPU tensors (accel.wire.shm_process_group sets it up).")
         .def(py::init<int64_t, int64_t, std::string, int64_t, double, bool, int64_t>(), py::arg("rank"),
              py::arg("world"), py::arg("token"), py::arg("slot_bytes"), py::arg("timeout_s"), py::arg("oversubscribed"),
              py::arg("one_shot_max_bytes"))

@@ -1,6 +1,6 @@
 """`accel launch --max_restarts`: a worker group restarted by torch elastic after a process died starts afresh (its
-own store keys: accel.process_group._this_attempts_store) and resumes from the newest checkpoint when the script asks
-(`load_state()` with automatic naming), ending with the weights of a run that never failed."""
+own store keys: accel.wire.process_group._this_attempts_store) and resumes from the newest checkpoint when the
+script asks (`load_state()` with automatic naming), ending with the weights of a run that never failed."""
 
 import re
 
@@ -65,7 +65,7 @@ def run(tmp_path, name, mode, *flags):
 
 # Both rendezvous `accel launch` uses on one machine: c10d on a port it picks (torch gives each attempt a store:
 # accel.cli.launch.restart_env), and torch's static rendezvous at a given port (one agent's store, which
-# accel.process_group divides by attempt).
+# accel.wire.process_group divides by attempt).
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_a_restarted_worker_group_resumes_from_the_newest_checkpoint_and_ends_as_an_unbroken_run(tmp_path, rendezvous):
     port = ["--main_process_port", str(free_port())] if rendezvous == "static" else []

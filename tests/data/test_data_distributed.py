@@ -47,7 +47,7 @@ def _eval_pass(prepared):
     loop.
 
     Without even_batches a rank may have no batch in the last step; it stands by inside the loader while the
-    others gather (accel.collectives.uneven), so this loop must not hang.
+    others gather (accel.wire.uneven), so this loop must not hang.
     """
     state = GradientState()
     kept, ends, local, unlike = [], [], [], []

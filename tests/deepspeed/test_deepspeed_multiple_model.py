@@ -18,8 +18,8 @@ from accel.backends.deepspeed import (
     DummyScheduler,
     get_active_deepspeed_plugin,
 )
-from accel.backends.deepspeed_required import deepspeed_required
 from accel.test_utils.training import RegressionDataset
+from accel.utils.imports import deepspeed_required
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: accel imports it for the device it runs on
     pytest.skip("DeepSpeed is not installed", allow_module_level=True)

@@ -1,6 +1,6 @@
 """accel::shm_all_gather and accel::shm_all_gather_bytes in one process (a group of one); opcheck: test_opcheck.py.
 
-Several ranks are covered in tests/collectives/test_shm_transport.py; here the results of a group of one, argument
+Several ranks are covered in tests/wire/test_shm_transport.py; here the results of a group of one, argument
 checks and group handles.
 """
 

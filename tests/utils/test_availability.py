@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from accel import availability
-from accel.backends.deepspeed_required import deepspeed_required
 from accel.utils import imports
+from accel.utils.imports import deepspeed_required
 
 
 def _fake_package(root, module, distribution=None, version=None, body=""):

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from accel.collectives import gather, pad_across_processes
-from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
+from accel.wire.transport_selection import select_transport
 
 dist.init_process_group("gloo")
 state = PartialState()

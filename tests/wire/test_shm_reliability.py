@@ -21,8 +21,8 @@ from separate_ranks import run_separate_ranks
 from spawn_pool import run_on_ranks
 
 from accel.collectives import DistributedOperationException, gather, gather_object, pad_across_processes
-from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
+from accel.wire.transport_selection import select_transport
 
 pytestmark = pytest.mark.native
 
@@ -158,7 +158,7 @@ def test_ranks_calling_different_collectives_raise_naming_each_call(pairing):
 
 
 def _leave_while_peer_waits():
-    from accel.collectives import shm_transport
+    from accel.wire import shm_transport
 
     rank = PartialState().process_index
     _shm()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from accel.collectives.errors import DistributedOperationException
+from accel.errors import DistributedOperationException
 from accel.gradient_state import GradientState
 
 

@@ -15,10 +15,10 @@ from separate_ranks import run_separate_ranks
 from spawn_pool import run_on_ranks
 
 from accel.collectives import DistributedOperationException
-from accel.collectives.padding import pad_reference
-from accel.collectives.transport import TorchDistributedTransport
-from accel.collectives.transport_selection import select_transport
 from accel.state import PartialState
+from accel.wire.padding import pad_reference
+from accel.wire.transport import TorchDistributedTransport
+from accel.wire.transport_selection import select_transport
 
 pytestmark = pytest.mark.native
 

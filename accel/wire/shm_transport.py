@@ -4,7 +4,7 @@ Processes on one host do not need TCP. Each rank owns one shared-memory segment 
 protocol is `csrc/shm/`, the tensor side `csrc/shm_bindings/shm_transport.cpp`); a gather of a whole pytree is one
 `accel::shm_all_gather` call, where gloo needs a shape exchange plus a collective per leaf.
 
-A group uses it only when every rank agrees that it can (`accel.collectives.same_host`, the rules the shared-memory
+A group uses it only when every rank agrees that it can (`accel.wire.same_host`, the rules the shared-memory
 process group follows too): the same host and /dev/shm (compared, not assumed from LOCAL_WORLD_SIZE), the same
 mount and pid namespaces (dead-peer detection uses pids), the native extension loaded everywhere, and no rank
 asking for `ACCEL_TRANSPORT=torch`. The decision and the segments'
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel import _ext, ops, process_group
-from accel.collectives import same_host
-from accel.collectives.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
-from accel.collectives.transport import REDUCE_OPS, TorchDistributedTransport, Transport, reduce_in_dtype
+from accel import _ext, ops
+from accel.wire import process_group, same_host
+from accel.wire.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
+from accel.wire.transport import REDUCE_OPS, TorchDistributedTransport, Transport, reduce_in_dtype
 
 DEFAULT_SLOT_BYTES = 4 << 20
 

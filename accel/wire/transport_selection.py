@@ -1,7 +1,7 @@
 """Which transport carries a collective call: `select_transport`, and `using_transport` to force one.
 
-Above both transports (`accel.collectives.transport`, the torch.distributed reference, and
-`accel.collectives.shm_transport`, shared memory on one host), which import neither this module nor the process
+Above both transports (`accel.wire.transport`, the torch.distributed reference, and
+`accel.wire.shm_transport`, shared memory on one host), which import neither this module nor the process
 state: the state's barrier and every collective ask here.
 
 Every rank must pick the same transport for a given call, so `select_transport` may only decide from facts that are
@@ -14,8 +14,8 @@ import contextlib
 
 import torch
 
-from accel.collectives.shm_transport import shared_memory_transport
-from accel.collectives.transport import TorchDistributedTransport, Transport
+from accel.wire.shm_transport import shared_memory_transport
+from accel.wire.transport import TorchDistributedTransport, Transport
 
 _TORCH_DISTRIBUTED = TorchDistributedTransport()
 
@@ -40,7 +40,7 @@ def select_transport(leaves: list[torch.Tensor]) -> Transport:
     """The transport for one collective call on `leaves` (empty for object collectives); the same on every rank.
 
     The same-host shared-memory transport for CPU tensors when the group can use it (decided once per process
-    group, together, and cached: see `accel.collectives.shm_transport`), else torch.distributed.
+    group, together, and cached: see `accel.wire.shm_transport`), else torch.distributed.
     """
     if _forced is not None:
         return _forced

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from accel import _ext, ops
-from accel.collectives.errors import DistributedOperationException
+from accel.errors import DistributedOperationException
 from accel.pytree import recursively_apply
 
 

@@ -1,10 +1,10 @@
-"""accel's shared-memory torch.distributed backend (accel.collectives.shm_process_group) on real ranks.
+"""accel's shared-memory torch.distributed backend (accel.wire.shm_process_group) on real ranks.
 
 Every op x dtype against a reference reduced in rank order (bit for bit) and against gloo (to rounding), results
 bit-identical on every rank; odd sizes, empty and non-contiguous tensors; Parameters (channels_last, views of them)
 and expanded tensors in every collective, bit for bit as on gloo; several rounds per call and both all-reduce paths
 (small slots); subgroups used concurrently; 4 ranks on 2 cores; mismatched calls; DDP with each comm hook and FSDP2
-against the same runs on gloo; ACCEL_TRANSPORT=torch. A killed rank: tests/collectives/
+against the same runs on gloo; ACCEL_TRANSPORT=torch. A killed rank: tests/wire/
 test_shm_process_group_failures.py.
 """
 
@@ -34,7 +34,7 @@ SMALL_SLOTS = {"ACCEL_SHM_SLOT_BYTES": "8192", "ACCEL_SHM_ONE_SHOT_BYTES": "1000
 
 def _shared_backend():
     """This rank's default group, sharing memory (PartialState starts it; sharing is idempotent)."""
-    from accel.collectives.shm_process_group import share_memory_in_default_group
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     backend = share_memory_in_default_group()
@@ -565,7 +565,7 @@ def test_subgroups_share_memory_and_run_concurrently():
 
 
 def _backend_name() -> str:
-    from accel.collectives.shm_process_group import share_memory_in_default_group
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     share_memory_in_default_group()
@@ -592,8 +592,8 @@ HOOKS = ("no", "fp16", "power_sgd", "batched_power_sgd")
 def _ddp_training(hook: str, share: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor]]:
     """Trains a small model with BatchNorm (broadcast_buffers) under DDP through the Accelerator."""
     from accel import Accelerator
-    from accel.collectives.shm_process_group import share_memory_in_default_group
     from accel.settings import DistributedDataParallelKwargs
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     assert (share_memory_in_default_group() is not None) == share
@@ -637,7 +637,7 @@ def test_ddp_with_each_comm_hook_trains_as_on_gloo(monkeypatch, hook):
 def _fsdp2_training(share: bool, steps: int = 3) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
-    from accel.collectives.shm_process_group import share_memory_in_default_group
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     assert (share_memory_in_default_group() is not None) == share
@@ -681,7 +681,7 @@ def test_fsdp2_trains_as_on_gloo(monkeypatch):
 
 @pytest.mark.native
 def test_the_backend_is_registered_for_cpu_by_name():
-    import accel.collectives.shm_process_group  # noqa: F401  (registers it)
+    import accel.wire.shm_process_group  # noqa: F401  (registers it)
 
     assert dist.Backend.ACCEL == "accel" and dist.Backend.backend_capability["accel"] == ["cpu"]
     assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # registering takes over no default

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from accel.collectives.errors import DistributedOperationException
+from accel.errors import DistributedOperationException
 
 # Stable indices for the header (any order works if every rank runs the same accel).
 _DTYPES = [

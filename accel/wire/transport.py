@@ -1,9 +1,9 @@
 """The seam between the collectives and the wire: one `Transport` call per collective, for all leaves at once.
 
 `accel.collectives.operations` flattens a pytree into its tensor leaves, asks
-`accel.collectives.transport_selection.select_transport(leaves)` for an implementation, makes one call on it and
+`accel.wire.transport_selection.select_transport(leaves)` for an implementation, makes one call on it and
 rebuilds the pytree. Two implementations: `TorchDistributedTransport` here (the reference, any backend) and the
-same-host `SharedMemoryTransport` (`accel.collectives.shm_transport`), which the selection returns for the calls it
+same-host `SharedMemoryTransport` (`accel.wire.shm_transport`), which the selection returns for the calls it
 can serve.
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel import process_group
-from accel.collectives import ragged
-from accel.collectives.padding import pad_to_largest_shapes
+from accel.wire import process_group, ragged
+from accel.wire.padding import pad_to_largest_shapes
 
 REDUCE_OPS = ("sum", "max", "min")
 

@@ -1,7 +1,7 @@
 """gloo's worker threads at exit: the interpreter finishes only once they are idle.
 
-Below everything that creates a process group served by gloo (`accel.process_group` for `PartialState`, and
-`accel.collectives.shm_process_group` for the "accel" backend and the default group it shares memory in): each
+Below everything that creates a process group served by gloo (`accel.wire.process_group` for `PartialState`, and
+`accel.wire.shm_process_group` for the "accel" backend and the default group it shares memory in): each
 calls `wait_for_gloo_workers_at_exit()` where the group is created, so the wait is registered on every path, once
 per process.
 """

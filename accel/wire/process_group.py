@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from accel._env import get_setting
-from accel.collectives import same_host
-from accel.collectives.shm_process_group import StoreRounds, share_memory_in_default_group
+from accel.wire import same_host
+from accel.wire.shm_process_group import StoreRounds, share_memory_in_default_group
 
 
 def launched_distributed(use_cuda: bool) -> bool:

@@ -33,7 +33,7 @@ def _start_rank(rank: int, world: int, port: int):
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    from accel.collectives.shm_process_group import share_memory_in_default_group
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState(timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     assert share_memory_in_default_group() is not None
@@ -81,7 +81,7 @@ def test_a_rank_killed_mid_all_reduce_fails_every_other_rank_fast(tmp_path):
 
 
 def _one_rank_never_arrives(timeout_s: float):
-    from accel.collectives.shm_process_group import share_memory_in_default_group
+    from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState(timeout=timedelta(seconds=timeout_s))
     assert share_memory_in_default_group() is not None

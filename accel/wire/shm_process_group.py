@@ -10,7 +10,7 @@ When it is used: when `PartialState` (so `Accelerator` and `accel launch`) start
 processes, it starts gloo as HF Accelerate does and then calls `share_memory_in_default_group()`; when it finds a gloo
 group someone else initialized (a user's `init_process_group`, Ray Train, torchrun without `accel launch`), it adopts
 it the same way: it calls `share_memory_in_default_group()` on that group, over its own store. The ranks decide
-together, as the transport does (the same facts and rules: `accel.collectives.same_host`), whether they can share
+together, as the transport does (the same facts and rules: `accel.wire.same_host`), whether they can share
 memory (one host, one /dev/shm, the native extension everywhere, no ACCEL_TRANSPORT=torch), and if so this backend
 becomes the group's CPU backend, with the gloo backend as its delegate. `torch.distributed.get_backend()` still says
 "gloo" (so does `PartialState.backend`, as in HF Accelerate), and everything torch does with the default group uses
@@ -69,8 +69,8 @@ import torch.distributed as dist
 
 from accel import _ext
 from accel._env import get_setting
-from accel.collectives import same_host
-from accel.collectives.gloo_workers import wait_for_gloo_workers_at_exit
+from accel.wire import same_host
+from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit
 
 BACKEND = "accel"
 # The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines).

@@ -3,4 +3,4 @@
 
 class DistributedOperationException(Exception):
     """A collective cannot run: its inputs disagree across processes (shapes, dtypes or devices), or some
-    processes cannot take part (the last step of an uneven epoch, see `accel.collectives.uneven`)."""
+    processes cannot take part (the last step of an uneven epoch, see `accel.wire.uneven`)."""

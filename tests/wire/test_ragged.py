@@ -1,12 +1,13 @@
-"""The speculative ragged all-gather of the torch.distributed transport (accel/collectives/ragged.py)."""
+"""The speculative ragged all-gather of the torch.distributed transport (accel/wire/ragged.py)."""
 
 import pytest
 import torch
 from spawn_pool import run_on_ranks
 
-from accel.collectives import DistributedOperationException, ragged
-from accel.collectives.transport import TorchDistributedTransport
+from accel.collectives import DistributedOperationException
 from accel.state import PartialState
+from accel.wire import ragged
+from accel.wire.transport import TorchDistributedTransport
 
 
 def _rank_leaves(rank, rows, seed):
