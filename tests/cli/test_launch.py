@@ -59,6 +59,22 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def run_launchers(tmp_path, command, envs, timeout=180):
+    """Runs `command` once per environment in `envs` at the same time (launchers of one job on several faked
+    machines), kills any still running after `timeout`, and returns [(exit status, stdout, stderr)] in order."""
+    launchers = [
+        subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for env in envs
+    ]
+    try:
+        outputs = [launcher.communicate(timeout=timeout) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+    return [(launcher.returncode, out, err) for launcher, (out, err) in zip(launchers, outputs)]
+
+
 def launch_flags(*argv):
     return flags_from_args(build_parser().parse_args(["launch", *argv]))
 

@@ -5,12 +5,11 @@ layers; bad values; and a real two-pod job faked on one host (two launchers on 1
 No Kubernetes runs here: every test fakes what Kubeflow's training operator sets in a pod."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
-from test_launch import free_port
+from test_launch import free_port, run_launchers
 
 from accel.cli.launch import LaunchError, flags_from_args, resolve, torchrun_argv
 from accel.cli.main import build_parser
@@ -102,6 +101,7 @@ def _pod_env(tmp_path, rank, port):
         PET_MASTER_ADDR="127.0.0.1",
         PET_MASTER_PORT=str(port),
         PET_NPROC_PER_NODE="1",
+        ACCEL_PROCESS_GROUP_TIMEOUT="60",  # a launcher waiting for a peer that never comes fails within a minute
     )
     if "ACCEL_DISABLE_NATIVE" in os.environ:  # keep the suite's native/fallback mode
         env["ACCEL_DISABLE_NATIVE"] = os.environ["ACCEL_DISABLE_NATIVE"]
@@ -115,23 +115,7 @@ def test_two_pods_launchers_form_one_job(tmp_path):
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     port = free_port()
     command = [sys.executable, "-m", "accel", "launch", "--cpu", str(script)]
-    launchers = [
-        subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            env=_pod_env(tmp_path, rank, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [launcher.communicate(timeout=180) for launcher in launchers]
-    finally:
-        for launcher in launchers:
-            launcher.kill()
-            launcher.wait()
-    assert [launcher.returncode for launcher in launchers] == [0, 0], "\n".join(err for _, err in outputs)
-    lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("rank"))
+    results = run_launchers(tmp_path, command, [_pod_env(tmp_path, rank, port) for rank in range(2)])
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err for _, _, err in results)
+    lines = sorted(line for _, out, _ in results for line in out.splitlines() if line.startswith("rank"))
     assert lines == ["rank 0/2 local 0", "rank 1/2 local 0"]

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from test_launch import run_launchers
 
 from accel import slurm
 from accel.cli.launch import LaunchError, flags_from_args, resolve, torchrun_argv
@@ -241,24 +242,8 @@ def test_two_srun_launchers_form_one_job(tmp_path):
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     job_id = _free_job_id()
     command = [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "4", str(script)]
-    launchers = [
-        subprocess.Popen(
-            command,
-            cwd=tmp_path,
-            env=_launcher_env(tmp_path, node, job_id),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    try:
-        outputs = [launcher.communicate(timeout=180) for launcher in launchers]
-    finally:
-        for launcher in launchers:
-            launcher.kill()
-            launcher.wait()
-    assert [launcher.returncode for launcher in launchers] == [0, 0], "\n".join(err for _, err in outputs)
-    lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("rank"))
+    results = run_launchers(tmp_path, command, [_launcher_env(tmp_path, node, job_id) for node in range(2)])
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err for _, _, err in results)
+    lines = sorted(line for _, out, _ in results for line in out.splitlines() if line.startswith("rank"))
     port = slurm.job_port({"SLURM_JOB_ID": job_id})
     assert lines == [f"rank {rank}/4 port={port}" for rank in range(4)]
