@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, job_env, launch, per_round_ratio, relative_difference
+from two_process_jobs import accel_launch, free_port, job_env, launch, per_round_ratio, relative_difference
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
@@ -71,23 +71,7 @@ def command(contender: str, out: Path) -> list[str]:
     flags = {"accel_ddp": (), "accel_fsdp2": FSDP_FLAGS}.get(
         contender, ("--use_deepspeed", "--zero_stage", contender[-1])
     )
-    return [
-        sys.executable,
-        "-m",
-        "accel",
-        "launch",
-        "--cpu",
-        "--num_processes",
-        "2",
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        port,
-        *flags,
-        *job,
-        "--runner",
-        "accel",
-    ]
+    return accel_launch(port, *flags, *job, "--runner", "accel")
 
 
 def child_env() -> dict[str, str]:

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, job_env, launch, per_round_ratio, relative_difference
+from two_process_jobs import accel_launch, free_port, job_env, launch, per_round_ratio, relative_difference
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
@@ -67,21 +67,7 @@ def command(contender: str, job_args: list[str]) -> list[str]:
     job = [str(HERE / "fsdp2_job.py"), *job_args]
     if contender.startswith("accel"):
         fsdp = FSDP_FLAGS if contender != "accel_ddp" else ()
-        return [
-            sys.executable,
-            "-m",
-            "accel",
-            "launch",
-            "--cpu",
-            "--num_processes",
-            "2",
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            port,
-            *fsdp,
-            *job,
-        ]
+        return accel_launch(port, *fsdp, *job)
     return [
         sys.executable,
         "-m",

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from two_process_jobs import free_port, job_env, launch, relative_difference
+from two_process_jobs import accel_launch, free_port, job_env, launch, relative_difference
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
@@ -53,21 +53,7 @@ def command(contender: str, task: str, out: Path) -> list[str]:
     job += ["--runner", "trainer"] if contender in ("accel", "hf") else ["--runner", "raw", "--group", contender[4:]]
     port = str(free_port())
     if contender == "accel":
-        return [
-            sys.executable,
-            "-m",
-            "accel",
-            "launch",
-            "--cpu",
-            "--num_processes",
-            "2",
-            "--main_process_ip",
-            "127.0.0.1",
-            "--main_process_port",
-            port,
-            "--as_accelerate",
-            *job,
-        ]
+        return accel_launch(port, "--as_accelerate", *job)
     return [
         sys.executable,
         "-m",

@@ -9,6 +9,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +38,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def accel_launch(port: str, *args: str) -> list[str]:
+    """`accel launch` of 2 CPU processes meeting on 127.0.0.1:`port`, then `args` (flags, the job, its arguments)."""
+    address = ["--main_process_ip", "127.0.0.1", "--main_process_port", port]
+    return [sys.executable, "-m", "accel", "launch", "--cpu", "--num_processes", "2", *address, *args]
 
 
 def job_env(**extra: str) -> dict[str, str]:
