@@ -25,8 +25,8 @@ Differences from `accelerate launch`, on purpose:
     read only on TPUs by HF and is ignored here as well.
   * `--tee` without `--log_dir` tees into a temporary folder removed after the run; give `--log_dir` to keep
     the files.
-  * `--mixed_precision fp8`, a config file asking for Megatron-LM, TPUs, mpirun or the parallelism config, and any
-    of those backends' flags are refused with one error, exit status 2.
+  * `--mixed_precision fp8`, a config file asking for Megatron-LM, TPUs or mpirun, and any of those backends'
+    flags are refused with one error, exit status 2.
   * FSDP (`--use_fsdp`, `distributed_type: FSDP`, ACCEL_USE_FSDP / ACCELERATE_USE_FSDP) runs on CPU processes too
     (`--cpu --use_fsdp`; HF refuses the pair). Its options' environment layer is HF's FSDP_* variables (those the
     ranks read); `--multi_gpu` over a lower layer's FSDP runs DDP, as in HF, while `--cpu` keeps FSDP. accel runs
@@ -44,6 +44,14 @@ Differences from `accelerate launch`, on purpose:
     flag without DeepSpeed is refused (HF ignores it). As with FSDP, `--multi_gpu` or `--use_fsdp` over a lower
     layer's DeepSpeed runs DDP or FSDP, `--use_deepspeed` over a lower layer's FSDP runs DeepSpeed, and
     `--use_deepspeed` with `--use_fsdp` is an error.
+  * The parallelism config (`--use_parallelism_config`, a config file's non-empty `parallelism_config`,
+    ACCEL_USE_PARALLELISM_CONFIG / ACCELERATE_USE_PARALLELISM_CONFIG; its options' environment layer is HF's
+    PARALLELISM_CONFIG_* variables) exports HF's variables and runs its data-parallel sizes: dp_shard_size shards
+    with FSDP2, dp_replicate_size × dp_shard_size is HSDP. Refused before anything starts: tp_size, cp_size or
+    sp_size above 1 (exit status 2), and, as errors, the config without FSDP2 (HF's rule, which HF checks only for
+    the flags), sizes whose product is not num_processes (HF's ranks each fail on it) and a
+    `--parallelism_config_*` flag without `--use_parallelism_config` (HF ignores it). As in HF, a layer choosing
+    `--multi_gpu`, `--use_deepspeed` or `--use_fsdp` turns off a lower layer's parallelism config.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ parser keeps a set of the same name), so an option repeating its default still c
 never counts as asked for. Defaults are HF's, so a namespace from this parser can be handed to HF-style code
 (`prepare_simple_launcher_cmd_env(args)`).
 
-Deliberate differences: HF's `type=bool` options (`--megatron_lm_*`) read "False" as True; here they take a
-boolean word. `--mixed_precision`, `--dynamo_backend` and `--dynamo_mode` are checked when the settings are
-resolved rather than by argparse's `choices`, so that values from the config file and ACCEL_* variables get the
-same message and backends are matched case-insensitively.
+Deliberate differences: HF's `type=bool` options (`--megatron_lm_*`,
+`--parallelism_config_sp_seq_length_is_variable`) read "False" as True; here they take a boolean word.
+`--mixed_precision`, `--dynamo_backend` and `--dynamo_mode` are checked when the settings are resolved rather than
+by argparse's `choices`, so that values from the config file and ACCEL_* variables get the same message and
+backends are matched case-insensitively.
 """
 
 from __future__ import annotations
