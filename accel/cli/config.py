@@ -20,9 +20,12 @@ Deliberate differences from HF Accelerate:
   default here (HF's: pdsh): accel starts every machine through torch.distributed.run, so another answer gets the
   reason and the question again, and pdsh's hostfile and filter questions never come. A DeepSpeed config file
   path must be given once asked for (HF takes an empty answer as the path "none").
-- Not asked, because accel does not run them: Megatron-LM, the parallelism config, TPU and the other device
-  families, mpirun (accel launches through torch.distributed.run) and the FP8 backend questions (`fp8` may be
-  chosen; `fp8_config` stays empty). Not asked either: NUMA affinity (`enable_cpu_affinity` is written as false;
+- The parallelism config is asked about after FSDP2's questions, as in HF; its tensor and context parallelism
+  sizes are asked until they are 1 (accel runs data parallelism only), so HF's context-parallel strategy question
+  never comes.
+- Not asked, because accel does not run them: Megatron-LM, TPU and the other device families, mpirun (accel
+  launches through torch.distributed.run) and the FP8 backend questions (`fp8` may be chosen; `fp8_config` stays
+  empty). Not asked either: NUMA affinity (`enable_cpu_affinity` is written as false;
   set the key or pass `accel launch --enable_cpu_affinity`). Amazon SageMaker is listed, as in HF, but answered
   with a message and the question again.
 - Asked as HF Accelerate 0.2x did: "use IPEX?" on CPU runs, written as `ipex_config: {ipex: true}` only when
@@ -46,7 +49,7 @@ from typing import Any
 
 from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
-from accel.cli import deepspeed_options
+from accel.cli import deepspeed_options, parallelism_options
 from accel.cli.basic_config import basic_config
 from accel.cli.config_file import (
     ClusterConfig,
@@ -437,6 +440,34 @@ def ask_fsdp(chosen: bool = False) -> dict[str, Any]:
     return config
 
 
+def ask_data_parallel_only(prompt: str, feature: str) -> int:
+    """Ask (HF's `prompt`, default 1) until the size is 1: accel does not run `feature`."""
+    while True:
+        size = ask(prompt, integer_between(1), default=1)
+        if size == 1:
+            return size
+        print(f"{feature} size {size} is not supported by accel: accel runs data parallelism only; answer 1.")
+
+
+def ask_parallelism() -> dict[str, int]:
+    """HF's parallelism-config questions (asked after FSDP2's), in its order, as `parallelism_config` keys; an
+    empty dict when it is not wanted. Tensor and context parallelism sizes are asked until they are 1, so HF's
+    question on the context-parallel strategy (asked with cp_size > 1) never comes."""
+    if not ask_yes_no("Do you want to use the parallelism config? [yes/NO]: ", default=False):
+        return {}
+    prefix = parallelism_options.PREFIX
+    return {
+        prefix + "dp_replicate_size": ask(
+            "What is the data parallelism replicate size? [1]: ", integer_between(1), default=1
+        ),
+        prefix + "dp_shard_size": ask("What is the FSDP shard size? [1]: ", integer_between(1), default=1),
+        prefix + "tp_size": ask_data_parallel_only("What is the tensor parallelism size? [1]: ", "tensor parallelism"),
+        prefix + "cp_size": ask_data_parallel_only(
+            "What is the context parallelism size? [1]: ", "context parallelism"
+        ),
+    }
+
+
 def ask_deepspeed_offload() -> dict[str, str]:
     """Where ZeRO 2 and 3 offload optimizer states and parameters, and the NVMe paths when offloaded there."""
     config = {
@@ -550,6 +581,7 @@ def get_user_input() -> ClusterConfig:
     deepspeed_config = ask_deepspeed(num_machines) if distributed_type in ("NO", "MULTI_GPU") else {}
     distributed_type = "DEEPSPEED" if deepspeed_config else distributed_type
     fsdp_config = ask_fsdp(chosen=cpu_fsdp) if cpu_fsdp or distributed_type == "MULTI_GPU" else {}
+    parallelism_config = ask_parallelism() if fsdp_config.get("fsdp_version") == 2 else {}
     num_processes = ask_num_processes(distributed_type, num_machines) if distributed_type != "NO" else 1
     gpu_ids = None if use_cpu or fsdp_config or deepspeed_config else ask_gpu_ids()  # as HF: none for FSDP, DeepSpeed
     # HF leaves the precision to the DeepSpeed config file when there is one (see accel/cli/launch.py).
@@ -569,6 +601,7 @@ def get_user_input() -> ClusterConfig:
         ipex_config=ipex_config,
         dynamo_config=dynamo_config,
         fsdp_config=fsdp_config,
+        parallelism_config=parallelism_config,
         deepspeed_config=deepspeed_config,
         **machines,
     )

@@ -22,7 +22,8 @@ Differences from HF Accelerate, all deliberate:
 - `ipex_config` and `mpirun_config` (written by HF Accelerate before 1.0) are accepted.
 - `fsdp_config`'s keys and values are checked too (HF's keys, with or without their `fsdp_` prefix, and the
   older `fsdp_backward_prefetch_policy`); the file keeps them as written. So are `deepspeed_config`'s (HF's keys,
-  accel/cli/deepspeed_options.py), which HF copies onto its launch arguments unchecked.
+  accel/cli/deepspeed_options.py) and `parallelism_config`'s (accel/cli/parallelism_options.py), which HF copies
+  onto its launch arguments unchecked.
 - `compute_environment: AMAZON_SAGEMAKER` is refused at load time: its keys are SageMaker's, not a cluster's.
 - Files are written atomically (temporary file + rename).
 """
@@ -44,7 +45,7 @@ import yaml
 
 from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
-from accel.cli import deepspeed_options
+from accel.cli import deepspeed_options, parallelism_options
 from accel.settings import DynamoBackend  # torch-free, so the CLI still starts without torch
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
@@ -254,28 +255,27 @@ _dynamo_config = _checked_mapping(
 _ipex_config = _checked_mapping({"ipex": _boolean, "use_xpu": _boolean})
 
 
-def _fsdp_config(value: Any) -> dict:
-    """HF's `fsdp_config`, each key and value checked (accel.backends.fsdp_options) and kept as written, so that
-    the file round-trips unchanged; null values mean unset."""
-    result = _mapping(value)
-    for subkey, subvalue in result.items():
-        try:
-            fsdp_options.parse_entry(str(subkey), subvalue)
-        except ValueError as error:
-            raise _Invalid(str(error), str(subkey), subvalue, True) from None
-    return result
+def _entries_checked_by(parse_entry: Callable[[str, Any], Any]) -> Callable[[Any], dict]:
+    """A parser for a backend's nested mapping: each key and value checked by `parse_entry` (which raises ValueError
+    saying what is allowed) and kept as written, so that the file round-trips unchanged; null values mean unset."""
+
+    def parse(value: Any) -> dict:
+        result = _mapping(value)
+        for subkey, subvalue in result.items():
+            try:
+                parse_entry(str(subkey), subvalue)
+            except ValueError as error:
+                raise _Invalid(str(error), str(subkey), subvalue, True) from None
+        return result
+
+    return parse
 
 
-def _deepspeed_config(value: Any) -> dict:
-    """HF's `deepspeed_config`, each key and value checked (accel.cli.deepspeed_options) and kept as written, so
-    that the file round-trips unchanged; null values mean unset."""
-    result = _mapping(value)
-    for subkey, subvalue in result.items():
-        try:
-            deepspeed_options.parse_entry(str(subkey), subvalue)
-        except ValueError as error:
-            raise _Invalid(str(error), str(subkey), subvalue, True) from None
-    return result
+# HF's nested backend configs; their keys and values: accel/backends/fsdp_options.py, accel/cli/deepspeed_options.py,
+# accel/cli/parallelism_options.py.
+_fsdp_config = _entries_checked_by(fsdp_options.parse_entry)
+_deepspeed_config = _entries_checked_by(deepspeed_options.parse_entry)
+_parallelism_config = _entries_checked_by(parallelism_options.parse_entry)
 
 
 def _key(default: Any, parse: Callable[[Any], Any]) -> Any:
@@ -324,7 +324,7 @@ class ClusterConfig:
     fp8_config: dict = _mapping_key()
     deepspeed_config: dict = _mapping_key(_deepspeed_config)
     fsdp_config: dict = _mapping_key(_fsdp_config)
-    parallelism_config: dict = _mapping_key()
+    parallelism_config: dict = _mapping_key(_parallelism_config)
     megatron_lm_config: dict = _mapping_key()
     tpu_name: str | None = _key(None, _optional(_text))
     tpu_zone: str | None = _key(None, _optional(_text))
@@ -382,10 +382,11 @@ class ClusterConfig:
     def check_supported(self) -> None:
         """Raise UnsupportedFeatureError when accel cannot run this setup; the error names the file and key.
 
-        Refused: a `distributed_type` accel does not run (XLA, Megatron-LM, other devices), an
-        `mpirun_config` naming a hostfile (HF then launches through mpirun) and a non-empty
-        `parallelism_config` (HF then turns on N-d parallelism). Loading accepts every value HF Accelerate
-        writes; call this before acting on the config.
+        Refused: a `distributed_type` accel does not run (XLA, Megatron-LM, other devices) and an
+        `mpirun_config` naming a hostfile (HF then launches through mpirun). A `parallelism_config` asking for
+        more than data parallelism is refused when the launch settings are resolved (accel/cli/launch.py), where
+        flags can override its keys. Loading accepts every value HF Accelerate writes; call this before acting on
+        the config.
         """
         from accel.cli.refusals import DISTRIBUTED_TYPE_BACKENDS, refuse_backend
 
@@ -395,8 +396,6 @@ class ClusterConfig:
             raise refuse_backend(backend, f"{source}: distributed_type: {self.distributed_type}")
         if self.mpirun_config.get("mpirun_hostfile"):
             raise refuse_backend("mpirun", f"{source}: mpirun_config.mpirun_hostfile")
-        if self.parallelism_config:
-            raise refuse_backend("parallelism_config", f"{source}: parallelism_config")
 
 
 _PARSERS = {f.name: f.metadata["parse"] for f in fields(ClusterConfig) if "parse" in f.metadata}

@@ -25,8 +25,8 @@ Differences from `accelerate launch`, on purpose:
     read only on TPUs by HF and is ignored here as well.
   * `--tee` without `--log_dir` tees into a temporary folder removed after the run; give `--log_dir` to keep
     the files.
-  * `--mixed_precision fp8`, a config file asking for Megatron-LM, TPUs, mpirun or the parallelism config, and any
-    of those backends' flags are refused with one error, exit status 2.
+  * `--mixed_precision fp8`, a config file asking for Megatron-LM, TPUs or mpirun, and any of those backends'
+    flags are refused with one error, exit status 2.
   * FSDP (`--use_fsdp`, `distributed_type: FSDP`, ACCEL_USE_FSDP / ACCELERATE_USE_FSDP) runs on CPU processes too
     (`--cpu --use_fsdp`; HF refuses the pair). Its options' environment layer is HF's FSDP_* variables (those the
     ranks read); `--multi_gpu` over a lower layer's FSDP runs DDP, as in HF, while `--cpu` keeps FSDP. accel runs
@@ -44,6 +44,14 @@ Differences from `accelerate launch`, on purpose:
     flag without DeepSpeed is refused (HF ignores it). As with FSDP, `--multi_gpu` or `--use_fsdp` over a lower
     layer's DeepSpeed runs DDP or FSDP, `--use_deepspeed` over a lower layer's FSDP runs DeepSpeed, and
     `--use_deepspeed` with `--use_fsdp` is an error.
+  * The parallelism config (`--use_parallelism_config`, a config file's non-empty `parallelism_config`,
+    ACCEL_USE_PARALLELISM_CONFIG / ACCELERATE_USE_PARALLELISM_CONFIG; its options' environment layer is HF's
+    PARALLELISM_CONFIG_* variables) exports HF's variables and runs its data-parallel sizes: dp_shard_size shards
+    with FSDP2, dp_replicate_size × dp_shard_size is HSDP. Refused before anything starts: tp_size, cp_size or
+    sp_size above 1 (exit status 2), and, as errors, the config without FSDP2 (HF's rule, which HF checks only for
+    the flags), sizes whose product is not num_processes (HF's ranks each fail on it) and a
+    `--parallelism_config_*` flag without `--use_parallelism_config` (HF ignores it). As in HF, a layer choosing
+    `--multi_gpu`, `--use_deepspeed` or `--use_fsdp` turns off a lower layer's parallelism config.
 """
 
 from __future__ import annotations
@@ -57,13 +65,13 @@ import sys
 import tempfile
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from accel import accelerate_alias, availability, slurm
 from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.backends import fsdp_options
-from accel.cli import deepspeed_options, pytorchjob
+from accel.cli import deepspeed_options, parallelism_options, pytorchjob
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
@@ -148,6 +156,20 @@ class LaunchConfig:
     fsdp_activation_checkpointing: bool | None = None
     fsdp_activation_checkpointing_offload: bool | None = None
     fsdp_ignored_modules: str | None = None
+    use_parallelism_config: bool = False
+    # The parallelism config's options (accel.cli.parallelism_options.OPTIONS), normalised; None: set nowhere, HF's
+    # launch default applies.
+    parallelism_config_dp_replicate_size: int | None = None
+    parallelism_config_dp_shard_size: int | None = None
+    parallelism_config_tp_size: int | None = None
+    parallelism_config_cp_size: int | None = None
+    parallelism_config_cp_backend: str | None = None
+    parallelism_config_cp_comm_strategy: str | None = None
+    parallelism_config_sp_size: int | None = None
+    parallelism_config_sp_backend: str | None = None
+    parallelism_config_sp_seq_length: int | None = None
+    parallelism_config_sp_seq_length_is_variable: bool | None = None
+    parallelism_config_sp_attn_implementation: str | None = None
     debug: bool = False
     ipex: bool = False
     enable_cpu_affinity: bool = False
@@ -163,19 +185,22 @@ class LaunchConfig:
 
 
 # ACCEL_<NAME> mirrors each setting; these keep the names the children read (HF's, with ACCEL_ for ACCELERATE_;
-# FSDP's options are HF's FSDP_* variables, which the ranks' FullyShardedDataParallelPlugin reads).
+# FSDP's options are HF's FSDP_* variables, which the ranks' FullyShardedDataParallelPlugin reads, and the
+# parallelism config's HF's PARALLELISM_CONFIG_* variables, which the ranks' ParallelismConfig reads).
 _DEEPSPEED_VARIABLES = {key: option.variable for key, option in deepspeed_options.OPTIONS.items() if option.variable}
 ENV_NAMES = {
     "debug": "ACCEL_DEBUG_MODE",
     "ipex": "ACCEL_USE_IPEX",
     "enable_cpu_affinity": "ACCEL_CPU_AFFINITY",
     **{key: option.variable for key, option in fsdp_options.OPTIONS.items()},
+    **{key: option.variable for key, option in parallelism_options.OPTIONS.items()},
     **{key: f"ACCEL_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()},
 }
 # Read when the ACCEL_ name is unset: the ranks read HF's names too, so the launcher must agree with them.
 HF_ENV_NAMES = {
     "use_fsdp": "ACCELERATE_USE_FSDP",
     "use_deepspeed": "ACCELERATE_USE_DEEPSPEED",
+    "use_parallelism_config": "ACCELERATE_USE_PARALLELISM_CONFIG",
     **{key: f"ACCELERATE_{variable}" for key, variable in _DEEPSPEED_VARIABLES.items()},
 }
 NOT_FROM_ENV = {
@@ -192,9 +217,13 @@ def env_name(field: str) -> str:
     return ENV_NAMES.get(field, f"ACCEL_{field.upper()}")
 
 
+# The backends' option tables, each option a LaunchConfig field parsed by its own parser.
+_OPTION_TABLES = (fsdp_options.OPTIONS, deepspeed_options.OPTIONS, parallelism_options.OPTIONS)
+
+
 def parse_value(field: str, raw: Any, source: str) -> Any:
     """Converts a config/env/flag value to the field's type, or raises LaunchError naming `source`."""
-    table = fsdp_options.OPTIONS if field in fsdp_options.OPTIONS else deepspeed_options.OPTIONS
+    table = next((table for table in _OPTION_TABLES if field in table), {})
     if field in table and raw is not None:
         try:
             return table[field].parse(raw)
@@ -262,6 +291,17 @@ def _config_file_values(cluster: Any) -> tuple[dict[str, Any], dict[str, str]]:
         if value is not None:
             values[key], names[key] = value, f"deepspeed_config.{key}"
     values["deepspeed_fields_from_accelerate_config"] = tuple(deepspeed_config)
+    parallelism_values, parallelism_names = _parallelism_config_values(config.get("parallelism_config") or {})
+    return {**values, **parallelism_values}, {**names, **parallelism_names}
+
+
+def _parallelism_config_values(parallelism_config: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The file's `parallelism_config` keys (the loader has checked them) and where they come from; a non-empty
+    mapping turns the parallelism config on, as in HF."""
+    values = {key: value for key, value in parallelism_config.items() if value is not None}
+    names = {key: f"parallelism_config.{key}" for key in values}
+    if parallelism_config:
+        values["use_parallelism_config"], names["use_parallelism_config"] = True, "parallelism_config"
     return values, names
 
 
@@ -366,8 +406,9 @@ def _slurm_port(values: dict[str, Any], origins: dict[str, str], environ: Mappin
 
 def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
     """Lays `layer` over `values`; a layer choosing the CPU or multi-GPU overrides a lower layer's other choice,
-    and one choosing multi-GPU, DeepSpeed or FSDP turns off a lower layer's DeepSpeed or FSDP that it does not
-    choose itself (HF: `--multi_gpu` runs DDP, `--use_fsdp` over a DeepSpeed config FSDP)."""
+    and one choosing multi-GPU, DeepSpeed or FSDP turns off a lower layer's DeepSpeed, FSDP or parallelism config
+    that it does not choose itself (HF: `--multi_gpu` runs DDP, `--use_fsdp` over a DeepSpeed config FSDP, and the
+    config file's `parallelism_config` counts only without those flags)."""
     if layer.get("use_cpu") and layer.get("multi_gpu"):
         raise LaunchError("use_cpu (--cpu) and multi_gpu (--multi_gpu) cannot be used together")
     if layer.get("use_cpu"):
@@ -377,6 +418,7 @@ def _merge(values: dict[str, Any], layer: dict[str, Any]) -> None:
     if layer.get("multi_gpu") or layer.get("use_deepspeed") or layer.get("use_fsdp"):
         values["use_deepspeed"] = layer.get("use_deepspeed", False)
         values["use_fsdp"] = layer.get("use_fsdp", False)
+        values["use_parallelism_config"] = layer.get("use_parallelism_config", False)
     values.update(layer)
 
 
@@ -473,23 +515,44 @@ def validate(config: LaunchConfig, origins: Mapping[str, str] | None = None) -> 
     _check_processes(config)
     _check_torchrun_formats(config)
     config = _check_deepspeed(config, origins or {})
-    return _check_fsdp(config, origins or {})
+    config = _check_fsdp(config, origins or {})
+    return _check_parallelism(config, origins or {})
+
+
+def _switched_off(switch: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """ACCEL_<switch>=false, and ACCELERATE_<switch>=false when inherited: an inherited ACCELERATE_<switch>=true
+    (turned off here by a higher layer, such as --multi_gpu over FSDP) must not turn the backend on in the ranks."""
+    inherited = f"ACCELERATE_{switch}"
+    return {f"ACCEL_{switch}": "false", **({inherited: "false"} if inherited in environ else {})}
 
 
 # --- DeepSpeed -------------------------------------------------------------------------------------------------
 
 
+def _options_set(config: LaunchConfig, keys: Iterable[str]) -> dict[str, Any]:
+    """The options of `keys` some layer set, by key."""
+    return {key: getattr(config, key) for key in keys if getattr(config, key) is not None}
+
+
+def _normalised(options: Mapping[str, Any], origins: Mapping[str, str]) -> dict[str, Any]:
+    """`options` parsed by their own parsers; a bad value is a LaunchError naming where it came from."""
+    return {key: parse_value(key, value, origins.get(key, key)) for key, value in options.items()}
+
+
+def _first_flag(keys: Iterable[str], origins: Mapping[str, str]) -> str | None:
+    """The first of `keys` given as a command-line flag (as typed), or None."""
+    return next((origins[key] for key in keys if origins.get(key, "").startswith("-")), None)
+
+
 def _deepspeed_settings(config: LaunchConfig) -> dict[str, Any]:
     """The DeepSpeed options some layer set, by key."""
-    return {key: getattr(config, key) for key in deepspeed_options.OPTIONS if getattr(config, key) is not None}
+    return _options_set(config, deepspeed_options.OPTIONS)
 
 
 def _check_deepspeed(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
     """Normalises the DeepSpeed options and refuses, before anything starts, what cannot run (see the module
     docstring)."""
-    options = {
-        key: parse_value(key, value, origins.get(key, key)) for key, value in _deepspeed_settings(config).items()
-    }
+    options = _normalised(_deepspeed_settings(config), origins)
     config = dataclasses.replace(config, **options)
     if config.use_deepspeed and config.use_fsdp:
         raise LaunchError(
@@ -497,14 +560,10 @@ def _check_deepspeed(config: LaunchConfig, origins: Mapping[str, str]) -> Launch
             "cannot be used together: choose DeepSpeed or FSDP"
         )
     if not config.use_deepspeed:
-        flags = [
-            origins[key]
-            for key in deepspeed_options.DEEPSPEED_ONLY
-            if key in options and origins.get(key, "").startswith("-")
-        ]
-        if flags:
+        flag = _first_flag((key for key in deepspeed_options.DEEPSPEED_ONLY if key in options), origins)
+        if flag:
             raise LaunchError(
-                f"{flags[0]} has no effect without DeepSpeed: add --use_deepspeed (or use a config file "
+                f"{flag} has no effect without DeepSpeed: add --use_deepspeed (or use a config file "
                 "with distributed_type: DEEPSPEED)"
             )
         return config
@@ -520,11 +579,7 @@ def deepspeed_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ)
     ACCELERATE_ spelling and accel's ACCEL_ one (the ranks read ACCEL_ first: an inherited one must not win), and
     PYTHONPATH with the working folder added, as HF adds it."""
     if not config.use_deepspeed:
-        # An inherited ACCELERATE_USE_DEEPSPEED=true (turned off here by a higher layer) must not turn it on again.
-        return {
-            "ACCEL_USE_DEEPSPEED": "false",
-            **({"ACCELERATE_USE_DEEPSPEED": "false"} if "ACCELERATE_USE_DEEPSPEED" in environ else {}),
-        }
+        return _switched_off("USE_DEEPSPEED", environ)
     fields = config.deepspeed_fields_from_accelerate_config
     hf_names = deepspeed_options.environment(_deepspeed_settings(config), fields)
     accel_names = {f"ACCEL_{name.removeprefix('ACCELERATE_')}": value for name, value in hf_names.items()}
@@ -537,19 +592,18 @@ def deepspeed_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ)
 
 def _fsdp_settings(config: LaunchConfig) -> dict[str, Any]:
     """The FSDP options some layer set, by key (the others take HF's launch defaults)."""
-    return {key: getattr(config, key) for key in fsdp_options.OPTIONS if getattr(config, key) is not None}
+    return _options_set(config, fsdp_options.OPTIONS)
 
 
 def _check_fsdp(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
     """Normalises the FSDP options and refuses, before anything starts, what cannot run (see the module docstring)."""
-    options = {key: parse_value(key, value, origins.get(key, key)) for key, value in _fsdp_settings(config).items()}
+    options = _normalised(_fsdp_settings(config), origins)
     config = dataclasses.replace(config, **options)
     if not config.use_fsdp:
-        flags = [origins[key] for key in options if origins.get(key, "").startswith("-")]
-        if flags:
+        flag = _first_flag(options, origins)
+        if flag:
             raise LaunchError(
-                f"{flags[0]} has no effect without FSDP: add --use_fsdp (or use a config file with "
-                "distributed_type: FSDP)"
+                f"{flag} has no effect without FSDP: add --use_fsdp (or use a config file with distributed_type: FSDP)"
             )
         return config
     if options.get("fsdp_cpu_ram_efficient_loading", True) and options.get("fsdp_sync_module_states") is False:
@@ -588,20 +642,18 @@ def fsdp_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> d
     """ACCEL_USE_FSDP, and with FSDP what HF's launcher exports (ACCELERATE_USE_FSDP and the FSDP_* variables),
     FSDP1 options as their FSDP2 translation."""
     if not config.use_fsdp:
-        # An inherited ACCELERATE_USE_FSDP=true (turned off here by --multi_gpu) must not turn FSDP on in the ranks.
-        return {
-            "ACCEL_USE_FSDP": "false",
-            **({"ACCELERATE_USE_FSDP": "false"} if "ACCELERATE_USE_FSDP" in environ else {}),
-        }
+        return _switched_off("USE_FSDP", environ)
     translation = fsdp_translation(config)
     options = translation.options if translation is not None else _fsdp_settings(config)
     return {"ACCEL_USE_FSDP": "true", **fsdp_options.environment(options)}
 
 
 def dropped_variables(config: LaunchConfig, env: Mapping[str, str]) -> list[str]:
-    """The FSDP_* variables the ranks must not inherit: with FSDP, those `env` (child_env's) leaves out, such as
-    an FSDP1 option the translation dropped."""
-    return [name for name in fsdp_options.VARIABLES if name not in env] if config.use_fsdp else []
+    """The variables the ranks must not inherit, of those `env` (child_env's) leaves out: with FSDP, the FSDP_*
+    ones, such as an FSDP1 option the translation dropped; always, the PARALLELISM_CONFIG_* ones (all of them
+    without the parallelism config)."""
+    fsdp = [name for name in fsdp_options.VARIABLES if name not in env] if config.use_fsdp else []
+    return fsdp + [name for name in parallelism_options.VARIABLES if name not in env]
 
 
 def fsdp_line(config: LaunchConfig) -> str | None:
@@ -610,6 +662,64 @@ def fsdp_line(config: LaunchConfig) -> str | None:
     if translation is None:
         return None
     return "accel launch: fsdp_version 1 options run on FSDP2: " + "; ".join(translation.changes)
+
+
+# --- the parallelism config ------------------------------------------------------------------------------------
+
+
+def _parallelism_settings(config: LaunchConfig) -> dict[str, Any]:
+    """The parallelism config's options some layer set, by key (the others take HF's launch defaults)."""
+    return _options_set(config, parallelism_options.OPTIONS)
+
+
+def _check_parallelism(config: LaunchConfig, origins: Mapping[str, str]) -> LaunchConfig:
+    """Normalises the parallelism config's options and refuses, before anything starts, what cannot run: sizes
+    asking for more than data parallelism, the config without FSDP2 (HF's rule), and sizes whose product is not the
+    number of processes (HF's ranks would each fail on it)."""
+    options = _normalised(_parallelism_settings(config), origins)
+    config = dataclasses.replace(config, **options)
+    if not config.use_parallelism_config:
+        flag = _first_flag(options, origins)
+        if flag:
+            raise LaunchError(f"{flag} has no effect without --use_parallelism_config")
+        return config
+    refused = parallelism_options.unsupported(options)
+    if refused is not None:
+        raise refuse_backend("parallelism_config", _asked_by(origins.get(refused, refused), str(options[refused])))
+    _check_parallelism_fsdp(config, origins)
+    total = parallelism_options.total_size(options)
+    if config.num_processes is not None and total != config.num_processes:
+        origin = origins.get("num_processes", "num_processes")
+        raise LaunchError(
+            f"the parallelism config's sizes (dp_replicate × dp_shard × tp × cp × sp, unset ones 1) make {total} "
+            f"processes but {_asked_by(origin, str(config.num_processes))} asks for {config.num_processes}: "
+            "they must be equal"
+        )
+    return config
+
+
+def _check_parallelism_fsdp(config: LaunchConfig, origins: Mapping[str, str]) -> None:
+    """HF's rule: the parallelism config needs FSDP with fsdp_version 2."""
+    if config.use_fsdp and config.fsdp_version == 2:
+        return
+    if not config.use_fsdp:
+        reason = "FSDP is off"
+    elif "fsdp_version" in origins:
+        reason = f"{_asked_by(origins['fsdp_version'], '1')} asks for FSDP1"
+    else:
+        reason = "fsdp_version is unset (HF's default: 1)"
+    raise LaunchError(
+        f"{origins.get('use_parallelism_config', 'use_parallelism_config')}: You cannot use "
+        f"`--use_parallelism_config` without `--use_fsdp` and `--fsdp_version=2`; {reason}"
+    )
+
+
+def parallelism_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """ACCEL_USE_PARALLELISM_CONFIG, and with the parallelism config what HF's launcher exports
+    (ACCELERATE_USE_PARALLELISM_CONFIG and the PARALLELISM_CONFIG_* variables)."""
+    if not config.use_parallelism_config:
+        return _switched_off("USE_PARALLELISM_CONFIG", environ)
+    return {"ACCEL_USE_PARALLELISM_CONFIG": "true", **parallelism_options.environment(_parallelism_settings(config))}
 
 
 # --- the hand-off to torch.distributed.run --------------------------------------------------------------------
@@ -691,6 +801,7 @@ def child_env(config: LaunchConfig, environ: Mapping[str, str] = os.environ) -> 
     if config.gradient_accumulation_steps is not None:
         env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(config.gradient_accumulation_steps)
     env.update(fsdp_env(config, environ))
+    env.update(parallelism_env(config, environ))
     env.update(deepspeed_env(config, environ))
     if config.enable_cpu_affinity:
         env["ACCEL_CPU_AFFINITY"] = "1"

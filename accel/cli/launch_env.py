@@ -8,8 +8,8 @@ finds them; booleans are written "true"/"false" (HF writes "True"/"False"; both 
 
 Differences from HF Accelerate: no `KMP_AFFINITY`/`KMP_BLOCKTIME` (accel's launcher does not set them either);
 on one machine without a port, the rendezvous goes to a free port (`args.standalone = True`) rather than 29500;
-a Namespace asking for Megatron-LM, TPUs, mpirun, the parallelism config or FP8 is refused with
-UnsupportedFeatureError, as `accel launch` refuses it. The TPU and SageMaker helpers always refuse.
+a Namespace asking for Megatron-LM, TPUs, mpirun or FP8 is refused with UnsupportedFeatureError, as
+`accel launch` refuses it. The TPU and SageMaker helpers always refuse.
 `prepare_deepspeed_cmd_env` returns what HF's returns for its torch.distributed.run path (HF's
 `deepspeed_multinode_launcher standard`, and one machine): no command (None), torchrun's names set on `args`, and
 the environment; an unset launcher means standard (HF: pdsh), and with several machines another launcher or a
@@ -17,6 +17,9 @@ pdsh-only option is refused, as `accel launch` refuses it.
 With `use_fsdp`, the FSDP variables are `accel launch`'s (HF's, fsdp_version 1 options as their FSDP2
 translation); an FSDP option holding HF's launch default counts as unset (HF's parser fills them all in), so the
 sharding strategy wins over the default `fsdp_reshard_after_forward`, as in HF's FSDP1.
+With `use_parallelism_config`, the PARALLELISM_CONFIG_* variables are `accel launch`'s (HF's), and its checks are
+`accel launch`'s: tensor, context or sequence parallelism sizes above 1 are refused with UnsupportedFeatureError;
+the config without FSDP2, or with sizes whose product is not `num_processes`, is a LaunchError.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 from typing import Any
 
 from accel.backends import fsdp_options
-from accel.cli import deepspeed_options
+from accel.cli import deepspeed_options, parallelism_options
 from accel.cli.launch import LaunchConfig, child_env, dropped_variables, parse_value, torchrun_argv, validate
 from accel.cli.refusals import refuse_backend
 
@@ -37,7 +40,6 @@ _BACKEND_ATTRIBUTES = {
     "use_megatron_lm": "megatron_lm",
     "tpu": "tpu",
     "tpu_use_cluster": "tpu_pod",
-    "use_parallelism_config": "parallelism_config",
     "mpirun_hostfile": "mpirun",
 }
 # torch.distributed.run's names that HF's prepare_multi_gpu_env sets on `args` for its hand-off to torchrun.
@@ -85,10 +87,9 @@ def config_from_namespace(args: argparse.Namespace) -> LaunchConfig:
     # HF's launch_command sets it as "key1,key2" before its DeepSpeed launcher runs.
     fields = str(getattr(args, "deepspeed_fields_from_accelerate_config", None) or "")
     values["deepspeed_fields_from_accelerate_config"] = tuple(field for field in fields.split(",") if field)
-    origins = {
-        key: f"args.{key}"
-        for key in ("mixed_precision", "use_deepspeed", "use_fsdp", *fsdp_options.OPTIONS, *deepspeed_options.OPTIONS)
-    }
+    named = ("mixed_precision", "use_deepspeed", "use_fsdp", "use_parallelism_config", "num_processes")
+    options = (*fsdp_options.OPTIONS, *deepspeed_options.OPTIONS, *parallelism_options.OPTIONS)
+    origins = {key: f"args.{key}" for key in (*named, *options)}
     return validate(LaunchConfig(**values), origins)
 
 

@@ -4,22 +4,25 @@ spellings), short forms (`-t`, `-q`, `-m`), types, defaults and actions.
 Two kinds of options:
 
 - RUN groups: accel does what they ask; each option's dest is a LaunchConfig field (`--cpu` is `use_cpu`).
-- REFUSED groups: backends accel does not run (Megatron-LM, FP8, TPU, SageMaker, mpirun, the parallelism
-  config). They parse, so HF command lines read; giving any of them is refused with one
-  `UnsupportedFeatureError` naming the flag, before anything starts.
+- REFUSED groups: backends accel does not run (Megatron-LM, FP8, TPU, SageMaker, mpirun). They parse, so HF
+  command lines read; giving any of them is refused with one `UnsupportedFeatureError` naming the flag, before
+  anything starts. (The parallelism config is a RUN group: its sizes above data parallelism are refused when the
+  settings are resolved, launch.py, since a config file or a variable can ask for them too.)
 
 HF ignores, e.g., `--zero_stage` without `--use_deepspeed`; accel refuses it, since a flag that silently does
-nothing hides a mistake (likewise an `--fsdp_*` flag without FSDP, see launch.py).
+nothing hides a mistake (likewise an `--fsdp_*` flag without FSDP and a `--parallelism_config_*` flag without
+`--use_parallelism_config`, see launch.py).
 
 Which options were given is recorded in `namespace.nondefault`, a {dest: option string as typed} dict (HF's
 parser keeps a set of the same name), so an option repeating its default still counts as given, and a default
 never counts as asked for. Defaults are HF's, so a namespace from this parser can be handed to HF-style code
 (`prepare_simple_launcher_cmd_env(args)`).
 
-Deliberate differences: HF's `type=bool` options (`--megatron_lm_*`) read "False" as True; here they take a
-boolean word. `--mixed_precision`, `--dynamo_backend` and `--dynamo_mode` are checked when the settings are
-resolved rather than by argparse's `choices`, so that values from the config file and ACCEL_* variables get the
-same message and backends are matched case-insensitively.
+Deliberate differences: HF's `type=bool` options (`--megatron_lm_*`,
+`--parallelism_config_sp_seq_length_is_variable`) read "False" as True; here they take a boolean word.
+`--mixed_precision`, `--dynamo_backend` and `--dynamo_mode` are checked when the settings are resolved rather than
+by argparse's `choices`, so that values from the config file and ACCEL_* variables get the same message and
+backends are matched case-insensitively.
 """
 
 from __future__ import annotations
@@ -316,24 +319,53 @@ _MPI = Group("mpirun", (Option("mpirun_hostfile", "Hostfile for launching with m
 _PARALLELISM = Group(
     "Parallelism config",
     (
-        _flag("use_parallelism_config", "Use the N-d parallelism config."),
-        Option("parallelism_config_dp_replicate_size", "Data parallel replicas.", type=int, default=1),
-        Option("parallelism_config_dp_shard_size", "FSDP shard size.", type=int, default=1),
-        Option("parallelism_config_tp_size", "Tensor parallel size.", type=int, default=1),
-        Option("parallelism_config_cp_size", "Context parallel size.", type=int, default=1),
-        Option("parallelism_config_cp_backend", "Context parallel backend.", default="torch", choices=("torch",)),
-        Option("parallelism_config_cp_comm_strategy", "Context parallel communication.", default="allgather"),
-        Option("parallelism_config_sp_size", "Sequence parallel size.", type=int, default=1),
-        Option(
-            "parallelism_config_sp_backend", "Sequence parallel backend.", default="deepspeed", choices=("deepspeed",)
+        _flag(
+            "use_parallelism_config",
+            "Configure the N-d distributed training with the parallelism config (needs --use_fsdp and "
+            "--fsdp_version 2; accel runs its data-parallel sizes).",
         ),
-        Option("parallelism_config_sp_seq_length", "Sequence length."),
         Option(
-            "parallelism_config_sp_seq_length_is_variable", "Variable sequence length.", type=_boolean, default=True
+            "parallelism_config_dp_replicate_size",
+            "Processes for data-parallel replicas (with dp_shard_size: HSDP). Default 1.",
+            type=int,
+            default=1,
         ),
-        Option("parallelism_config_sp_attn_implementation", "Attention implementation.", default="sdpa"),
+        Option("parallelism_config_dp_shard_size", "Processes FSDP shards across. Default 1.", type=int, default=1),
+        Option(
+            "parallelism_config_tp_size",
+            "Tensor parallel size (above 1 refused: not run by accel).",
+            type=int,
+            default=1,
+        ),
+        Option("parallelism_config_cp_size", "Context parallel size (above 1 refused).", type=int, default=1),
+        Option(
+            "parallelism_config_cp_backend", "Context parallel backend: torch.", default="torch", choices=("torch",)
+        ),
+        Option(
+            "parallelism_config_cp_comm_strategy",
+            "Context parallel communication: allgather (default) or alltoall.",
+            default="allgather",
+        ),
+        Option("parallelism_config_sp_size", "Sequence parallel size (above 1 refused).", type=int, default=1),
+        Option(
+            "parallelism_config_sp_backend",
+            "Sequence parallel backend: deepspeed (ALST/Ulysses).",
+            default="deepspeed",
+            choices=("deepspeed",),
+        ),
+        Option("parallelism_config_sp_seq_length", "Sequence length when all batches have the same length."),
+        Option(
+            "parallelism_config_sp_seq_length_is_variable",
+            "The sequence length may change between batches (true|false; default true).",
+            type=_boolean,
+            default=True,
+        ),
+        Option(
+            "parallelism_config_sp_attn_implementation",
+            "Attention implementation: flash_attention_2, flash_attention_3, sdpa (default) or a hub kernel.",
+            default="sdpa",
+        ),
     ),
-    backend="parallelism_config",
 )
 
 _ACCEL = Group(

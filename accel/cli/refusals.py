@@ -29,7 +29,9 @@ BACKENDS = {
         "machine.",
     ),
     "megatron_lm": Backend("Megatron-LM", _DDP),
-    "parallelism_config": Backend("The N-d parallelism config (tensor, context, sequence parallelism)", _DDP),
+    "parallelism_config": Backend(
+        "Tensor, context and sequence parallelism (parallelism config sizes tp_size, cp_size, sp_size above 1)", _DDP
+    ),
     "fp8": Backend("FP8 training (TransformerEngine, MS-AMP, torchao)", "Use `--mixed_precision bf16` or `fp16`."),
     "tpu": Backend("TPU / XLA training", "accel runs on CPUs and CUDA GPUs (`--cpu`, `--multi_gpu`)."),
     "tpu_pod": Backend(

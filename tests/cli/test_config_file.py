@@ -259,10 +259,32 @@ def test_every_unsupported_distributed_type_names_its_backend(kind, feature):
         config.check_supported()
 
 
-def test_a_parallelism_config_is_refused():
-    config = ClusterConfig.from_dict({"distributed_type": "MULTI_GPU", "parallelism_config": {"tp_size": 2}}, "c.yaml")
-    with pytest.raises(UnsupportedFeatureError, match="parallelism config.*c.yaml: parallelism_config"):
-        config.check_supported()
+def test_a_parallelism_config_loads_round_trips_and_is_checked_at_launch():
+    parallelism = {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}
+    config = ClusterConfig.from_dict({"distributed_type": "FSDP", "parallelism_config": parallelism}, "c.yaml")
+    config.check_supported()  # tp_size 2 is refused when the launch settings are resolved, where flags can override
+    assert config.to_dict()["parallelism_config"] == parallelism
+
+
+@pytest.mark.parametrize(
+    "parallelism,message",
+    [
+        (
+            {"tp_size": 2},
+            "c.yaml: parallelism_config.tp_size: 2 is not valid; unknown key (did you mean "
+            "'parallelism_config_tp_size'?)",
+        ),
+        (
+            {"parallelism_config_dp_shard_size": 0},
+            "c.yaml: parallelism_config.parallelism_config_dp_shard_size: 0 is not valid; expected an integer >= 1",
+        ),
+        ({"parallelism_config_cp_comm_strategy": "ring"}, "allowed values: allgather, alltoall"),
+    ],
+)
+def test_a_bad_parallelism_config_key_or_value_names_the_file_and_key(parallelism, message):
+    with pytest.raises(ConfigError) as error:
+        ClusterConfig.from_dict({"distributed_type": "FSDP", "parallelism_config": parallelism}, "c.yaml")
+    assert message in str(error.value) and error.value.key == f"parallelism_config.{next(iter(parallelism))}"
 
 
 def test_legacy_hf_keys_are_converted():

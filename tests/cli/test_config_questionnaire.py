@@ -151,12 +151,13 @@ def test_fsdp2_answers_are_saved_as_hf_writes_them_and_launch(tmp_path):
         "",
         "",
         "yes",  # 1e8 parameters, SHARDED_STATE_DICT, RAM-efficient loading, AC
+        "no",  # no parallelism config
         "2",
         "bf16",  # no GPU ids for FSDP, as in HF
     ]
     data = saved_yaml(run_accel(tmp_path, ["config", "--config_file", str(path)], answers), path)
     assert (data["distributed_type"], data["num_processes"], data["use_cpu"]) == ("FSDP", 2, False)
-    assert "gpu_ids" not in data
+    assert "gpu_ids" not in data and "parallelism_config" not in data
     assert data["fsdp_config"] == {
         "fsdp_version": 2,
         "fsdp_reshard_after_forward": True,
@@ -174,6 +175,47 @@ def test_fsdp2_answers_are_saved_as_hf_writes_them_and_launch(tmp_path):
         "SIZE_BASED_WRAP",
     )
     assert (env["FSDP_ACTIVATION_CHECKPOINTING"], env["FSDP_STATE_DICT_TYPE"]) == ("true", "SHARDED_STATE_DICT")
+
+
+def test_the_parallelism_config_answers_round_trip_to_the_launch(tmp_path):
+    path = tmp_path / "hsdp.yaml"
+    answers = [
+        "This machine",
+        "multi-CPU with FSDP",
+        "1",
+        "no",
+        "no",
+        "no",  # one machine, no debug, no IPEX, no dynamo
+        "2",
+        "",
+        "",
+        "NO_WRAP",
+        "",
+        "",
+        "",  # FSDP2 with its defaults, no wrapping
+        "yes",
+        "2",
+        "2",  # the parallelism config: 2 replicas of 2 shards (HSDP)
+        "2",
+        "1",  # tensor parallelism 2: refused, then 1
+        "",  # no context parallelism, so no question on its strategy
+        "4",
+        "no",
+    ]
+    result = run_accel(tmp_path, ["config", "--config_file", str(path)], answers)
+    data = saved_yaml(result, path)
+    assert "tensor parallelism size 2 is not supported by accel: accel runs data parallelism only" in result.stdout
+    assert "Do you want to use the parallelism config? [yes/NO]: " in result.stdout
+    assert (data["distributed_type"], data["num_processes"]) == ("FSDP", 4)
+    assert data["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_dp_shard_size": 2,
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 1,
+    }
+    env = launch_env(path)
+    assert (env["ACCEL_USE_PARALLELISM_CONFIG"], env["ACCELERATE_USE_PARALLELISM_CONFIG"]) == ("true", "true")
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
 
 
 def test_fsdp1_on_cpus_asks_again_for_what_fsdp2_cannot_do(tmp_path):

@@ -289,7 +289,7 @@ def test_cpu_use_fsdp_runs_fsdp_on_cpu_processes(tmp_path):
 
 def test_without_fsdp_nothing_of_it_is_exported():
     assert fsdp_env(resolved("--cpu")) == {"ACCEL_USE_FSDP": "false"}
-    assert dropped_variables(resolved("--cpu"), {}) == []
+    assert [name for name in dropped_variables(resolved("--cpu"), {}) if "FSDP" in name] == []
 
 
 @pytest.mark.parametrize(
@@ -390,7 +390,8 @@ def test_hf_fsdp1_defaults_translate_and_the_others_are_said(tmp_path):
         "true",
         "FULL_STATE_DICT",
     )
-    assert "FSDP_BACKWARD_PREFETCH" not in env and dropped_variables(config, child_env(config, environ={})) == [
+    dropped = [name for name in dropped_variables(config, child_env(config, environ={})) if "FSDP" in name]
+    assert "FSDP_BACKWARD_PREFETCH" not in env and dropped == [
         "FSDP_BACKWARD_PREFETCH",
         "FSDP_IGNORED_MODULES",
     ]  # an inherited one would contradict the translation

@@ -228,14 +228,21 @@ def test_worker_target_for_main_function_module_and_pinned_executables():
         (["--env", "A=1"], "TPU"),
         (["--aws_access_key_id", "k"], "SageMaker"),
         (["--mpirun_hostfile", "hosts"], "mpirun"),
-        (["--use_parallelism_config"], "parallelism config"),
-        (["--parallelism_config_tp_size", "2"], "parallelism config"),
     ],
 )
 def test_backends_accel_does_not_run_are_refused_naming_the_flag(argv, feature):
     with pytest.raises(UnsupportedFeatureError) as error:
         flags_from_args(parse(*argv, "--cpu"))
     assert feature in error.value.feature and error.value.asked_by == argv[0] and error.value.instead
+
+
+def test_the_parallelism_config_parses_and_only_sizes_beyond_data_parallelism_are_refused():
+    fsdp2 = ("--cpu", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2", "--use_parallelism_config")
+    assert resolved(*fsdp2, "--parallelism_config_dp_shard_size", "2").parallelism_config_dp_shard_size == 2
+    with pytest.raises(UnsupportedFeatureError) as error:
+        resolved(*fsdp2, "--parallelism_config_tp_size", "2")
+    assert "Tensor, context and sequence parallelism" in error.value.feature and error.value.instead
+    assert error.value.asked_by == "--parallelism_config_tp_size 2"
 
 
 @pytest.mark.parametrize("layer", ["flag", "env", "config"])
