@@ -298,3 +298,18 @@ def _reduce_in_order_fake(parts, op, out, factor=1.0):
         torch._check(part.dtype == out.dtype, lambda: f"accel::reduce_in_order_: parts[{i}] is {part.dtype}")
         torch._check(part.numel() == out.numel(), lambda: f"accel::reduce_in_order_: parts[{i}] differs in size")
     return None
+
+
+def stream_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i] = sources[i] for every pair (CPU, same dtype and shape), large contiguous tensors with
+    non-temporal stores: a copy that is read once later (a checkpoint's staging copy) bypasses the cache."""
+    torch.ops.accel.stream_copy_.default(targets, sources)
+
+
+@_fake("accel::stream_copy_")
+def _stream_copy_fake(targets, sources):
+    torch._check(len(targets) == len(sources), lambda: "accel::stream_copy_: as many targets as sources")
+    for i, (target, source) in enumerate(zip(targets, sources)):
+        torch._check(target.dtype == source.dtype, lambda: f"accel::stream_copy_: targets[{i}] differs in dtype")
+        torch._check(target.shape == source.shape, lambda: f"accel::stream_copy_: targets[{i}] differs in shape")
+    return None

@@ -71,4 +71,9 @@ TORCH_LIBRARY(accel, m) {
   // accel's shared-memory process group. op: sum, avg, product, min, max, band, bor, bxor, premul_sum (the sum
   // times factor); fp16/bf16 combine in fp32 and round once.
   m.def("reduce_in_order_(Tensor[] parts, str op, Tensor(a!) out, float factor=1.0) -> ()");
+
+  // targets[i] = sources[i] for every pair (same dtype and shape, CPU), large contiguous tensors with non-temporal
+  // stores (cpu/stream_copy.cpp): the staging copy of an asynchronous sharded save, written now and read once
+  // later by the checkpoint worker, so its lines need not pass through the cache. Equals torch._foreach_copy_.
+  m.def("stream_copy_(Tensor(a!)[] targets, Tensor[] sources) -> ()");
 }

@@ -185,6 +185,15 @@ def _reduce_in_order(res: Resources) -> list[Sample]:
     ]
 
 
+def _stream_copy(res: Resources) -> list[Sample]:
+    large = torch.randn(300_000)  # above the kernel's non-temporal threshold
+    return [
+        Sample(([torch.empty(5), torch.empty(2, 3)], [torch.randn(5), torch.randn(2, 3)])),
+        Sample(([torch.empty_like(large)], [large])),
+        Sample(([torch.empty(4, 3).t()], [torch.randn(3, 4)])),
+    ]
+
+
 # Every op of the namespace -> its samples (given the test's Resources).
 SAMPLES: dict[str, Callable[[Resources], list[Sample]]] = {
     "pad_into": _pad_into,
@@ -202,6 +211,7 @@ SAMPLES: dict[str, Callable[[Resources], list[Sample]]] = {
     "shm_all_gather_bytes": _shm_all_gather_bytes,
     "shm_pad_across_processes": _shm_pad_across_processes,
     "reduce_in_order_": _reduce_in_order,
+    "stream_copy_": _stream_copy,
 }
 
 
