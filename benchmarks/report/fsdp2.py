@@ -175,6 +175,20 @@ def save_table(saves: list[dict]) -> list[str]:
                 info["repeats"],
             )
         )
+        first = info.get("first_s")
+        if first:  # the runs' first saves, apart from the repeats
+            accel_first, reference_first = (first[name] for name in list(first)[:2])
+            rows.append(
+                row(
+                    "same, each run's first save (not in the repeats)",
+                    scaffold.time_in(accel_first, 1e3),
+                    "the same reference, first",
+                    scaffold.time_in(reference_first, 1e3),
+                    f"{accel_first / reference_first:.2f}×",
+                    MISSING,
+                    info["launches"],
+                )
+            )
         for other in info.get("also", []):
             rows.append(
                 row(
@@ -202,7 +216,10 @@ def save_section(saves: list[dict]) -> list[str]:
         "accel's FSDP2 `save_state` on the same 2 ranks after 3 steps, each save timed from a barrier to the slowest",
         "rank's return and alternating with its reference (benchmarks/fsdp2_job.py `--runner checkpoint`); medians",
         "over every repeat of every launch, ratios the median of the per-repeat ratios, quartiles in brackets (lower",
-        f"is better). With the tests' GPT-2 each rank holds {shard:.1f} MiB of parameter and optimizer shards; the",
+        "is better). Each launch saves once of each kind before its repeats; those first saves have a row of their",
+        "own (medians over launches): accel's first asynchronous save builds the state's trees and the copy that",
+        "later saves refresh, the memcpy's first faults its buffers in.",
+        f" With the tests' GPT-2 each rank holds {shard:.1f} MiB of parameter and optimizer shards; the",
         "asynchronous save is also timed on a GPT-2 of GPT-2 small's width (its row names the size): its fixed",
         "costs (the processes agreeing, the staging folder, the fingerprint of the state) weigh on a small state,",
         "the copy on a larger one.",
