@@ -7,7 +7,8 @@ and the memory's limits measured in the same run.
   - `accel_async`: `async_save=True` (returns after an in-memory snapshot; written in the background);
   - `accel_durable`: `durable=True` (returns once the files are fsync'd);
   - `hf`: HF Accelerate 1.15's `Accelerator.save_model` (safetensors files, no fsync);
-  - limits: `memcpy` (copying the same bytes into memory already faulted in: the floor of a snapshot),
+  - limits: `memcpy` (copying the same bytes with plain stores into memory already faulted in: a snapshot's copy
+    without the non-temporal stores of accel::stream_copy_, which the asynchronous snapshot uses and which beat it),
     `raw_write` (one sequential write of the bytes to a new file, no fsync: what a page-cache save costs with
     one writer), `raw_write_fsync` (the same, then fsync: the floor of a durable save).
   Each round runs every variant once, in an order rotated by one each round (interleaved); between variants

@@ -18,7 +18,7 @@ SAVE = [  # (sample, label)
     ("accel_async", "accel, async_save=True (snapshot on return)"),
     ("accel_durable", "accel, durable=True (fsync'd on return)"),
     ("hf", "HF Accelerate 1.15 (no fsync)"),
-    ("memcpy", "limit: memcpy of the bytes (memory already faulted in)"),
+    ("memcpy", "memcpy of the bytes (plain stores, memory already faulted in)"),
     ("raw_write", "limit: one sequential write to a new file"),
     ("raw_write_fsync", "limit: the same write, then fsync"),
 ]
