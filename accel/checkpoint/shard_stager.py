@@ -15,8 +15,8 @@ and memory address (a value that is not a tensor, by value). A later save whose 
 live tensors into the kept copy (one call: accel::stream_copy_, whose non-temporal stores keep the copy, read only
 later by the writer, out of the cache, ~1.3x faster than its reference and fallback, torch's foreach copy) and
 takes the param groups' values afresh; any other change (a parameter replaced, the optimizer's state created or
-grown, a model holding a value that is not a tensor) builds the trees anew. Keeping a copy is the memory an asynchronous save needs anyway: one copy of the rank's
-shards, until `release` (end of training).
+grown, a model holding a value that is not a tensor) builds the trees anew. Keeping a copy is the memory an
+asynchronous save needs anyway: one copy of the rank's shards, until `release` (end of training).
 
 A save reuses the copy only after the previous one was written: save_state joins an earlier asynchronous save
 before it stages the next.
