@@ -107,8 +107,9 @@ FSDP_ANSWERS = [
     "",  # FSDP version 2, reshard after forward, no offload, the root unit only, sharded
     "no",
     "no",
+    "no",
     "2",
-    "no",  # no RAM-efficient loading, no activation checkpointing, 2 processes, fp32
+    "no",  # no RAM-efficient loading, no activation checkpointing, no parallelism config, 2 processes, fp32
 ]
 
 
