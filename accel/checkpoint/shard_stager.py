@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from accel import _ext, ops
+from accel.checkpoint import snapshot
 
 Tree = dict  # a state dict's tree: dicts and lists with tensors and other values as leaves
 
@@ -208,10 +208,7 @@ def _copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor], on_cpu:
     copy is read once, by the writer, so its lines need not pass through the cache; its reference and fallback is
     one foreach copy), per tensor for others (a device's tensors into CPU memory)."""
     if on_cpu:
-        if _ext.native_for("stream_copy_", "cpu"):
-            ops.stream_copy_(targets, sources)
-        else:
-            torch._foreach_copy_(targets, sources)
+        snapshot.stream_copy(targets, sources)
         return
     for target, source in zip(targets, sources):
         target.copy_(source)

@@ -76,12 +76,16 @@ class SnapshotBuffers:
 
 
 def copy_cpu_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copies each CPU source into its buffer in one call: accel::stream_copy_, whose non-temporal stores keep the
-    snapshot, read only later by the writer, out of the cache the training loop is using (its reference and
-    fallback: torch's foreach copy)."""
-    if not pairs:
-        return
-    targets, sources = [target for target, _ in pairs], [source for _, source in pairs]
+    """Copies each CPU source into its buffer in one call (`stream_copy`)."""
+    if pairs:
+        stream_copy([target for target, _ in pairs], [source for _, source in pairs])
+
+
+def stream_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i] = sources[i] for CPU tensors, in one call: accel::stream_copy_, whose non-temporal stores keep a
+    copy that only the checkpoint writer reads later out of the cache the training loop is using; its reference
+    and fallback, torch's foreach copy. What every asynchronous save's in-memory copy goes through (this snapshot,
+    accel.checkpoint.shard_stager's kept copy)."""
     if _ext.native_for("stream_copy_", "cpu"):
         ops.stream_copy_(targets, sources)
     else:

@@ -67,7 +67,8 @@ def _clipping(value: Any) -> float:
     raise ValueError("expected a number >= 0")
 
 
-def _boolean(value: Any) -> bool:
+def parse_boolean(value: Any) -> bool:
+    """A true/false word or a bool (the option tables' parser; parallelism_options uses it too)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -119,8 +120,8 @@ OPTIONS: dict[str, Option] = {
         Option("offload_param_nvme_path", "DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", _text),
         Option("gradient_accumulation_steps", "GRADIENT_ACCUMULATION_STEPS", _steps),
         Option("gradient_clipping", "GRADIENT_CLIPPING", _clipping),
-        Option("zero3_init_flag", "DEEPSPEED_ZERO3_INIT", _boolean),
-        Option("zero3_save_16bit_model", "DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", _boolean),
+        Option("zero3_init_flag", "DEEPSPEED_ZERO3_INIT", parse_boolean),
+        Option("zero3_save_16bit_model", "DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", parse_boolean),
         Option("deepspeed_moe_layer_cls_names", "DEEPSPEED_MOE_LAYER_CLS_NAMES", _class_names),
         Option("deepspeed_multinode_launcher", None, _launcher),
         Option("deepspeed_hostfile", None, _text),

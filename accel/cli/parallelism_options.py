@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accel._env import parse_bool
+from accel.cli.deepspeed_options import parse_boolean
 
 PREFIX = "parallelism_config_"
 CP_COMM_STRATEGIES = ("allgather", "alltoall")
@@ -40,17 +40,6 @@ def _one_of(*allowed: str) -> Callable[[Any], str]:
         raise ValueError("allowed values: " + ", ".join(allowed))
 
     return parse
-
-
-def _boolean(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return parse_bool(value, "value")
-        except ValueError:
-            pass
-    raise ValueError("expected true or false")
 
 
 def _text(value: Any) -> str:
@@ -88,7 +77,7 @@ OPTIONS: dict[str, Option] = {
         _option("sp_size", _size, 1),
         _option("sp_backend", _one_of("deepspeed"), "deepspeed"),
         _option("sp_seq_length", _size, None, PREFIX + "sp_size"),
-        _option("sp_seq_length_is_variable", _boolean, True, PREFIX + "sp_size"),
+        _option("sp_seq_length_is_variable", parse_boolean, True, PREFIX + "sp_size"),
         _option("sp_attn_implementation", _text, "sdpa", PREFIX + "sp_size"),
     )
 }

@@ -80,11 +80,12 @@ void check_pair(const at::Tensor& target, const at::Tensor& source, size_t i) {
 }
 
 // Every contiguous pair cut into chunks of at most kChunkBytes, in order; a pair with a strided side is copied by
-// torch's copy_ here instead (what the reference does for it).
+// torch's copy_ here instead (what the reference does for it). Every pair is checked before any is copied, so a bad
+// pair leaves every target as it was.
 std::vector<Chunk> plan_chunks(at::TensorList targets, at::TensorList sources) {
+  for (size_t i = 0; i < targets.size(); ++i) check_pair(targets[i], sources[i], i);
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < targets.size(); ++i) {
-    check_pair(targets[i], sources[i], i);
     if (!targets[i].is_contiguous() || !sources[i].is_contiguous()) {
       at::Tensor target = targets[i];
       target.copy_(sources[i]);

@@ -2,12 +2,12 @@
 exports them; sizes beyond data parallelism and settings that cannot run are refused before anything starts."""
 
 import argparse
-import textwrap
 
 import pytest
+from test_launch_fsdp import resolved, write
 
 from accel.cli import parallelism_options
-from accel.cli.launch import LaunchError, child_env, dropped_variables, flags_from_args, resolve
+from accel.cli.launch import LaunchError, child_env, dropped_variables
 from accel.cli.launch_env import prepare_multi_gpu_env
 from accel.cli.main import build_parser, main
 from accel.unsupported import UnsupportedFeatureError
@@ -33,15 +33,6 @@ FSDP2_FILE = """
     fsdp_config:
       fsdp_version: 2
 """
-
-
-def write(path, text):
-    path.write_text(textwrap.dedent(text))
-    return path
-
-
-def resolved(*argv, environ=None):
-    return resolve(flags_from_args(build_parser().parse_args(["launch", *argv, "train.py"])), environ=environ or {})
 
 
 def parallelism_env(config, environ=None):

@@ -84,3 +84,10 @@ def test_a_target_overlapping_its_source_is_refused():
     storage = torch.arange(1 << 18, dtype=torch.float32)
     with pytest.raises(RuntimeError, match=r"targets\[0\] and sources\[0\] share memory"):
         _copy([storage[1:]], [storage[:-1]])
+
+
+def test_a_bad_pair_leaves_every_target_as_it_was():
+    first = torch.zeros(300_000)
+    with pytest.raises(RuntimeError, match=r"targets\[1\] is Float but sources\[1\] is Double"):
+        _copy([first, torch.empty(3)], [torch.ones(300_000), torch.empty(3, dtype=torch.float64)])
+    assert not first.any()
