@@ -11,7 +11,9 @@ benchmarks/fsdp2_job.py once per contender, in an order that alternates between 
 - `accel_ddp`: the same script without `--use_fsdp` (DDP);
 - `raw_gloo`: torch's `fully_shard` on every GPT2Block then the root, AdamW, `clip_grad_norm_`, by hand (torchrun)
   over plain gloo: what a torch user has on CPU processes;
-- `raw_shm`: the same loop over gloo with accel's shared-memory backend underneath: what the group alone wins.
+- `raw_shm`: the same loop over gloo with accel's shared-memory backend underneath: what the group alone wins;
+- `raw_gloo_malloc`: `raw_gloo` with the glibc malloc settings `accel launch` gives CPU ranks
+  (accel/cli/cpu_malloc.py): what the launcher's allocator settings alone win.
 Each job times its steps after a warm-up and reports its ranks' CPU time per step, each phase's median, the bytes
 of parameters, gradients and optimizer state each rank holds, and peak RSS. The losses of the first 20 steps must
 agree between FSDP2 and DDP (and between the two raw loops). Goals (issue 21): accel_fsdp / raw_gloo ≥ 1.5 in
@@ -36,12 +38,14 @@ from pathlib import Path
 import pytest
 from two_process_jobs import accel_launch, free_port, job_env, launch, per_round_ratio, relative_difference
 
+from accel.cli import cpu_malloc
+
 HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS, WARMUP, PARITY_STEPS = 30, 5, 20
 CHECKPOINT_LAUNCHES, CHECKPOINT_REPEATS = 3, 8
 TESTS_WIDTH, SMALL_WIDTH = 256, 768  # the tests' GPT-2 (3.4 M parameters); GPT-2 small's width (29.1 M)
-CONTENDERS = ("accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo")
+CONTENDERS = ("accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo", "raw_gloo_malloc")
 SPEED_GOAL, SAVE_GOAL, ASYNC_SAVE_GOAL = 1.5, 1.0, 1.5
 JOB_TIMEOUT_S = 600
 # accel launch's FSDP flags for the jobs: GPT-2's blocks are the units; HF's launch default
@@ -83,8 +87,12 @@ def command(contender: str, job_args: list[str]) -> list[str]:
     ]
 
 
-def child_env() -> dict[str, str]:
-    return job_env(TRANSFORMERS_VERBOSITY="error")
+def child_env(contender: str = "accel_fsdp") -> dict[str, str]:
+    """The job's environment; `raw_gloo_malloc` gets the malloc settings accel's launcher gives CPU ranks."""
+    env = job_env(TRANSFORMERS_VERBOSITY="error")
+    if contender.endswith("_malloc"):
+        env.update(cpu_malloc.malloc_env(True, {}))
+    return env
 
 
 def run_training(contender: str, workspace: Path) -> list[dict]:
@@ -101,8 +109,8 @@ def run_training(contender: str, workspace: Path) -> list[dict]:
         str(out),
     ]
     if contender.startswith("raw"):
-        job += ["--group", contender.removeprefix("raw_")]
-    launch(command(contender, job), child_env(), workspace, f"the {contender} job", JOB_TIMEOUT_S)
+        job += ["--group", contender.removeprefix("raw_").removesuffix("_malloc")]
+    launch(command(contender, job), child_env(contender), workspace, f"the {contender} job", JOB_TIMEOUT_S)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -143,7 +151,7 @@ def test_fsdp2_training(benchmark, tmp_path):
     first = {name: runs[0] for name, runs in reports.items()}
     assert [rank["strategy"] for rank in first["accel_fsdp"]] == ["FSDP2"] * 2, first["accel_fsdp"][0]["strategy"]
     assert first["accel_ddp"][0]["strategy"] != "FSDP2"
-    assert [first[name][0]["backend"] for name in CONTENDERS] == ["accel", "accel", "accel", "gloo"]
+    assert [first[name][0]["backend"] for name in CONTENDERS] == ["accel", "accel", "accel", "gloo", "gloo"]
 
     def parity(a: str, b: str) -> float:
         return max(
@@ -151,7 +159,7 @@ def test_fsdp2_training(benchmark, tmp_path):
             for rank in (0, 1)
         )
 
-    pairs = ("accel_fsdp/accel_ddp", "raw_shm/raw_gloo", "accel_fsdp/raw_gloo")
+    pairs = ("accel_fsdp/accel_ddp", "raw_shm/raw_gloo", "accel_fsdp/raw_gloo", "raw_gloo_malloc/raw_gloo")
     losses = {pair: parity(*pair.split("/")) for pair in pairs}
     assert max(losses.values()) < 1e-3, f"the losses differ (relative): {losses}"
     benchmark.extra_info.update(
@@ -166,6 +174,8 @@ def test_fsdp2_training(benchmark, tmp_path):
                 "accel_fsdp/accel_ddp": per_round_ratio(rates["accel_fsdp"], rates["accel_ddp"]),
                 "accel_fsdp/raw_shm": per_round_ratio(rates["accel_fsdp"], rates["raw_shm"]),
                 "raw_shm/raw_gloo": per_round_ratio(rates["raw_shm"], rates["raw_gloo"]),
+                "accel_fsdp/raw_gloo_malloc": per_round_ratio(rates["accel_fsdp"], rates["raw_gloo_malloc"]),
+                "raw_gloo_malloc/raw_gloo": per_round_ratio(rates["raw_gloo_malloc"], rates["raw_gloo"]),
             },
             "speed_goal": SPEED_GOAL,
             "cpu_ms_per_step": {

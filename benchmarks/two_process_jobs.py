@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a job would inherit from this process that changes what it does: accel's, HF's and DeepSpeed's settings, a
-# launcher's rank variables, thread counts.
+# launcher's rank variables, thread counts, malloc settings.
 _DROPPED = (
     "ACCEL_",
     "ACCELERATE_",
@@ -30,6 +30,8 @@ _DROPPED = (
     "TORCHELASTIC_",
     "OMP_NUM_THREADS",
     "PYTEST_",
+    "GLIBC_TUNABLES",
+    "MALLOC_",
 )
 
 

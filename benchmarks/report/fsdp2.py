@@ -17,18 +17,21 @@ import sys
 import scaffold
 from scaffold import MISSING, at_least, quartile_ratio, row
 
-CONTENDERS = ["accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo"]
+CONTENDERS = ["accel_fsdp", "accel_ddp", "raw_shm", "raw_gloo", "raw_gloo_malloc"]
 LABELS = {
     "accel_fsdp": "accel FSDP2",
     "accel_ddp": "accel DDP",
     "raw_shm": "torch fully_shard, shm",
     "raw_gloo": "torch fully_shard, gloo",
+    "raw_gloo_malloc": "torch fully_shard, gloo, accel's malloc settings",
 }
 RATIOS = {
     "accel_fsdp/raw_gloo": "accel FSDP2 / torch fully_shard over gloo",
     "accel_fsdp/raw_shm": "accel FSDP2 / torch fully_shard over shm",
     "raw_shm/raw_gloo": "torch fully_shard: shm / gloo",
     "accel_fsdp/accel_ddp": "accel FSDP2 / accel DDP",
+    "accel_fsdp/raw_gloo_malloc": "accel FSDP2 / torch fully_shard over gloo with accel's malloc settings",
+    "raw_gloo_malloc/raw_gloo": "torch fully_shard over gloo: accel's malloc settings / glibc's",
 }
 PHASES = {
     "forward_backward": "forward + backward (gathers, reduce-scatters)",
@@ -103,6 +106,7 @@ def where_it_goes(info: dict) -> list[str]:
     fsdp, shm, gloo, ddp = (cpu[name] for name in CONTENDERS[:1] + ["raw_shm", "raw_gloo", "accel_ddp"])
     total = statistics.median(info["cpu_ms_per_step"]["accel_fsdp"])
     extra = fsdp["forward_backward"] - ddp["forward_backward"]
+    gloo_total, malloc_total = (statistics.median(info["cpu_ms_per_step"][name]) for name in CONTENDERS[3:5])
     return [
         f"Of accel FSDP2's {total:.0f} CPU ms per step, forward + backward take {fsdp['forward_backward']:.0f}, DDP's",
         f"{ddp['forward_backward']:.0f}: the model's compute is the same, the {extra:.0f} ms more are torch's FSDP2",
@@ -111,7 +115,11 @@ def where_it_goes(info: dict) -> list[str]:
         f"phases cost less than torch's: `clip_grad_norm_` {fsdp['clip']:.1f} ms (torch's over DTensors",
         f"{shm['clip']:.1f} ms),",
         f"`optimizer.step` {fsdp['optimizer']:.1f} ms on the local shards (torch's AdamW over DTensors",
-        f"{shm['optimizer']:.1f} ms). What is left of the speed goal is FSDP2's forward and backward on CPU processes.",
+        f"{shm['optimizer']:.1f} ms). The glibc malloc settings `accel launch` gives CPU ranks do not speed up",
+        f"torch's loop over gloo ({malloc_total:.0f} CPU ms per step against {gloo_total:.0f}: gloo's copies through",
+        "TCP dominate there). They pay on the shared-memory path, where a step's gather outputs and reduce-scatter",
+        "inputs are copied through memory: under glibc's own thresholds those buffers are faulted in again every step",
+        "(about 3,000 page faults a step on each rank; accel/cli/cpu_malloc.py).",
     ]
 
 
@@ -239,7 +247,7 @@ def save_section(saves: list[dict]) -> list[str]:
 def plot(info: dict, path) -> None:
     with scaffold.figure(path, 3, (16.0, 4.5)) as (speed, phases, memory):
         values = [statistics.median(info["steps_per_s"][name]) for name in CONTENDERS]
-        speed.bar(range(len(CONTENDERS)), values, color=["C0", "C1", "C2", "C3"])
+        speed.bar(range(len(CONTENDERS)), values, color=[f"C{index}" for index in range(len(CONTENDERS))])
         speed.set(
             xticks=range(len(CONTENDERS)),
             ylabel="median steps per second",
@@ -294,7 +302,10 @@ def main(out_dir: str, *paths: str) -> None:
         "- `torch fully_shard, gloo`: what a torch user writes by hand (torchrun): `fully_shard` on every GPT2Block,",
         "  then the root, AdamW, `torch.nn.utils.clip_grad_norm_`, over plain gloo;",
         "- `torch fully_shard, shm`: the same loop over gloo with accel's shared-memory backend underneath (what",
-        "  accel's `PartialState` sets up): what the process group alone changes.",
+        "  accel's `PartialState` sets up): what the process group alone changes;",
+        "- `torch fully_shard, gloo, accel's malloc settings`: the gloo loop with the glibc malloc settings",
+        "  `accel launch` gives ranks that train on CPUs (`GLIBC_TUNABLES`, accel/cli/cpu_malloc.py: freed buffers",
+        "  reused instead of faulted in again every step): what the launcher's allocator settings alone change.",
         "",
         f"Each job times {info['steps']} optimizer steps after {info['warmup']} warm-up steps, in {info['rounds']}",
         f"round{'s' * (info['rounds'] != 1)} (the order of the jobs alternates). Steps per second are rank 0's,",
