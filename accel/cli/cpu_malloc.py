@@ -10,9 +10,9 @@ a fifth of its step time. With blocks up to 32 MiB served from the heap (the cei
 at) and up to 256 MiB kept free at the top of the heap, the same memory is reused: about 70 faults a step.
 
 This is torch's own advice for CPU training made automatic: `torch.backends.xeon.run_cpu` preloads tcmalloc or
-jemalloc when it finds one, allocators that keep freed memory the same way. The cost is memory a process keeps after it freed it: at
-most 256 MiB more at the top of each heap. The launch sets `GLIBC_TUNABLES` for its ranks only when they train on
-CPUs (`--cpu`, or no CUDA device), and leaves it alone when:
+jemalloc when it finds one, allocators that keep freed memory the same way. The cost is memory a process keeps after
+it freed it: at most 256 MiB more at the top of each heap. The launch sets `GLIBC_TUNABLES` for its ranks only when
+they train on CPUs (`--cpu`, or no CUDA device), and leaves it alone when:
 - `ACCEL_CPU_MALLOC_TUNING` is false (`0`, `false`, `no`, `off`; another word that is not a boolean is an error);
 - the user already chose either threshold (in `GLIBC_TUNABLES`, or the older `MALLOC_MMAP_THRESHOLD_` /
   `MALLOC_TRIM_THRESHOLD_` variables).
