@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+from test_launch import isolated_env
 
 from accel.cli import cpu_malloc
 from accel.cli.launch import child_env, flags_from_args, resolve
@@ -97,8 +98,6 @@ def where_the_block_goes(command, tmp_path, env):
 
 
 def test_glibc_applies_them_in_the_launched_ranks(tmp_path):
-    from tests.cli.test_launch import isolated_env
-
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent(MALLOC_PROBE))
     env = isolated_env(tmp_path)
