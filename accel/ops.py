@@ -178,7 +178,8 @@ def _map_file_leased_fake(fd, size, path):
 def shm_group_create(
     rank: int, world: int, token: str, slot_bytes: int, timeout_s: float, oversubscribed: bool = False
 ) -> int:
-    """Creates this rank's shared-memory segment; returns the group's handle (see accel.wire.shm_transport).
+    """Creates this rank's shared-memory segment; returns the group's handle (accel.wire.shm_process_group sets a
+    process group's one group up with these ops; its backend and accel's own collectives then share it).
 
     `oversubscribed`: more ranks on this host than CPUs, so waits sleep early instead of spinning.
     """
@@ -201,11 +202,12 @@ def shm_group_finish_setup(group: int) -> None:
 
 
 def shm_group_destroy(group: int) -> None:
-    """Unmaps the group's segments; peers still waiting on this rank fail at once. The handle is invalid after."""
+    """Drops the handle: the group's segments are unmapped (and peers still waiting on this rank fail at once) as soon
+    as no backend built on it and no call holds it. The handle is invalid after."""
     torch.ops.accel.shm_group_destroy.default(group)
 
 
-# Starts the message of a native error raised because the ranks' calls disagree (csrc/shm_bindings/shm_transport.cpp).
+# Starts the message of a native error raised because the ranks' calls disagree (csrc/shm_bindings/shared_group.h).
 _MISMATCH = "accel collective mismatch: "
 
 

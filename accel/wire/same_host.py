@@ -1,5 +1,5 @@
-"""Whether the processes of a group can share memory: one decision for the shared-memory transport
-(`accel.wire.shm_transport`) and the shared-memory process group (`accel.wire.shm_process_group`).
+"""Whether the processes of a group can share memory: the decision of the shared-memory process group
+(`accel.wire.shm_process_group`), whose group accel's own collectives use too (`accel.wire.shm_transport`).
 
 Each rank states its facts (`local_facts`), the ranks exchange them, and every rank applies the same rules to the
 same list (`why_not`, `oversubscribed`), so all reach the same answer: one host and one /dev/shm (compared, not

@@ -2,15 +2,16 @@
 
 On one host, gloo moves CPU tensors through TCP loopback: ~0.2 to 2 ms for an `all_reduce` of a few bytes, 0.6
 GB/s for large ones, paid by DDP for every gradient bucket of every step. This backend moves them through the
-shared-memory protocol of accel's transport (`csrc/shm/`: sealed memfd segments, two slots per rank, epoch counters,
-waits under the process group's timeout that notice a dead peer) with vectorized fixed-order reductions, and hands
-everything else to a gloo backend over the same store.
+shared-memory protocol of `csrc/shm/` (sealed memfd segments, two slots per rank, epoch counters, waits under the
+process group's timeout that notice a dead peer) with vectorized fixed-order reductions, and hands everything else to
+a gloo backend over the same store. The group it sets up is the process group's one shared-memory group: accel's own
+collectives (`accel.wire.shm_transport`: pytree gathers, padding, objects) run on it too, through its handle.
 
 When it is used: when `PartialState` (so `Accelerator` and `accel launch`) starts the default process group of CPU
 processes, it starts gloo as HF Accelerate does and then calls `share_memory_in_default_group()`; when it finds a gloo
 group someone else initialized (a user's `init_process_group`, Ray Train, torchrun without `accel launch`), it adopts
 it the same way: it calls `share_memory_in_default_group()` on that group, over its own store. The ranks decide
-together, as the transport does (the same facts and rules: `accel.wire.same_host`), whether they can share
+together (the facts and rules of `accel.wire.same_host`) whether they can share
 memory (one host, one /dev/shm, the native extension everywhere, no ACCEL_TRANSPORT=torch), and if so this backend
 becomes the group's CPU backend, with the gloo backend as its delegate. `torch.distributed.get_backend()` still says
 "gloo" (so does `PartialState.backend`, as in HF Accelerate), and everything torch does with the default group uses
@@ -67,17 +68,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from accel import _ext
+from accel import _ext, ops
 from accel._env import get_setting
 from accel.wire import same_host
 from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit
 
 BACKEND = "accel"
-# The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines).
-# Smaller than the transport's 4 MiB: a large all-reduce streams through the slots, and a chunk that stays in the
-# cache between being copied in and being reduced by every rank is what makes it fast. Measured on 2 ranks (2-core
-# Xeon), 32 MiB per rank: 7.0 ms with 4 MiB slots, 6.2 with 1 MiB, 5.2 with 512 KiB, 5.0 with 256 KiB; 4 MiB per
-# rank: 0.83, 0.74, 0.60, 0.63 ms.
+# The data one round carries per rank (ACCEL_SHM_SLOT_BYTES, rank 0's value; rounded up to whole cache lines), for
+# the backend's collectives and accel's own alike. A large all-reduce streams through the slots, and a chunk that
+# stays in the cache between being copied in and being reduced by every rank is what makes it fast. Measured on 2
+# ranks (2-core Xeon), 32 MiB per rank: 7.0 ms with 4 MiB slots, 6.2 with 1 MiB, 5.2 with 512 KiB, 5.0 with 256 KiB;
+# 4 MiB per rank: 0.83, 0.74, 0.60, 0.63 ms.
 DEFAULT_SLOT_BYTES = 512 << 10
 # All-reduces up to this many bytes (ACCEL_SHM_ONE_SHOT_BYTES, rank 0's value) run one-shot, every rank reducing
 # every rank's data; larger ones as a reduce-scatter then an all-gather, each rank reducing its slice. Per byte of
@@ -112,6 +113,13 @@ def share_memory_in_default_group() -> Any:
     return _share_memory(StoreRounds(store, group.rank(), group.size()), group, cpu.options._timeout)
 
 
+def shared_memory_backend(group: Any) -> Any:
+    """`group`'s shared-memory backend (an `accel._C.SharedMemoryBackend`), or None when the group does not share
+    memory."""
+    cpu = _cpu_backend(group)
+    return cpu if cpu is not None and cpu.name() == BACKEND else None
+
+
 def _cpu_backend(group: Any) -> Any:
     """The group's CPU backend, or None for a group without one (an NCCL-only group: its backend names are the same on
     every rank, so every rank returns alike)."""
@@ -130,7 +138,12 @@ def register() -> None:
 
 
 def _native_ready() -> bool:
-    return _ext.status().loaded and _ext.has_kernel("reduce_in_order_", "CPU")
+    # The newest ops of each side: an extension built before them cannot join (its protocol differs).
+    return (
+        _ext.status().loaded
+        and _ext.has_kernel("reduce_in_order_", "CPU")
+        and _ext.has_kernel("shm_pad_across_processes", "CompositeExplicitAutograd")
+    )
 
 
 def _slot_bytes() -> int:
@@ -194,34 +207,36 @@ def _local_facts(world_size: int) -> _Facts:
 
 
 def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
-    """Creates this rank's segment, attaches to every peer's, then installs the backend into `group`: (backend, None),
-    or (None, the first failure) on every rank alike. A rank killed at any point leaves nothing behind (the segments
-    have no name anywhere)."""
+    """Creates this rank's segment, attaches to every peer's, then installs the backend on that group into `group`:
+    (backend, None), or (None, the first failure) on every rank alike. A rank killed at any point leaves nothing
+    behind (the segments have no name anywhere)."""
     leader = everyone[0]
     oversubscribed = same_host.oversubscribed([facts.host for facts in everyone])
-    backend = None
+    handle = None
 
     def create() -> list[int]:
-        nonlocal backend
-        from accel import _C
-
-        backend = _C.SharedMemoryBackend(
+        nonlocal handle
+        handle = ops.shm_group_create(
             rounds.rank,
             rounds.world_size,
             leader.host.token,
             leader.slot_bytes,
             timeout.total_seconds(),
             oversubscribed,
-            leader.one_shot_bytes,
         )
-        return backend.locator()
+        return ops.shm_group_locator(handle)
 
     locators, failure = rounds.on_every_rank("create", create)
     if failure is None:
         flat = [number for locator in locators for number in locator]
-        _, failure = rounds.on_every_rank("attach", lambda: backend.attach(flat))
+        _, failure = rounds.on_every_rank("attach", lambda: ops.shm_group_attach(handle, flat))
     if failure is not None:
+        if handle is not None:
+            ops.shm_group_destroy(handle)
         return None, failure
+    from accel import _C
+
+    backend = _C.SharedMemoryBackend(handle, leader.one_shot_bytes)  # releases the group when it goes
     backend.install(group)  # every rank has attached (the exchange above is the barrier)
     return backend, None
 

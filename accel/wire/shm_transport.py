@@ -1,17 +1,18 @@
-"""The same-host transport: collectives of CPU tensors through POSIX shared memory, one rendezvous per call.
+"""accel's own collectives on the process group's shared-memory group, one rendezvous per call.
 
-Processes on one host do not need TCP. Each rank owns one shared-memory segment that its peers map (the
-protocol is `csrc/shm/`, the tensor side `csrc/shm_bindings/shm_transport.cpp`); a gather of a whole pytree is one
-`accel::shm_all_gather` call, where gloo needs a shape exchange plus a collective per leaf.
+Processes on one host do not need TCP. When the ranks of the default process group share memory, its CPU backend is
+accel's (`accel.wire.shm_process_group`: each rank owns one shared-memory segment its peers map; the protocol is
+`csrc/shm/`), and accel's own collectives run on that same group: a gather of a whole pytree is one
+`accel::shm_all_gather` call on the group's handle (the tensor side is `csrc/shm_bindings/shm_transport.cpp`), where
+gloo needs a shape exchange plus a collective per leaf; reductions are the backend's own (`torch.distributed`'s
+all_reduce on the group). One segment per rank, one set-up, one lock: a collective of accel's and one of torch's
+(DDP, FSDP2) on the group queue for the same slots, in the order the program makes them.
 
-A group uses it only when every rank agrees that it can (`accel.wire.same_host`, the rules the shared-memory
-process group follows too): the same host and /dev/shm (compared, not assumed from LOCAL_WORLD_SIZE), the same
-mount and pid namespaces (dead-peer detection uses pids), the native extension loaded everywhere, and no rank
-asking for `ACCEL_TRANSPORT=torch`. The decision and the segments'
-setup are collective and run once per process group, at its first collective; every rank reaches the same
-decision, or they would wait in different transports. `ACCEL_TRANSPORT=shm` makes ineligibility an error
-(benchmarks, debugging). `ACCEL_SHM_SLOT_BYTES` is the data one round carries per rank (default 4 MiB; each of
-a rank's two slots has HEADER_ROOM more for the call's header); larger payloads go in rounds.
+Whether the group shares memory is decided once, when `PartialState` starts or adopts it (the rules are
+`accel.wire.same_host`: the same host and /dev/shm, compared rather than assumed from LOCAL_WORLD_SIZE, the same
+mount and pid namespaces, the native extension everywhere, no rank asking for `ACCEL_TRANSPORT=torch`); a group that
+does not uses torch.distributed for accel's collectives too. `ACCEL_SHM_SLOT_BYTES` is the data one round carries
+per rank; larger payloads go in rounds.
 
 Every wait is bounded by the process group's timeout, and a rank that dies mid-call makes the others raise
 an error naming it. A segment never has a name in /dev/shm (a sealed memfd that peers open through its
@@ -23,31 +24,17 @@ CPU quota), waits sleep early instead of spinning, so a waiting rank does not ho
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import pickle
-import warnings
-from datetime import timedelta
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from accel import _ext, ops
-from accel.wire import process_group, same_host
+from accel import ops
+from accel.wire import shm_process_group
 from accel.wire.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
-from accel.wire.transport import REDUCE_OPS, TorchDistributedTransport, Transport, reduce_in_dtype
-
-DEFAULT_SLOT_BYTES = 4 << 20
-
-
-# Room in each slot for a call's header on top of the data: a payload of exactly ACCEL_SHM_SLOT_BYTES (4 MiB,
-# say) then travels in one round, not in one round plus a second one for its last header's worth of bytes.
-HEADER_ROOM = 4096
-
-
-def _slot_bytes() -> int:
-    return same_host.slot_bytes(DEFAULT_SLOT_BYTES) + HEADER_ROOM
+from accel.wire.transport import REDUCE_OPS, Transport, exact_reduce_op, reduce_buffer
 
 
 def _inputs(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -56,7 +43,8 @@ def _inputs(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class SharedMemoryTransport(Transport):
-    """Collectives of CPU tensors through the shared-memory group `handle`; see the module docstring."""
+    """Collectives of CPU tensors through the shared-memory group `handle` (the process group's); see the module
+    docstring."""
 
     def __init__(self, handle: int, rank: int, world_size: int):
         self.handle, self.rank, self.world_size = handle, rank, world_size
@@ -94,14 +82,14 @@ class SharedMemoryTransport(Transport):
         return leaves
 
     def all_reduce(self, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+        """One all_reduce per leaf on the process group, whose backend is the same shared-memory group: its C++
+        reductions combine every rank's values in rank order, so every rank gets the same bits in one round."""
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
-        flat = [leaf.detach().reshape(-1) for leaf in leaves]
-        gathered = self.all_gather(flat, call="reduce")
-        return [
-            _reduce_in_rank_order(g.view(self.world_size, -1), op).view(leaf.shape).to(leaf.dtype)
-            for g, leaf in zip(gathered, leaves)
-        ]
+        buffers = [reduce_buffer(leaf) for leaf in leaves]
+        for buffer in buffers:
+            dist.all_reduce(buffer, exact_reduce_op(buffer, op))
+        return [buffer.to(leaf.dtype) for leaf, buffer in zip(leaves, buffers)]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         data, lengths = self._all_bytes(_pickled(obj), "gather_object")
@@ -141,121 +129,30 @@ def _pickled(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
-def _reduce_in_rank_order(parts: torch.Tensor, op: str) -> torch.Tensor:
-    """`parts[0] op parts[1] op ...`, left to right: the same order, so the same bits, on every rank."""
-    dtype = reduce_in_dtype(parts.dtype)
-    if parts.dtype == torch.bool:
-        combine = torch.logical_and if op == "min" else torch.logical_or
-    else:
-        combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-    result = parts[0].to(dtype, copy=True)
-    for part in parts[1:]:
-        result = combine(result, part.to(dtype), out=result)
-    return result
+# --- the group: the process group's own ---------------------------------------------------------------------------
 
 
-# --- the group: one per process group, opened collectively at its first collective --------------------------------
-
-
-@dataclasses.dataclass
-class _Opened:
-    process_group: Any  # the default group it was opened for (a new one needs a new decision)
-    transport: SharedMemoryTransport | None
-
-
-_opened: _Opened | None = None
+_cached: tuple[weakref.ref, SharedMemoryTransport | None] | None = None  # (the default group, its transport)
 
 
 def shared_memory_transport() -> SharedMemoryTransport | None:
-    """This process group's shared-memory transport, or None when it cannot use one. Collective on first use.
+    """The default process group's shared-memory transport, or None when the group does not share memory.
 
-    Runs before every collective: the decision is cached per default process group, so a call costs one
-    attribute read and one identity check.
+    Runs before every collective: the answer is cached per default process group (held weakly: a destroyed group
+    and its segments are not kept alive here), so a call costs one attribute read and one identity check.
     """
-    global _opened
+    global _cached
     group = _default_group()
-    opened = _opened
-    if opened is not None and opened.process_group is group:
-        return opened.transport
+    cached = _cached
+    if cached is not None and cached[0]() is group:
+        return cached[1]
     if group is None:
         return None
-    close()
-    _opened = _Opened(group, _open(group.rank(), group.size()) if group.size() > 1 else None)
-    return _opened.transport
+    backend = shm_process_group.shared_memory_backend(group)
+    transport = None if backend is None else SharedMemoryTransport(backend.handle(), group.rank(), group.size())
+    _cached = (weakref.ref(group), transport)
+    return transport
 
 
 def _default_group() -> Any:
     return dist.distributed_c10d._world.default_pg if dist.is_available() else None
-
-
-def close() -> None:
-    """Unmaps this process's segments (at exit, or when the process group changes)."""
-    global _opened
-    if _opened is not None and _opened.transport is not None:
-        ops.shm_group_destroy(_opened.transport.handle)
-    _opened = None
-
-
-atexit.register(close)
-
-
-def _facts() -> same_host.Facts:
-    # The newest op: an extension built before it cannot join (its protocol differs), so the group falls back.
-    native = _ext.status().loaded and _ext.has_kernel("shm_pad_across_processes", "CompositeExplicitAutograd")
-    return same_host.local_facts(native)
-
-
-def _open(rank: int, world_size: int) -> SharedMemoryTransport | None:
-    """The default group's shared-memory transport (this process is `rank` of `world_size`), or None; collective."""
-    reference = TorchDistributedTransport()
-    everyone = reference.all_gather_object(_facts())
-    forced = same_host.forced(everyone)
-    reason = same_host.why_not(everyone)
-    if reason is None:
-        # Waits are bounded by the group's own timeout, as the torch.distributed transport's barrier is.
-        group = _Group(rank, world_size, everyone[0].token, process_group.group_timeout())
-        transport, reason = _set_up(reference, group, same_host.oversubscribed(everyone))
-        if transport is not None:
-            return transport
-        if not forced:  # eligible, yet setting up failed (e.g. too little memory): worth saying, once
-            warnings.warn(f"accel: collectives use torch.distributed, not shared memory: {reason}", stacklevel=3)
-    if forced:
-        raise RuntimeError(f"ACCEL_TRANSPORT=shm, but the shared-memory transport cannot be used: {reason}")
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """What setting up a shared-memory group needs to know about this process and the group's agreement."""
-
-    rank: int
-    world_size: int
-    token: str  # rank 0's, so the same on every rank
-    timeout: timedelta  # bounds every wait in the group
-
-
-def _set_up(
-    reference: TorchDistributedTransport, group: _Group, oversubscribed: bool
-) -> tuple[SharedMemoryTransport | None, str | None]:
-    """Creates every rank's segment, shares the locators, attaches every rank to every other, then closes the
-    descriptors (peers opened the segments through them). Every rank gets the same outcome, or the first failure.
-    A rank killed at any point leaves nothing behind: the segments have no name anywhere."""
-    handle = None
-
-    def create() -> list[int]:
-        nonlocal handle
-        handle = ops.shm_group_create(
-            group.rank, group.world_size, group.token, _slot_bytes(), group.timeout.total_seconds(), oversubscribed
-        )
-        return ops.shm_group_locator(handle)
-
-    locators, failure = same_host.on_every_rank(create, reference.all_gather_object)
-    if failure is None:
-        flat = [number for locator in locators for number in locator]
-        _, failure = same_host.on_every_rank(lambda: ops.shm_group_attach(handle, flat), reference.all_gather_object)
-    if failure is not None:
-        if handle is not None:
-            ops.shm_group_destroy(handle)
-        return None, failure
-    ops.shm_group_finish_setup(handle)  # every rank has attached (the exchange above is the barrier)
-    return SharedMemoryTransport(handle, group.rank, group.world_size), None

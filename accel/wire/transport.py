@@ -156,13 +156,13 @@ class TorchDistributedTransport(Transport):
     def all_reduce(self, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]:
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: unknown op {op!r}; expected one of {REDUCE_OPS}")
-        buffers = [_reduce_buffer(leaf) for leaf in leaves]
+        buffers = [reduce_buffer(leaf) for leaf in leaves]
         exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
         inexact = [b for b in buffers if b.is_floating_point() or b.is_complex()]
         # Integer and bool reductions are exact in any order: one all_reduce. Floating-point ones depend on the
         # backend's summation order, which may differ between ranks (and NaN handling in max/min may too), so
         # they are reduced onto rank 0 and broadcast from there: bit-identical everywhere, for one more round.
-        works = [dist.all_reduce(b, _exact_op(b, op), async_op=True) for b in exact]
+        works = [dist.all_reduce(b, exact_reduce_op(b, op), async_op=True) for b in exact]
         works += [dist.reduce(b, dst=0, op=_TORCH_OPS[op], async_op=True) for b in inexact]
         _wait_all(works)
         _wait_all([dist.broadcast(b, src=0, async_op=True) for b in inexact])
@@ -183,12 +183,12 @@ def reduce_in_dtype(dtype: torch.dtype) -> torch.dtype:
     return _REDUCE_IN.get(dtype, dtype)
 
 
-def _reduce_buffer(leaf: torch.Tensor) -> torch.Tensor:
+def reduce_buffer(leaf: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `leaf` in the dtype its reduction runs in (backends refuse strided tensors)."""
     dtype = reduce_in_dtype(leaf.dtype)
     return leaf.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
 
 
-def _exact_op(buffer: torch.Tensor, op: str) -> dist.ReduceOp:
+def exact_reduce_op(buffer: torch.Tensor, op: str) -> dist.ReduceOp:
     # A bool "sum" saturates: it is a logical or, which MAX computes on every backend.
     return dist.ReduceOp.MAX if buffer.dtype == torch.bool and op == "sum" else _TORCH_OPS[op]

@@ -155,6 +155,7 @@ size_t Group::max_meta_bytes() const { return options_.slot_bytes - kPrefixBytes
 int Group::rank() const { return options_.rank; }
 int Group::world() const { return options_.world; }
 size_t Group::slot_bytes() const { return options_.slot_bytes; }
+std::chrono::milliseconds Group::timeout() const { return options_.timeout; }
 uint64_t Group::rounds() const { return round_; }
 
 void Group::set_timeout(std::chrono::milliseconds timeout) {

@@ -104,6 +104,7 @@ class Group {
   void abort(const std::string& reason) noexcept;
   // From the next exchange on; 0 gives up at once on a peer that is not there yet.
   void set_timeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const;
 
   // slot_bytes minus round 1's size prefix (16 bytes).
   size_t max_meta_bytes() const;

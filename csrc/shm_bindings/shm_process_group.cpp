@@ -1,12 +1,13 @@
 // accel's torch.distributed backend for CPU tensors on one host: collectives through the shared-memory group of
-// csrc/shm/ (the transport's torch-free core: sealed memfd segments, two slots per rank, epoch counters, waits
-// under a deadline that notice a dead peer), everything else handed to the gloo backend it wraps.
+// csrc/shm/ (the torch-free core: sealed memfd segments, two slots per rank, epoch counters, waits under a deadline
+// that notice a dead peer), everything else handed to the gloo backend it wraps.
 //
 // How it plugs in (accel/wire/shm_process_group.py has the Python side): the ranks of a c10d ProcessGroup
 // whose CPU backend is gloo (the default group PartialState starts, or a group created with the backend name
-// "accel") decide through the group's store whether they can share memory; if so each constructs a
-// SharedMemoryBackend (accel._C.SharedMemoryBackend, a Python subclass of torch's Backend), they exchange the locators
-// through the store, attach, and call install(), which makes this the ProcessGroup's CPU backend with gloo as its
+// "accel") decide through the group's store whether they can share memory; if so each creates its segment
+// (accel::shm_group_create), they exchange the locators through the store and attach, and each builds a
+// SharedMemoryBackend (accel._C.SharedMemoryBackend, a Python subclass of torch's Backend) on the group's handle and
+// calls install(), which makes this the ProcessGroup's CPU backend with gloo as its
 // delegate. DDP's reducer, FSDP2 and torch.distributed's functions then reach it through the c10d dispatcher with no
 // Python in between (measured: ~1.5 us per call on top of the work, against ~10 us for a Python ProcessGroup
 // subclass calling a native op).
@@ -26,6 +27,7 @@
 #include "../reduce_in_order.h"
 #include "../shm/collectives.h"
 #include "../shm/shm_group.h"
+#include "shared_group.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -53,9 +55,6 @@ namespace {
 
 using c10d::OpType;
 using Milliseconds = std::chrono::milliseconds;
-
-// Starts the message of the error every rank raises when their calls disagree (as the transport's do).
-constexpr const char* kMismatch = "accel collective mismatch: ";
 
 // --- works: complete when returned ----------------------------------------------------------------------------
 
@@ -186,58 +185,19 @@ class CallTimeout {
   const bool changed_;
 };
 
-shm::Options group_options(int64_t rank, int64_t world, const std::string& token, int64_t slot_bytes, double timeout_s,
-                           bool oversubscribed) {
-  TORCH_CHECK(timeout_s > 0, "accel process group: the timeout must be positive, got ", timeout_s);
-  shm::Options options;
-  options.rank = static_cast<int>(rank);
-  options.world = static_cast<int>(world);
-  options.token = token;
-  options.slot_bytes = static_cast<size_t>(slot_bytes);
-  options.timeout = Milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  options.oversubscribed = oversubscribed;
-  return options;
-}
-
-// shm::Error (the group failed: a peer died, timed out, aborted, or sent garbage) becomes DistBackendError, as a
-// failed gloo or NCCL collective is; CallMismatch a RuntimeError starting with kMismatch.
-template <typename Body>
-auto translating(Body body) -> decltype(body()) {
-  try {
-    return body();
-  } catch (const shm::Error& error) {
-    C10_THROW_ERROR(DistBackendError, error.what());
-  } catch (const shm::CallMismatch& error) {
-    TORCH_CHECK(false, kMismatch, error.what());
-  }
-}
-
 class SharedMemoryBackend final : public c10d::Backend {
  public:
-  SharedMemoryBackend(int64_t rank, int64_t world, std::string token, int64_t slot_bytes, double timeout_s,
-                      bool oversubscribed, int64_t one_shot_max_bytes)
-      : c10d::Backend(static_cast<int>(rank), static_cast<int>(world)),
-        group_(translating([&] {
-          return std::make_unique<shm::Group>(group_options(rank, world, token, slot_bytes, timeout_s, oversubscribed));
-        })),
-        collectives_(*group_, describe),
-        timeout_(Milliseconds(static_cast<int64_t>(timeout_s * 1000))),
-        one_shot_max_bytes_(static_cast<uint64_t>(std::max<int64_t>(one_shot_max_bytes, 0))) {}
+  // The backend of the shared-memory group `handle` (accel::shm_group_create, attached to every peer's segment).
+  SharedMemoryBackend(int64_t handle, int64_t one_shot_max_bytes)
+      : SharedMemoryBackend(find_group(handle), handle, one_shot_max_bytes) {}
 
-  // --- set-up, called from Python in this order on every rank ---
+  // The group's handle: accel's own collectives (accel::shm_all_gather, ...) run on the same group, under the same
+  // lock.
+  int64_t handle() const { return handle_; }
 
-  std::vector<int64_t> locator() {
-    const shm::Locator where = translating([&] { return group_->locator(); });
-    return {where.pid, where.fd};
-  }
-
-  void attach(const std::vector<int64_t>& locators) {
-    TORCH_CHECK(locators.size() == 2 * static_cast<size_t>(getSize()), "accel process group: expected ", getSize(),
-                " (pid, fd) pairs, got ", locators.size(), " numbers");
-    std::vector<shm::Locator> by_rank;
-    for (size_t i = 0; i < locators.size(); i += 2) by_rank.push_back({locators[i], locators[i + 1]});
-    translating([&] { group_->attach_peers(by_rank); });
-  }
+  // The registry's reference goes with the backend (destroy_process_group, or the process group's end): the group
+  // is unmapped once no call holds it.
+  ~SharedMemoryBackend() override { release_group(handle_); }
 
   // ProcessGroup::hasBackendForDeviceType is torch 2.12+; getDeviceTypes answers the same on every supported torch.
   static bool has_cpu_backend(const c10d::ProcessGroup& group) {
@@ -253,7 +213,10 @@ class SharedMemoryBackend final : public c10d::Backend {
                 "accel process group: the process group has no CPU backend to delegate to");
     TORCH_CHECK(group->getSize() == getSize() && group->getRank() == getRank(), "accel process group: rank ",
                 getRank(), " of ", getSize(), " cannot serve rank ", group->getRank(), " of ", group->getSize());
-    group_->finish_setup();
+    {
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      translating([&] { shared_->group.finish_setup(); });
+    }
     delegate_ = group->getBackend(c10::DeviceType::CPU);
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
                       c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this));
@@ -262,8 +225,8 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   // Rounds of the shared-memory protocol so far (tests: which collectives went through shared memory).
   int64_t rounds() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<int64_t>(group_->rounds());
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    return static_cast<int64_t>(group().rounds());
   }
 
   // --- c10d::Backend ---
@@ -273,8 +236,8 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override { return c10::make_intrusive<Options>("accel", timeout_); }
 
   void setTimeout(Milliseconds timeout) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    translating([&] { group_->set_timeout(timeout); });
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    translating([&] { group().set_timeout(timeout); });
     timeout_ = timeout;
     delegate().setTimeout(timeout);
   }
@@ -464,10 +427,20 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   // A rank that leaves (destroy_process_group, abort) tells its peers at once: one still waiting for it fails now
   // rather than at its deadline; one that already has what it waited for is not disturbed.
-  void shutdown() override { group_->abort("its process group was shut down"); }
-  void abort() override { group_->abort("its process group was aborted"); }
+  void shutdown() override { group().abort("its process group was shut down"); }
+  void abort() override { group().abort("its process group was aborted"); }
 
  private:
+  SharedMemoryBackend(std::shared_ptr<SharedGroup> shared, int64_t handle, int64_t one_shot_max_bytes)
+      : c10d::Backend(shared->group.rank(), shared->group.world()),
+        shared_(std::move(shared)),
+        handle_(handle),
+        collectives_(shared_->group, describe),
+        timeout_(shared_->group.timeout()),
+        one_shot_max_bytes_(static_cast<uint64_t>(std::max<int64_t>(one_shot_max_bytes, 0))) {}
+
+  shm::Group& group() { return shared_->group; }
+
   c10d::Backend& delegate() {
     TORCH_CHECK(delegate_, "accel process group: used before install()");
     return *delegate_;
@@ -477,8 +450,8 @@ class SharedMemoryBackend final : public c10d::Backend {
   // call's timeout, with the core's errors translated.
   template <typename Body>
   void on_group(Milliseconds requested_timeout, const Body& body) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    CallTimeout timeout(*group_, timeout_, requested_timeout);
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    CallTimeout timeout(group(), timeout_, requested_timeout);
     translating(body);
   }
 
@@ -553,8 +526,8 @@ class SharedMemoryBackend final : public c10d::Backend {
     }
   }
 
-  std::mutex mutex_;
-  std::unique_ptr<shm::Group> group_;
+  std::shared_ptr<SharedGroup> shared_;  // the group and its lock, shared with accel's own collectives
+  const int64_t handle_;
   shm::Collectives collectives_;
   Milliseconds timeout_;
   const uint64_t one_shot_max_bytes_;
@@ -576,11 +549,8 @@ int add_python_types(PyObject* module) {
     py::class_<SharedMemoryBackend, c10d::Backend, c10::intrusive_ptr<SharedMemoryBackend>>(
         module, "SharedMemoryBackend",
         "accel's shared-memory backend for CPU tensors (accel.wire.shm_process_group sets it up).")
-        .def(py::init<int64_t, int64_t, std::string, int64_t, double, bool, int64_t>(), py::arg("rank"),
-             py::arg("world"), py::arg("token"), py::arg("slot_bytes"), py::arg("timeout_s"), py::arg("oversubscribed"),
-             py::arg("one_shot_max_bytes"))
-        .def("locator", &SharedMemoryBackend::locator)
-        .def("attach", &SharedMemoryBackend::attach, py::arg("locators"))
+        .def(py::init<int64_t, int64_t>(), py::arg("handle"), py::arg("one_shot_max_bytes"))
+        .def("handle", &SharedMemoryBackend::handle)
         .def("install", &SharedMemoryBackend::install, py::arg("group"))
         .def("rounds", &SharedMemoryBackend::rounds)
         .def_property_readonly("options", &SharedMemoryBackend::getBackendOptions);
