@@ -11,10 +11,10 @@ Per payload (bytes per rank; rank r sends r*64 bytes fewer, so there is padding 
 an order that alternates between rounds, the same number of calls of:
 - `limit`: a memcpy of the gathered bytes (world_size * payload) into a fresh buffer, the floor;
 - `accel`: `pad_across_processes` then `gather`, as a user writes it (accel's public API);
-- `hf`: HF Accelerate's `pad_across_processes` then `gather` (its public API, over the plain gloo default group
-  its users have: the `state` fixture starts it before accel's PartialState could make it share memory);
+- `hf`: HF Accelerate's `pad_across_processes` then `gather` (its public API, over the plain gloo group its users
+  have: while HF is timed, the default group's CPU collectives go to its gloo backend, see `plain_gloo`);
 - `fused`: the same result in one op call (`accel::shm_all_gather` with `pad_dim=0`), the op-level column;
-- `reference`: accel's two calls through its torch.distributed transport (gloo).
+- `reference`: accel's two calls through its torch.distributed transport, over plain gloo too.
 The ratio HF/accel is the median over rounds of each round's ratio (interleaved pairs), so drifts of a busy
 machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way, and a
 third the same pass with a small MLP's forward (issue 23): accel's pass, HF's pass, and accel's forward-only pass
@@ -31,6 +31,7 @@ it is, so this measures what each library costs a single-GPU user per call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -59,22 +60,41 @@ def hf_accelerate():
     return pytest.importorskip("accelerate", reason="HF Accelerate is not installed: `pip install accelerate`")
 
 
+_GLOO: list = []  # the default group's gloo backend, kept by `state`
+
+
 @pytest.fixture(scope="module")
 def state():
-    """accel's PartialState over a default group started here as plain gloo, the group HF Accelerate's users have.
-
-    PartialState would make the group it starts share memory (accel's process group), and HF's `gather` and the
-    gloo reference call the default group: HF would run on accel's backend. accel's own calls go through its
-    shared-memory transport whatever the group's backend is, so they are timed as a user of accel gets them.
-    """
+    """accel's PartialState over a default group started here as gloo: PartialState makes it share memory, as it
+    does for every group it finds (accel's backend, with that gloo backend as its delegate), and accel's calls are
+    timed on that group, as accel's users have it. HF's are timed on the gloo backend alone (`plain_gloo`)."""
     import torch.distributed as dist
 
     from accel.state import PartialState
 
     dist.init_process_group("gloo")
+    _GLOO[:] = [dist.group.WORLD._get_backend(torch.device("cpu"))]
     state = PartialState()
-    assert dist.group.WORLD._get_backend(torch.device("cpu")).name() == "gloo", "the default group is not gloo"
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).name() == "accel", "the group does not share memory"
     return state
+
+
+@contextlib.contextmanager
+def plain_gloo():
+    """The default group's CPU collectives go to its gloo backend inside the block (what HF Accelerate's users have:
+    HF calls torch.distributed on the default group), and to accel's shared-memory backend again after it."""
+    import torch.distributed as dist
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    ours = group._get_backend(cpu)
+    group._register_backend(cpu, dist.ProcessGroup.BackendType.GLOO, _GLOO[0])
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    assert group._get_backend(cpu).name() == "gloo"
+    try:
+        yield
+    finally:
+        group._register_backend(cpu, dist.ProcessGroup.BackendType.CUSTOM, ours)
+        group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
 
 def timed(fn: Callable[[], object], calls: int) -> float:
@@ -93,15 +113,18 @@ class Interleaved:
         contenders: dict[str, Callable[[], object]],
         calls: int,
         timer: Callable[[Callable[[], object], int], float] = timed,
+        over_gloo: tuple[str, ...] = (),
     ):
-        self.contenders, self.calls, self.timer = contenders, calls, timer
+        """`over_gloo`: the contenders timed inside `plain_gloo` (entered once per round, outside the timing)."""
+        self.contenders, self.calls, self.timer, self.over_gloo = contenders, calls, timer, over_gloo
         self.times: dict[str, list[float]] = {name: [] for name in contenders}
         self.rounds = 0
 
     def round(self) -> None:
         names = list(self.contenders)
         for name in names if self.rounds % 2 == 0 else reversed(names):
-            self.times[name].append(self.timer(self.contenders[name], self.calls))
+            with plain_gloo() if name in self.over_gloo else contextlib.nullcontext():
+                self.times[name].append(self.timer(self.contenders[name], self.calls))
         self.rounds += 1
 
     def summary(self, versus: str, against: list[str]) -> dict:
@@ -123,7 +146,8 @@ def _payload(state, name: str) -> torch.Tensor:
 def _gathers_match(state, tensor, hf) -> None:
     """accel's public path gives HF's result, bit for bit (checked once before timing)."""
     ours = gather(pad_across_processes(tensor))
-    theirs = hf.utils.gather(hf.utils.pad_across_processes(tensor))
+    with plain_gloo():
+        theirs = hf.utils.gather(hf.utils.pad_across_processes(tensor))
     assert torch.equal(ours, theirs.to(ours.dtype)) and ours.dtype == tensor.dtype
 
 
@@ -154,6 +178,7 @@ def test_pad_then_gather(benchmark, state, name):
             "reference": through_reference,
         },
         calls,
+        over_gloo=("hf", "reference"),
     )
     runs.round()  # warm-up (first-call costs of both libraries), not recorded
     runs.times = {contender: [] for contender in runs.times}
@@ -191,7 +216,8 @@ def test_gather_for_metrics_eval_pass(benchmark, state):
     ours, theirs = accel.Accelerator(cpu=True), hf.Accelerator(cpu=True)
     our_loader, their_loader = _eval_loader(ours.prepare), _eval_loader(theirs.prepare)
     seen = _eval_pass(our_loader, ours.gather_for_metrics)
-    assert torch.equal(seen, _eval_pass(their_loader, theirs.gather_for_metrics))
+    with plain_gloo():
+        assert torch.equal(seen, _eval_pass(their_loader, theirs.gather_for_metrics))
     assert torch.equal(seen, torch.arange(EVAL_ROWS))  # every sample once, in order
 
     def no_gather(data):
@@ -209,6 +235,7 @@ def test_gather_for_metrics_eval_pass(benchmark, state):
             "reference": through_reference,
         },
         1,
+        over_gloo=("hf", "reference"),
     )
     benchmark.group = f"gather_for_metrics eval pass, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
@@ -256,7 +283,8 @@ def test_eval_pass_with_model(benchmark, state):
     our_model.eval()
     their_model.eval()
     seen = _model_pass(our_model, our_loader, ours.gather_for_metrics)
-    theirs_seen = _model_pass(their_model, their_loader, theirs.gather_for_metrics)
+    with plain_gloo():
+        theirs_seen = _model_pass(their_model, their_loader, theirs.gather_for_metrics)
     assert all(torch.equal(a, b) for a, b in zip(seen, theirs_seen))
     assert torch.equal(seen[1], torch.arange(EVAL_ROWS))  # every sample once, in order
     runs = Interleaved(
@@ -266,6 +294,7 @@ def test_eval_pass_with_model(benchmark, state):
             "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
         },
         1,
+        over_gloo=("hf",),
     )
     runs.round()  # warm-up, not recorded
     runs.times = {contender: [] for contender in runs.times}
