@@ -22,23 +22,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from accel import collectives, data
-from accel._env import get_setting
-from accel.backends import DDP_INSTEAD, deepspeed, megatron
-from accel.backends.checks import (
-    parallelism_config_from_environment,
-    refuse_unsupported_arguments,
-    refuse_unsupported_environment,
-)
-from accel.backends.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
-from accel.backends.parallelism import ParallelismConfig
-from accel.checkpoint import save_file, training_state
-from accel.checkpoint.background import SaveMode
-from accel.checkpoint.model_io import save_model_files
-from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
-from accel.precision import precision_for
-from accel.precision.grads import Measured
-from accel.scheduler import AcceleratedScheduler
-from accel.settings import (
+from accel.accelerator_config import (
     PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -53,6 +37,22 @@ from accel.settings import (
     TorchDynamoPlugin,
     gradient_accumulation_steps_from_env,
 )
+from accel.backends import DDP_INSTEAD, deepspeed, megatron
+from accel.backends.checks import (
+    parallelism_config_from_environment,
+    refuse_unsupported_arguments,
+    refuse_unsupported_environment,
+)
+from accel.backends.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from accel.backends.parallelism import ParallelismConfig
+from accel.checkpoint import save_file, training_state
+from accel.checkpoint.background import SaveMode
+from accel.checkpoint.model_io import save_model_files
+from accel.env_vars import get_setting
+from accel.optimizer import AcceleratedOptimizer, is_lomo_optimizer, lomo_optimizer_classes
+from accel.precision import precision_for
+from accel.precision.grads import Measured
+from accel.scheduler import AcceleratedScheduler
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.strategies import SingleDeviceStrategy, StrategySettings, ddp_sync, strategy_for
 from accel.strategies.base import JointPreparation, Prepared, loss_per_step

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from packaging.version import Version, parse
 
-from accel import _env
+from accel import env_vars
 from accel.environment import parse_flag_from_env, patch_environment
 
 STR_OPERATION_TO_FUNC = {
@@ -264,7 +264,7 @@ def is_triton_available() -> bool:
 def is_megatron_lm_available() -> bool:
     """Megatron-LM asked for (ACCEL_USE_MEGATRON_LM / ACCELERATE_USE_MEGATRON_LM) and megatron-core 0.8.0 or newer
     installed with `megatron.training`."""
-    if not _env.get_flag("USE_MEGATRON_LM"):
+    if not env_vars.get_flag("USE_MEGATRON_LM"):
         return False
     if not _importable("megatron"):
         return False
@@ -320,7 +320,7 @@ def is_trackio_available() -> bool:
 
 def is_rich_available() -> bool:
     """rich installed and asked for (ACCEL_ENABLE_RICH / ACCELERATE_ENABLE_RICH true)."""
-    return _installed("rich") and _env.get_flag("ENABLE_RICH")
+    return _installed("rich") and env_vars.get_flag("ENABLE_RICH")
 
 
 # --- torch features ----------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import logging
 import os
 from pathlib import Path
 
-from accel._env import get_flag
 from accel.availability import is_cuda_available
+from accel.env_vars import get_flag
 from accel.environment import SETTING_PREFIXES, get_cpu_distributed_information, parse_flag_from_env, query_gpus
 
 logger = logging.getLogger(__name__)

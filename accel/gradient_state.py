@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 
-from accel._env import get_flag
+from accel.env_vars import get_flag
 
 __all__ = ["GradientState"]
 

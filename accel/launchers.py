@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from accel._env import MIXED_PRECISIONS
+from accel.env_vars import MIXED_PRECISIONS
 from accel.environment import get_free_port, patch_environment
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from accel import slurm
-from accel._env import MIXED_PRECISIONS, get_flag, get_setting
 from accel.backends.checks import refuse_unsupported_arguments, refuse_unsupported_environment
 from accel.cpu_affinity import set_numa_affinity
+from accel.env_vars import MIXED_PRECISIONS, get_flag, get_setting
 from accel.gradient_state import GradientState
 from accel.unsupported import refuse
 from accel.wire import process_group, uneven

@@ -7,9 +7,9 @@ import torch
 from spawn_pool import run_on_ranks
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import DistributedDataParallelKwargs, GradientAccumulationPlugin
 from accel.optimizer import AcceleratedOptimizer
 from accel.scheduler import AcceleratedScheduler
-from accel.settings import DistributedDataParallelKwargs, GradientAccumulationPlugin
 from accel.unsupported import UnsupportedFeatureError
 
 
@@ -220,7 +220,7 @@ def test_a_trigger_set_on_one_rank_is_seen_on_all_once():
 
 
 def _eval_pass(length, batch_size, even_batches, dispatch_batches):
-    from accel.settings import DataLoaderConfiguration
+    from accel.accelerator_config import DataLoaderConfiguration
 
     config = DataLoaderConfiguration(even_batches=even_batches, dispatch_batches=dispatch_batches)
     accelerator = Accelerator(dataloader_config=config)
@@ -256,8 +256,8 @@ def test_gather_for_metrics_sees_every_sample_once_through_the_accelerator(world
 
 
 def _collective_in_uneven_step(name):
+    from accel.accelerator_config import DataLoaderConfiguration
     from accel.collectives import DistributedOperationException
-    from accel.settings import DataLoaderConfiguration
 
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
     model, optimizer = accelerator.prepare(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1))
@@ -284,8 +284,8 @@ def test_a_collective_that_needs_every_process_fails_on_all_in_an_uneven_last_st
 
 
 def _disagreeing_last_step():
+    from accel.accelerator_config import DataLoaderConfiguration
     from accel.collectives import DistributedOperationException
-    from accel.settings import DataLoaderConfiguration
 
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
     loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(12), batch_size=2))  # 6 batches, 4 ranks
@@ -326,7 +326,7 @@ def test_clip_grad_norm_and_value_clip_like_torch():
 
 
 def test_dynamo_plugin_compiles_prepared_models(monkeypatch):
-    from accel.settings import TorchDynamoPlugin
+    from accel.accelerator_config import TorchDynamoPlugin
 
     accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager", fullgraph=True))
     model = make_model()
@@ -338,7 +338,7 @@ def test_dynamo_plugin_compiles_prepared_models(monkeypatch):
 
 
 def test_dynamo_settings_come_from_the_launcher_env(monkeypatch):
-    from accel.settings import TorchDynamoPlugin
+    from accel.accelerator_config import TorchDynamoPlugin
 
     monkeypatch.setenv("ACCEL_DYNAMO_BACKEND", "EAGER")
     monkeypatch.setenv("ACCEL_DYNAMO_MODE", "reduce-overhead")
@@ -467,7 +467,7 @@ def test_example_trains_on_every_gpu(tmp_path):
 def _group_timeout():
     from datetime import timedelta
 
-    from accel.settings import InitProcessGroupKwargs
+    from accel.accelerator_config import InitProcessGroupKwargs
 
     accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=77))])
     return accelerator.state.timeout.total_seconds()
@@ -497,7 +497,7 @@ def test_sync_each_batch_all_reduces_while_accumulating(sync_each_batch):
 
 
 def test_autocast_kwargs_reach_the_forward():
-    from accel.settings import AutocastKwargs
+    from accel.accelerator_config import AutocastKwargs
 
     accelerator = Accelerator(mixed_precision="bf16", kwargs_handlers=[AutocastKwargs(enabled=False)])
     model = accelerator.prepare(DtypeProbe())
@@ -523,7 +523,7 @@ class Blocks(torch.nn.Module):
 def test_regional_compilation_compiles_each_repeated_block_in_place():
     """`use_regional_compilation`: each repeated block (and each module without repeated blocks) is compiled in
     place, as HF does for FSDP2; the model keeps its class, tree and state-dict names, and computes the same."""
-    from accel.settings import TorchDynamoPlugin
+    from accel.accelerator_config import TorchDynamoPlugin
 
     torch.manual_seed(0)
     model, inputs = Blocks(), torch.randn(2, 4)

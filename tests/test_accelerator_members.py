@@ -11,9 +11,7 @@ import torch
 from spawn_pool import run_on_ranks
 
 from accel import Accelerator
-from accel.precision.amp import get_grad_scaler, get_mixed_precision_context_manager
-from accel.precision.scaler import FusedGradScaler
-from accel.settings import (
+from accel.accelerator_config import (
     AutocastKwargs,
     ComputeEnvironment,
     CustomDtype,
@@ -26,6 +24,8 @@ from accel.settings import (
     ProfileKwargs,
     SageMakerDistributedType,
 )
+from accel.precision.hf_helpers import get_grad_scaler, get_mixed_precision_context_manager
+from accel.precision.scaler import FusedGradScaler
 from accel.state import AcceleratorState, DistributedType, GradientState, PartialState
 
 
@@ -123,7 +123,7 @@ def test_arguments_are_checked_as_hf():
     with pytest.raises(ValueError, match="Unknown mixed_precision mode: fp12"):
         Accelerator(mixed_precision="fp12")
     with pytest.raises(ValueError, match="both `dynamo_plugin` and `dynamo_backend`"):
-        from accel.settings import TorchDynamoPlugin
+        from accel.accelerator_config import TorchDynamoPlugin
 
         Accelerator(dynamo_backend="eager", dynamo_plugin=TorchDynamoPlugin())
     assert Accelerator(mixed_precision=PrecisionType.BF16).mixed_precision == "bf16"

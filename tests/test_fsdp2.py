@@ -156,7 +156,7 @@ def test_fp16_loss_scaling_skips_a_step_whose_overflow_only_one_shard_holds():
 
 
 def _regional_compilation(steps):
-    from accel.settings import TorchDynamoPlugin
+    from accel.accelerator_config import TorchDynamoPlugin
 
     results = {}
     for regional in (False, True):

@@ -6,7 +6,7 @@ from spawn_pool import run_on_ranks
 from test_accelerator import global_batches, make_model
 
 from accel.accelerator import Accelerator
-from accel.settings import GradScalerKwargs
+from accel.accelerator_config import GradScalerKwargs
 from accel.state import AcceleratorState, GradientState
 
 

@@ -9,7 +9,7 @@ import torch
 from spawn_pool import run_on_ranks
 
 from accel import Accelerator
-from accel.settings import ProfileKwargs
+from accel.accelerator_config import ProfileKwargs
 
 
 def _work():

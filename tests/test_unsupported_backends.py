@@ -17,9 +17,9 @@ import torch
 
 import accel
 from accel import Accelerator
+from accel.accelerator_config import CustomDtype
 from accel.backends import deepspeed, fp8, fsdp, megatron, parallelism
 from accel.backends.bnb import BnbQuantizationConfig, has_4bit_bnb_layers, load_and_quantize_model
-from accel.settings import CustomDtype
 from accel.state import AcceleratorState, PartialState
 from accel.unsupported import UnsupportedFeatureError
 

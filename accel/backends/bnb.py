@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from accel.settings import CustomDtype
+from accel.accelerator_config import CustomDtype
 from accel.unsupported import refuse
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

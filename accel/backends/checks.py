@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from accel._env import get_flag, get_setting
 from accel.backends import DDP_INSTEAD
 from accel.backends.fp8 import INSTEAD as FP8_INSTEAD
 from accel.backends.fp8 import RECIPE_HANDLERS
 from accel.backends.parallelism import ParallelismConfig, refuse_unsupported_parallelism
+from accel.env_vars import get_flag, get_setting
 from accel.unsupported import refuse
 
 # ACCEL_USE_<name> / ACCELERATE_USE_<name> -> the feature it asks for.

@@ -17,7 +17,7 @@ import os
 import warnings
 from typing import Any
 
-from accel._env import get_setting, parse_bool
+from accel.env_vars import get_setting, parse_bool
 
 INSTALL = "pip install 'accel[deepspeed]' (or: pip install deepspeed)"
 

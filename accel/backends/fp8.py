@@ -18,9 +18,9 @@ from typing import Any, Callable, Literal, get_args
 
 import torch
 
+from accel.accelerator_config import KwargsHandler
 from accel.availability import is_msamp_available, is_torchao_available
 from accel.backends import env_flag
-from accel.settings import KwargsHandler
 from accel.unsupported import refuse
 
 FEATURE = "FP8 training"

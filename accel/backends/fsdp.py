@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from accel._env import parse_bool
 from accel.backends import DDP_INSTEAD, env_flag
+from accel.env_vars import parse_bool
 from accel.unsupported import refuse
 
 FEATURE = "FSDP"

@@ -33,7 +33,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accel._env import parse_bool
+from accel.env_vars import parse_bool
 from accel.unsupported import refuse
 
 # torch's enums, in their 1-based order (HF accepts either the name or the number).

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from accel._env import MIXED_PRECISIONS
 from accel.cli.config_file import ClusterConfig, default_config_path, save_config
+from accel.env_vars import MIXED_PRECISIONS
 
 
 def basic_config(mixed_precision: str = "no") -> ClusterConfig:

@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from accel._env import MIXED_PRECISIONS
 from accel.backends import fsdp_options
 from accel.cli import deepspeed_options, parallelism_options
 from accel.cli.basic_config import basic_config
@@ -59,6 +58,7 @@ from accel.cli.config_file import (
     load_config,
     save_config,
 )
+from accel.env_vars import MIXED_PRECISIONS
 
 Option = tuple[str, Any]  # (what the user sees, what the config stores)
 

@@ -43,10 +43,10 @@ from typing import Any
 
 import yaml
 
-from accel._env import MIXED_PRECISIONS
+from accel.accelerator_config import DynamoBackend  # torch-free, so the CLI still starts without torch
 from accel.backends import fsdp_options
 from accel.cli import deepspeed_options, parallelism_options
-from accel.settings import DynamoBackend  # torch-free, so the CLI still starts without torch
+from accel.env_vars import MIXED_PRECISIONS
 
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE",)
 DISTRIBUTED_TYPES = (

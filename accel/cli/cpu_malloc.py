@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from accel._env import parse_bool
 from accel.cli.errors import CommandError
+from accel.env_vars import parse_bool
 
 SWITCH = "ACCEL_CPU_MALLOC_TUNING"
 MMAP_THRESHOLD = "glibc.malloc.mmap_threshold"

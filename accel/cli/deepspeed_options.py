@@ -19,8 +19,8 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from accel._env import parse_bool
 from accel.backends.fsdp_options import shown
+from accel.env_vars import parse_bool
 
 # HF's DEEPSPEED_MULTINODE_LAUNCHERS, in its order (its questionnaire offers them so; HF's default is the first).
 MULTINODE_LAUNCHERS = ("pdsh", "standard", "openmpi", "mvapich", "mpich", "nossh", "slurm")

@@ -73,12 +73,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from accel import accelerate_alias, availability, slurm
-from accel._env import MIXED_PRECISIONS, parse_bool
 from accel.backends import fsdp_options
 from accel.cli import cpu_malloc, deepspeed_options, parallelism_options, pytorchjob
 from accel.cli.errors import CommandError
 from accel.cli.launch_options import add_launch_options, first_refused, given_options
 from accel.cli.refusals import refuse_backend
+from accel.env_vars import MIXED_PRECISIONS, parse_bool
 
 DYNAMO_KEYS = (
     "dynamo_backend",

@@ -32,8 +32,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from accel._env import parse_bool
 from accel.cli.refusals import refuse_backend
+from accel.env_vars import parse_bool
 from accel.unsupported import UnsupportedFeatureError
 
 

@@ -44,7 +44,7 @@ import importlib  # noqa: E402
 import runpy  # noqa: E402
 
 from accel import accelerate_alias  # noqa: E402
-from accel._env import get_flag  # noqa: E402
+from accel.env_vars import get_flag  # noqa: E402
 
 
 def pin_to_cpus() -> None:

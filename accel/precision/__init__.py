@@ -3,7 +3,8 @@
 One `Precision` (base.py) per policy, chosen once by name (`precision_for`): `no`, `bf16`, and `fp16` with a
 gradient scaler (torch's, unscaling through accel's fused kernel: scaler.py, grads.py), on CPU as on CUDA (HF
 Accelerate silently runs "fp16" in fp32 on the CPU, without autocast or scaler). fp8 is refused
-(UnsupportedFeatureError). amp.py: HF's get_mixed_precision_context_manager / get_grad_scaler.
+(UnsupportedFeatureError). hf_helpers.py: HF's get_mixed_precision_context_manager / get_grad_scaler, for code that
+builds its own autocast or scaler.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from accel.settings import DistributedDataParallelKwargs
+from accel.accelerator_config import DistributedDataParallelKwargs
 from accel.strategies.base import Strategy, compile_model
 from accel.wire import uneven
 

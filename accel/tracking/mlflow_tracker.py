@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from accel._env import parse_bool
+from accel.env_vars import parse_bool
 from accel.tracking.base import GeneralTracker, SkipWarner, as_number, on_main_process, plain_config
 
 

@@ -11,7 +11,7 @@ import os
 import warnings
 from typing import Any
 
-from accel.settings import BaseEnum
+from accel.accelerator_config import BaseEnum
 from accel.tracking.aim_tracker import AimTracker
 from accel.tracking.base import GeneralTracker, stacklevel_outside_accel
 from accel.tracking.clearml_tracker import ClearMLTracker

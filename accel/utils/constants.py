@@ -1,5 +1,6 @@
 """`accelerate.utils.constants` import path: HF Accelerate's constants, re-exported from where accel uses them."""
 
+from accel.accelerator_config import PROFILE_PATTERN_NAME
 from accel.availability import (
     MITA_PROFILING_AVAILABLE_PYTORCH_VERSION,
     STR_OPERATION_TO_FUNC,
@@ -24,6 +25,5 @@ from accel.checkpoint import (
 from accel.collectives.operations import TORCH_DISTRIBUTED_OPERATION_TYPES
 from accel.environment import TORCH_LAUNCH_PARAMS
 from accel.launchers import ELASTIC_LOG_LINE_PREFIX_TEMPLATE_PYTORCH_VERSION
-from accel.settings import PROFILE_PATTERN_NAME
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,8 +1,30 @@
 """`accelerate.utils.dataclasses` import path: re-exports of the dataclasses and enums users pass to accel.
 
-The configuration classes live in accel.settings; those of the backends accel does not run in accel.backends.
+The configuration classes live in accel.accelerator_config; those of the backends accel does not run in accel.backends.
 """
 
+from accel.accelerator_config import (
+    AutocastKwargs,
+    BaseEnum,
+    ComputeEnvironment,
+    CustomDtype,
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DynamoBackend,
+    EnumWithContains,
+    FP8BackendType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    PrecisionType,
+    ProfileKwargs,
+    ProfilerActivity,
+    ProjectConfiguration,
+    SageMakerDistributedType,
+    TorchDynamoPlugin,
+)
 from accel.backends.bnb import BnbQuantizationConfig
 from accel.backends.deepspeed import DeepSpeedPlugin
 from accel.backends.fp8 import (
@@ -31,28 +53,6 @@ from accel.backends.parallelism import (
     TorchContextParallelConfig,
     TorchTensorParallelConfig,
     TorchTensorParallelPlugin,
-)
-from accel.settings import (
-    AutocastKwargs,
-    BaseEnum,
-    ComputeEnvironment,
-    CustomDtype,
-    DataLoaderConfiguration,
-    DDPCommunicationHookType,
-    DistributedDataParallelKwargs,
-    DynamoBackend,
-    EnumWithContains,
-    FP8BackendType,
-    GradientAccumulationPlugin,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    KwargsHandler,
-    PrecisionType,
-    ProfileKwargs,
-    ProfilerActivity,
-    ProjectConfiguration,
-    SageMakerDistributedType,
-    TorchDynamoPlugin,
 )
 from accel.state import DistributedType
 

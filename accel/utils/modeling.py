@@ -1,7 +1,7 @@
 """`accelerate.utils.modeling`'s names, as users import them (`from accel.utils.modeling import ...`).
 
 The code lives in accel.big_modeling (sizes, tied weights, device maps, hooks, the offload folder, state dicts),
-accel.checkpoint (load_checkpoint_in_model) and accel.precision.amp (the autocast context and gradient scaler HF
+accel.checkpoint (load_checkpoint_in_model) and accel.precision.hf_helpers (the autocast context and gradient scaler HF
 also defines in this module).
 """
 
@@ -41,7 +41,7 @@ from accel.big_modeling import (
     set_module_tensor_to_device,
 )
 from accel.checkpoint import SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, load_checkpoint_in_model
-from accel.precision.amp import get_grad_scaler, get_mixed_precision_context_manager
+from accel.precision.hf_helpers import get_grad_scaler, get_mixed_precision_context_manager
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel._env import get_setting
+from accel.env_vars import get_setting
 from accel.wire import same_host
 from accel.wire.shm_process_group import StoreRounds, share_memory_in_default_group
 

@@ -17,8 +17,8 @@ import secrets
 import socket
 from typing import Any, Callable
 
-from accel._env import get_setting
 from accel.cpu_affinity import inherited_cpus
+from accel.env_vars import get_setting
 
 TRANSPORT_CHOICES = ("auto", "shm", "torch")
 

@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from accel import _ext, ops
-from accel._env import get_setting
+from accel.env_vars import get_setting
 from accel.wire import same_host
 from accel.wire.gloo_workers import wait_for_gloo_workers_at_exit
 

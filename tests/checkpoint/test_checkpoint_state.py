@@ -17,8 +17,8 @@ from spawn_pool import run_on_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
 from accel.checkpoint import CheckpointError
-from accel.settings import DataLoaderConfiguration, GradScalerKwargs, ProjectConfiguration
 from accel.state import AcceleratorState, GradientState
 
 
@@ -367,7 +367,7 @@ def test_a_compiled_models_checkpoint_has_the_names_of_the_model_given(tmp_path)
     """torch.compile's wrapper adds "_orig_mod." to the names; HF saves the model given to prepare, without it."""
     from safetensors import safe_open
 
-    from accel.settings import TorchDynamoPlugin
+    from accel.accelerator_config import TorchDynamoPlugin
 
     accelerator = fresh_accelerator(dynamo_plugin=TorchDynamoPlugin(backend="eager"))
     compiled = accelerator.prepare(torch.nn.Linear(3, 4))
@@ -381,7 +381,7 @@ CRASH_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     from accel.accelerator import Accelerator
-    from accel.settings import ProjectConfiguration
+    from accel.accelerator_config import ProjectConfiguration
     project, mode = sys.argv[1], sys.argv[2]
     automatic = mode == "automatic"
     configuration = ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=automatic)

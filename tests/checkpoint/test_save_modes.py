@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import ProjectConfiguration
 from accel.checkpoint import background, durability, load_checkpoint_in_model, model_io, snapshot
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import DURABILITY_RECORD, PUBLISH_JOURNAL
-from accel.settings import ProjectConfiguration
 from accel.state import AcceleratorState, GradientState
 
 

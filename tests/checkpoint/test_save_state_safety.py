@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from spawn_pool import run_on_ranks
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import GradientAccumulationPlugin
 from accel.checkpoint import background, publish, training_state
 from accel.checkpoint.target_lock import TargetLock, WriterBusyError
-from accel.settings import GradientAccumulationPlugin
 from accel.state import AcceleratorState, GradientState
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import ProjectConfiguration
 from accel.checkpoint import background, durability
 from accel.checkpoint.names import DURABILITY_RECORD
-from accel.settings import ProjectConfiguration
 from accel.state import AcceleratorState, GradientState
 
 
@@ -307,7 +307,7 @@ ENDS_WITHOUT_END_TRAINING = """
 import os, sys, time, torch
 from accel.accelerator import Accelerator
 from accel.checkpoint import background
-from accel.settings import ProjectConfiguration
+from accel.accelerator_config import ProjectConfiguration
 
 config = ProjectConfiguration(project_dir=sys.argv[1], automatic_checkpoint_naming=True, total_limit=1)
 accelerator = Accelerator(project_config=config)

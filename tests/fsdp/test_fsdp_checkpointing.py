@@ -12,8 +12,8 @@ from spawn_pool import run_on_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel.accelerator import Accelerator
+from accel.accelerator_config import DataLoaderConfiguration
 from accel.backends.fsdp import FullyShardedDataParallelPlugin
-from accel.settings import DataLoaderConfiguration
 from accel.state import AcceleratorState, GradientState
 
 transformers = pytest.importorskip("transformers")

@@ -592,7 +592,7 @@ HOOKS = ("no", "fp16", "power_sgd", "batched_power_sgd")
 def _ddp_training(hook: str, share: bool, steps: int = 4) -> tuple[list[float], list[torch.Tensor]]:
     """Trains a small model with BatchNorm (broadcast_buffers) under DDP through the Accelerator."""
     from accel import Accelerator
-    from accel.settings import DistributedDataParallelKwargs
+    from accel.accelerator_config import DistributedDataParallelKwargs
     from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()

@@ -11,7 +11,7 @@ import enum
 from datetime import timedelta
 from typing import Any, Literal
 
-from accel._env import get_flag, get_setting
+from accel.env_vars import get_flag, get_setting
 
 
 class KwargsHandler:
