@@ -446,6 +446,9 @@ def wide_gpt2(seed=0):
     return transformers.GPT2LMHeadModel(config)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
 def _kib(field):
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
@@ -457,7 +460,12 @@ def _build_and_prepare_measured(efficient):
 
     accelerator = fresh_accelerator({"cpu_ram_efficient_loading": efficient})
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed memory goes back to the system: new tensors count again
+    libc = ctypes.CDLL("libc.so.6")
+    # glibc moves its mmap threshold up to the largest block this process freed so far (this worker ran other tests
+    # before): set back to its starting 128 KiB, blocks above it are mapped and unmapped, and the peak counts the
+    # tensors the model holds, not the freed broadcast buffers malloc kept in its heap.
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+    libc.malloc_trim(0)  # freed memory goes back to the system: new tensors count again
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # the peak RSS (VmHWM) starts again from the current RSS
     start = _kib("VmRSS")
