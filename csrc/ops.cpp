@@ -47,9 +47,10 @@ TORCH_LIBRARY(accel, m) {
   // no lease can be taken (the caller then copies); `path` names the file in warnings.
   m.def("map_file_leased(int fd, int size, str path) -> Tensor");
 
-  // The same-host shared-memory transport (csrc/shm/, binding in shm_bindings/shm_transport.cpp). A group is an integer
-  // handle: created on every rank with the same token, attached once every rank knows every locator (the
-  // [pid, fd] where a peer opens a rank's segment), set up once every rank has attached.
+  // A process group's one shared-memory group (csrc/shm/; shm_bindings/shared_group.h), which accel's c10d backend and
+  // accel's own collectives share. A group is an integer handle: created on every rank with the same token, attached
+  // once every rank knows every locator (the [pid, fd] where a peer opens a rank's segment), set up once every rank
+  // has attached (accel.wire.shm_process_group does this).
   m.def("shm_group_create(int rank, int world, str token, int slot_bytes, float timeout_s, bool oversubscribed) -> int");
   m.def("shm_group_locator(int group) -> int[]");
   m.def("shm_group_attach(int group, int[] locators) -> ()");
