@@ -19,7 +19,8 @@ peer is still setting up inside `init_process_group` ("Connection closed by peer
 
 Fail fast: the first rank that raises (or dies) kills the whole pool, and the call raises `RankFailed` with that
 rank's traceback; the next call starts a new pool. A call that does not finish within `timeout` kills the pool
-and raises `RanksTimedOut` naming the ranks that did not report. Workers are daemons that also die with their
+and raises `RanksTimedOut` naming the ranks that did not report, with the Python stack of every thread of each
+(faulthandler, on SIGUSR1), so a hang in CI says where it hangs. Workers are daemons that also die with their
 parent (PR_SET_PDEATHSIG), so a killed pytest leaves no orphans.
 """
 
@@ -27,17 +28,21 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import faulthandler
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
 
 STARTUP_TIMEOUT_S = 120.0
+STACK_DUMP_WAIT_S = 2.0  # how long the parent waits for a hung worker's faulthandler to write its stacks
 _RESET = b"reset"  # parent -> worker, after every rank replied; a task is always a longer pickle
 _PR_SET_PDEATHSIG = 1
 
@@ -54,8 +59,9 @@ class RankFailed(RuntimeError):
 class RanksTimedOut(TimeoutError):
     """Some ranks did not report within the deadline; `ranks` lists them."""
 
-    def __init__(self, ranks: list[int], world_size: int, timeout: float):
-        super().__init__(f"ranks {ranks} of {world_size} did not finish within {timeout:g} s")
+    def __init__(self, ranks: list[int], world_size: int, timeout: float, stacks: str = ""):
+        message = f"ranks {ranks} of {world_size} did not finish within {timeout:g} s"
+        super().__init__(f"{message}; where they were:\n{stacks}" if stacks else message)
         self.ranks = ranks
 
 
@@ -96,8 +102,10 @@ def _run_task(task: bytes) -> tuple[str, object]:
         os.environ.update(own_env)
 
 
-def _worker_main(conn: Connection, parent_pid: int) -> None:
+def _worker_main(conn: Connection, parent_pid: int, stack_path: str) -> None:
     _die_with_parent(parent_pid)
+    stack_file = open(stack_path, "a")  # kept open for faulthandler's signal handler; appending survives truncation
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     # The ranks are CPU processes even on a GPU host: CUDA is hidden before its first (cached) initialization.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -130,6 +138,10 @@ class _Pool:
         self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs = []
+        self.stack_dir = tempfile.mkdtemp(prefix=f"accel-test-pool{world_size}-")
+
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self.stack_dir, f"rank{rank}.stacks")
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -137,7 +149,7 @@ class _Pool:
             parent_end, child_end = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(child_end, os.getpid()),
+                args=(child_end, os.getpid(), self._stack_path(rank)),
                 daemon=True,
                 name=f"accel-test-rank{rank}-of{self.world_size}",
             )
@@ -170,7 +182,7 @@ class _Pool:
             sentinels = {self.procs[rank].sentinel: rank for rank in pending}
             ready = wait([*pending.values(), *sentinels], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise RanksTimedOut(sorted(pending), self.world_size, timeout)
+                raise RanksTimedOut(sorted(pending), self.world_size, timeout, self._stacks_of(sorted(pending)))
             ready_ranks = {rank for rank, conn in pending.items() if conn in ready}
             ready_ranks |= {sentinels[item] for item in ready if item in sentinels}
             for rank in sorted(ready_ranks):
@@ -179,6 +191,20 @@ class _Pool:
                     raise RankFailed(rank, self.world_size, payload)
                 on_reply(rank, payload)
                 del pending[rank]
+
+    def _stacks_of(self, ranks: list[int]) -> str:
+        """Every thread's Python stack in each of `ranks`' workers, as faulthandler writes them on SIGUSR1."""
+        for rank in ranks:
+            with open(self._stack_path(rank), "w"):
+                pass  # the worker's descriptor appends at its own offset: truncating first keeps one dump
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+        dumps = []
+        for rank in ranks:
+            with open(self._stack_path(rank)) as dump:
+                dumps.append(f"--- rank {rank} (pid {self.procs[rank].pid}) ---\n{dump.read() or '(no dump)'}")
+        return "\n".join(dumps)
 
     def _receive(self, rank: int) -> tuple[str, object]:
         """The reply of `rank`, or an error when its worker died without one."""
@@ -210,6 +236,7 @@ class _Pool:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:

@@ -107,6 +107,9 @@ def test_a_hanging_rank_is_named_when_the_deadline_passes():
         run_on_ranks(_hang_on, 2, 1, timeout=2)
     assert 2 <= time.monotonic() - started < 30
     assert timeout.value.ranks == [1]
+    # The hung rank's own stack comes with the error, down to the line it waits on.
+    assert "--- rank 1 (pid" in str(timeout.value) and "in _hang_on" in str(timeout.value)
+    assert "--- rank 0" not in str(timeout.value)
     assert run_on_ranks(_hang_on, 2, -1) == ["done"] * 2
 
 

@@ -52,6 +52,7 @@ class DDPStrategy(Strategy):
         )
         self.ddp_kwargs.register_comm_hook(wrapped)
         wrapped.register_forward_pre_hook(_refuse_to_train_in_uneven_step)
+        _release_group_after_reducer(wrapped)
         return wrapped
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
@@ -59,6 +60,22 @@ class DDPStrategy(Strategy):
         if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         return contextlib.nullcontext()
+
+
+def _release_group_after_reducer(wrapped: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Moves DDP's `process_group` attribute after its `reducer` and `logger`, so that freeing the module drops the
+    Python reference to the group last.
+
+    Why: once the group is destroyed (`end_training`), the DDP module's references are the group's last. Freed in
+    attribute order, the Python `ProcessGroup` went first and the C++ Reducer dropped the last reference, destroying
+    a gloo group with the GIL held (pybind frees a Reducer without releasing it). gloo's destructor joins its worker
+    threads, and a worker still freeing the last gradient all-reduce needs the GIL to release the gradients' Python
+    objects: the rank hung for good (seen on a loaded machine, and every time with a long GIL switch interval). torch
+    frees a Python `ProcessGroup` with the GIL released, so when that reference goes last the join cannot deadlock.
+    """
+    group = wrapped.__dict__.pop("process_group", None)
+    if group is not None:
+        wrapped.__dict__["process_group"] = group
 
 
 def _refuse_to_train_in_uneven_step(module: torch.nn.parallel.DistributedDataParallel, args) -> None:
