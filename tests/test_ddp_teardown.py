@@ -9,16 +9,17 @@ Python `ProcessGroup`, which torch frees with the GIL released, the last referen
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
-from spawn_pool import run_on_ranks
+from spawn_pool import free_port, run_on_ranks
 
 CYCLES = 30
 
 
-def _train_end_and_free(cycles: int) -> int:
+def _train_end_and_free(ports: list[int]) -> int:
     from accel import Accelerator
     from accel.state import AcceleratorState, GradientState, PartialState
 
@@ -27,7 +28,8 @@ def _train_end_and_free(cycles: int) -> int:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(100.0)
     try:
-        for _ in range(cycles):
+        for port in ports:  # a store of its own per cycle: rank 0's previous one may still be closing
+            os.environ["MASTER_PORT"] = str(port)
             accelerator = Accelerator()
             model = accelerator.prepare(torch.nn.Linear(2, 1))
             model(torch.ones(4, 2)).sum().backward()
@@ -38,13 +40,16 @@ def _train_end_and_free(cycles: int) -> int:
             GradientState._reset_state()
     finally:
         sys.setswitchinterval(interval)
-    return cycles
+    return len(ports)
 
 
 @pytest.mark.timeout(150)
 def test_a_ddp_model_freed_after_end_training_releases_its_gloo_group(monkeypatch):
     monkeypatch.setenv("ACCEL_TRANSPORT", "torch")  # plain gloo in every mode (natively, CPU groups share memory)
-    assert run_on_ranks(_train_end_and_free, 2, CYCLES, timeout=90) == [CYCLES, CYCLES]
+    ports: set[int] = set()
+    while len(ports) < CYCLES:
+        ports.add(free_port())
+    assert run_on_ranks(_train_end_and_free, 2, sorted(ports), timeout=90) == [CYCLES, CYCLES]
 
 
 def test_the_ddp_module_drops_its_process_group_reference_last():
