@@ -17,8 +17,10 @@ an order that alternates between rounds, the same number of calls of:
 - `reference`: accel's two calls through its torch.distributed transport, over plain gloo too.
 The ratio HF/accel is the median over rounds of each round's ratio (interleaved pairs), so drifts of a busy
 machine hit both sides alike. A second group times whole `gather_for_metrics` evaluation passes the same way, and a
-third the same pass with a small MLP's forward (issue 23): accel's pass, HF's pass, and accel's forward-only pass
-over the same prepared loader and model (the limit), with what gathering adds per batch. ACCEL_BENCH_ROUNDS sets the
+third the same pass with a small MLP's forward (issue 23): accel's pass, HF's pass, accel's forward-only pass
+over the same prepared loader and model (the limit), and that pass with a barrier (`wait_for_everyone`) after each
+forward, with what gathering and what a barrier add per batch (a barrier is the least any collective per batch
+costs: one rendezvous, and each rank waiting for the slower one's forward). ACCEL_BENCH_ROUNDS sets the
 rounds of the evaluation-pass benchmarks (default 21; a few suffice to check that they run).
 Everything lands in each benchmark's `extra_info` (benchmarks/report/gather.py reads it); pytest-benchmark's
 own statistics are those of one whole round.
@@ -256,13 +258,16 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
 
 
-def _model_pass(model, loader, gather_for_metrics=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _model_pass(model, loader, gather_for_metrics=None, sync=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """An evaluation loop as users write it: predictions and labels of every batch through `gather_for_metrics`
-    (none: the forward-only pass over the same loader), concatenated at the end."""
+    (none: the forward-only pass over the same loader), concatenated at the end. `sync`: called after each forward
+    instead (a barrier: what any collective per batch costs at least, the ranks' waits for each other included)."""
     predictions, labels = [], []
     with torch.no_grad():
         for features, batch_labels in loader:
             batch_predictions = model(features).argmax(dim=-1)
+            if sync is not None:
+                sync()
             if gather_for_metrics is not None:
                 batch_predictions, batch_labels = gather_for_metrics((batch_predictions, batch_labels))
                 predictions.append(batch_predictions)
@@ -290,6 +295,7 @@ def test_eval_pass_with_model(benchmark, state):
     runs = Interleaved(
         {
             "limit": lambda: _model_pass(our_model, our_loader),
+            "barrier": lambda: _model_pass(our_model, our_loader, sync=ours.wait_for_everyone),
             "accel": lambda: _model_pass(our_model, our_loader, ours.gather_for_metrics),
             "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
         },
@@ -302,6 +308,7 @@ def test_eval_pass_with_model(benchmark, state):
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
     # What gathering adds per batch, from each round's pair (the same loader and model, interleaved).
     per_batch = [(a - f) / len(our_loader) for a, f in zip(runs.times["accel"], runs.times["limit"])]
+    barrier_per_batch = [(b - f) / len(our_loader) for b, f in zip(runs.times["barrier"], runs.times["limit"])]
     benchmark.extra_info.update(
         world_size=WORLD_SIZE,
         payload="eval+mlp",
@@ -309,6 +316,7 @@ def test_eval_pass_with_model(benchmark, state):
         batch_size=EVAL_BATCH,
         batches=len(our_loader),
         gather_per_batch_s=statistics.median(per_batch),
+        barrier_per_batch_s=statistics.median(barrier_per_batch),
         **runs.summary("accel", ["hf"]),
     )
     benchmark.extra_info["accel/limit"] = runs.summary("limit", ["accel"])["accel/limit"]

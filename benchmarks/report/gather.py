@@ -110,6 +110,7 @@ def model_pass_table(results: dict) -> list[str]:
     for world in sorted({world for world, payload in results if payload == MODEL_PASS}):
         info = results[(world, MODEL_PASS)]
         t, per_batch = info["median_s"], info["gather_per_batch_s"] * 1e6
+        barrier = info.get("barrier_per_batch_s")
         goals = [MISSING] * 3
         if world == 2:
             goals = [
@@ -129,6 +130,7 @@ def model_pass_table(results: dict) -> list[str]:
                 goals[1],
                 f"{per_batch:,.1f}",
                 goals[2],
+                MISSING if barrier is None else f"{barrier * 1e6:,.1f}",
             )
         )
     header = [
@@ -142,6 +144,7 @@ def model_pass_table(results: dict) -> list[str]:
         "goal",
         "gathering per batch µs",
         "goal",
+        "a barrier per batch µs",
     ]
     return scaffold.table(header, rows)
 
@@ -190,7 +193,9 @@ def main(out_dir: str, *paths: str) -> None:
         "The user's whole loop: the prepared loader, the prepared model's forward under `torch.no_grad()`, then",
         "`gather_for_metrics((predictions, labels))` per batch. `forward only` is accel's same loop without the",
         "gather (the limit); `gathering per batch` is the median over rounds of (accel - forward only) / batches,",
-        "what each call costs inside the loop, waiting for the slower rank included.",
+        "what each call costs inside the loop, waiting for the slower rank included; `a barrier per batch` is the",
+        "same for `wait_for_everyone()` in place of the gather, in the same rounds: the least any collective per",
+        "batch costs there (one rendezvous, and the wait for the rank whose forward took longer).",
         "",
         *model_pass_table(results),
         "",
