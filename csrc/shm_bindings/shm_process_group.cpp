@@ -27,11 +27,10 @@
 #include "../reduce_in_order.h"
 #include "../shm/collectives.h"
 #include "../shm/shm_group.h"
+#include "backend_support.h"
 #include "shared_group.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -41,151 +40,19 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 namespace accel {
 namespace {
 
-using c10d::OpType;
-using Milliseconds = std::chrono::milliseconds;
+using namespace backend;  // NOLINT(build/namespaces): this file is the backend those helpers serve
 
-// --- works: complete when returned ----------------------------------------------------------------------------
-
-// A Work whose collective has finished, carrying its outputs the way gloo's works do (DDP's reducer and the comm
-// hooks read the future's value: the tensors for all_reduce, the list of lists for a list all_gather).
-class FinishedWork final : public c10d::Work {
- public:
-  FinishedWork(int rank, OpType type, std::vector<at::Tensor> result, c10::IValue value, c10::TypePtr value_type)
-      : c10d::Work(rank, type),
-        result_(std::move(result)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(std::move(value_type))) {
-    future_->markCompleted(std::move(value));
-    finish();
-  }
-
-  std::vector<at::Tensor> result() override { return result_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  std::vector<at::Tensor> result_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-c10::intrusive_ptr<c10d::Work> finished(int rank, OpType type, const std::vector<at::Tensor>& tensors) {
-  return c10::make_intrusive<FinishedWork>(rank, type, tensors, c10::IValue(tensors),
-                                           c10::ListType::create(c10::TensorType::get()));
-}
-
-c10::intrusive_ptr<c10d::Work> finished(int rank, OpType type, const std::vector<std::vector<at::Tensor>>& lists) {
-  c10::List<c10::List<at::Tensor>> value;
-  std::vector<at::Tensor> flat;
-  for (const auto& list : lists) {
-    value.push_back(c10::List<at::Tensor>(list));
-    flat.insert(flat.end(), list.begin(), list.end());
-  }
-  return c10::make_intrusive<FinishedWork>(rank, type, std::move(flat), c10::IValue(value),
-                                           c10::ListType::create(c10::ListType::create(c10::TensorType::get())));
-}
-
-// --- calls as the core sees them -------------------------------------------------------------------------------
-
-// ReduceKind numbers the reductions as torch.distributed's ReduceOp does, and the Call carries it as its op.
-static_assert(static_cast<int>(ReduceKind::Sum) == c10d::ReduceOp::SUM &&
-                  static_cast<int>(ReduceKind::Avg) == c10d::ReduceOp::AVG &&
-                  static_cast<int>(ReduceKind::Product) == c10d::ReduceOp::PRODUCT &&
-                  static_cast<int>(ReduceKind::Min) == c10d::ReduceOp::MIN &&
-                  static_cast<int>(ReduceKind::Max) == c10d::ReduceOp::MAX &&
-                  static_cast<int>(ReduceKind::BitAnd) == c10d::ReduceOp::BAND &&
-                  static_cast<int>(ReduceKind::BitOr) == c10d::ReduceOp::BOR &&
-                  static_cast<int>(ReduceKind::BitXor) == c10d::ReduceOp::BXOR &&
-                  static_cast<int>(ReduceKind::PremulSum) == c10d::ReduceOp::PREMUL_SUM,
-              "ReduceKind must follow c10d::ReduceOp's numbering");
-
-shm::Call call_of(const at::Tensor& tensor, ReduceKind kind = ReduceKind::Sum, double factor = 1.0) {
-  shm::Call call;
-  call.op = static_cast<uint32_t>(kind);
-  call.dtype = static_cast<int64_t>(tensor.scalar_type());
-  call.count = static_cast<uint64_t>(tensor.numel());
-  call.element_bytes = tensor.element_size();
-  call.factor = factor;
-  return call;
-}
-
-// torch's name of a dtype (torch.float32 prints as float32), for the dtypes a collective commonly moves.
-std::string dtype_name(int64_t code) {
-  if (code < 0 || code >= static_cast<int64_t>(at::ScalarType::Undefined)) return "dtype " + std::to_string(code);
-  switch (static_cast<at::ScalarType>(code)) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kShort: return "int16";
-    case at::kInt: return "int32";
-    case at::kLong: return "int64";
-    case at::kBool: return "bool";
-    default: return c10::toString(static_cast<at::ScalarType>(code));
-  }
-}
-
-// How a mismatch error shows a rank's call (a peer's fields may be anything: they are only printed).
-std::string describe(const shm::Call& call) {
-  static const char* const kinds[] = {"?", "all_reduce", "all_reduce", "all_reduce (gather phase)", "broadcast",
-                                      "all_gather", "reduce_scatter", "barrier"};
-  const auto kind = static_cast<shm::CallKind>(call.kind);
-  std::ostringstream out;
-  out << (call.kind < static_cast<uint32_t>(shm::CallKind::End) ? kinds[call.kind] : "?") << "(";
-  out << dtype_name(call.dtype) << "[" << call.count << "]";
-  const bool reduces = kind == shm::CallKind::AllReduce || kind == shm::CallKind::ReduceSlices ||
-                       kind == shm::CallKind::ReduceScatter;
-  if (reduces && call.op < static_cast<uint32_t>(ReduceKind::Count)) {
-    out << ", " << reduce_kind_name(static_cast<ReduceKind>(call.op));
-    if (static_cast<ReduceKind>(call.op) == ReduceKind::PremulSum) out << " by " << call.factor;
-  }
-  if (kind == shm::CallKind::Broadcast) out << ", root " << call.root;
-  out << ")";
-  return out.str();
-}
-
-// The reduction kernels behind the core's Reduce: every part combined in rank order.
-shm::Reduce reducer(at::ScalarType dtype, ReduceKind kind, double factor, int world) {
-  return [=](const std::byte* const* parts, std::byte* out, uint64_t count) {
-    reduce_in_order(reinterpret_cast<const void* const*>(parts), world, out, static_cast<int64_t>(count), dtype, kind,
-                    factor);
-  };
-}
-
-// --- the backend ---------------------------------------------------------------------------------------------------
-
-// The timeout of one call: the option's when the caller set one, else the group's.
-class CallTimeout {
- public:
-  CallTimeout(shm::Group& group, Milliseconds group_timeout, Milliseconds requested)
-      : group_(group), group_timeout_(group_timeout),
-        changed_(requested != c10d::kUnsetTimeout && requested != group_timeout) {
-    if (changed_) group_.set_timeout(requested);
-  }
-  ~CallTimeout() {
-    if (changed_) group_.set_timeout(group_timeout_);
-  }
-  CallTimeout(const CallTimeout&) = delete;
-  CallTimeout& operator=(const CallTimeout&) = delete;
-
- private:
-  shm::Group& group_;
-  const Milliseconds group_timeout_;
-  const bool changed_;
-};
-
-class SharedMemoryBackend final : public c10d::Backend {
+class SharedMemoryBackend final : public DelegatingBackend {
  public:
   // The backend of the shared-memory group `handle` (accel::shm_group_create, attached to every peer's segment).
   SharedMemoryBackend(int64_t handle, int64_t one_shot_max_bytes)
@@ -199,28 +66,14 @@ class SharedMemoryBackend final : public c10d::Backend {
   // is unmapped once no call holds it.
   ~SharedMemoryBackend() override { release_group(handle_); }
 
-  // ProcessGroup::hasBackendForDeviceType is torch 2.12+; getDeviceTypes answers the same on every supported torch.
-  static bool has_cpu_backend(const c10d::ProcessGroup& group) {
-    const auto devices = group.getDeviceTypes();
-    return std::any_of(devices.begin(), devices.end(), [](const c10::Device& d) { return d.type() == c10::kCPU; });
-  }
-
   // Once every rank has attached: closes this rank's descriptor and becomes `group`'s backend for CPU tensors, with
   // the backend it had there (gloo) as the delegate for everything not done here.
   void install(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-    TORCH_CHECK(!delegate_, "accel process group: install() was already called");
-    TORCH_CHECK(has_cpu_backend(*group),
-                "accel process group: the process group has no CPU backend to delegate to");
-    TORCH_CHECK(group->getSize() == getSize() && group->getRank() == getRank(), "accel process group: rank ",
-                getRank(), " of ", getSize(), " cannot serve rank ", group->getRank(), " of ", group->getSize());
     {
       std::lock_guard<std::mutex> lock(shared_->mutex);
       translating([&] { shared_->group.finish_setup(); });
     }
-    delegate_ = group->getBackend(c10::DeviceType::CPU);
-    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM,
-                      c10::intrusive_ptr<c10d::Backend>::reclaim_copy(this));
-    group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+    become_cpu_backend_of(group);
   }
 
   // Rounds of the shared-memory protocol so far (tests: which collectives went through shared memory).
@@ -231,8 +84,6 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   // --- c10d::Backend ---
 
-  const std::string getBackendName() const override { return "accel"; }
-
   c10::intrusive_ptr<Options> getBackendOptions() override { return c10::make_intrusive<Options>("accel", timeout_); }
 
   void setTimeout(Milliseconds timeout) override {
@@ -240,13 +91,6 @@ class SharedMemoryBackend final : public c10d::Backend {
     translating([&] { group().set_timeout(timeout); });
     timeout_ = timeout;
     delegate().setTimeout(timeout);
-  }
-
-  // Collectives finish when called, so a coalesced block needs no queue: its collectives have run by its end.
-  bool supportsCoalescing() const override { return true; }
-  void startCoalescing() override {}
-  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    return finished(getRank(), OpType::COALESCED, std::vector<at::Tensor>{});
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -298,7 +142,7 @@ class SharedMemoryBackend final : public c10d::Backend {
     if (inputs.size() != 1 || outputs.size() != 1 || !movable(inputs[0])) {
       return delegate().allgather(outputs, inputs, opts);
     }
-    check_gather_outputs(outputs[0], inputs[0]);
+    check_gather_outputs(outputs[0], inputs[0], getSize());
     std::vector<at::Tensor> gathered;
     for (const at::Tensor& out : outputs[0]) gathered.push_back(dense(out));
     const at::Tensor input = dense(inputs[0]);
@@ -374,56 +218,6 @@ class SharedMemoryBackend final : public c10d::Backend {
     return finished(getRank(), OpType::BARRIER, std::vector<at::Tensor>{});
   }
 
-  // --- delegated to gloo: what training does not need on a fast path ---
-
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
-    return delegate().reduce(tensors, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
-                                                  const c10d::AllreduceOptions& opts) override {
-    return delegate().allreduce_sparse(tensors, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllgatherOptions& opts) override {
-    return delegate().allgather_coalesced(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override {
-    return delegate().gather(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override {
-    return delegate().scatter(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ReduceScatterOptions& opts) override {
-    return delegate().reduce_scatter(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
-                                               std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions& opts) override {
-    return delegate().alltoall_base(output, input, output_splits, input_splits, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override {
-    return delegate().alltoall(outputs, inputs, opts);
-  }
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
-    return delegate().send(tensors, dst, tag);
-  }
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
-    return delegate().recv(tensors, src, tag);
-  }
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
-    return delegate().recvAnysource(tensors, tag);
-  }
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
-    delegate().monitoredBarrier(opts, wait_all_ranks);
-  }
-  void setSequenceNumberForGroup() override { delegate().setSequenceNumberForGroup(); }
-  uint64_t getSequenceNumberForGroup() override { return delegate().getSequenceNumberForGroup(); }
 
   // A rank that leaves (destroy_process_group, abort) tells its peers at once: one still waiting for it fails now
   // rather than at its deadline; one that already has what it waited for is not disturbed.
@@ -432,7 +226,7 @@ class SharedMemoryBackend final : public c10d::Backend {
 
  private:
   SharedMemoryBackend(std::shared_ptr<SharedGroup> shared, int64_t handle, int64_t one_shot_max_bytes)
-      : c10d::Backend(shared->group.rank(), shared->group.world()),
+      : DelegatingBackend(shared->group.rank(), shared->group.world()),
         shared_(std::move(shared)),
         handle_(handle),
         collectives_(shared_->group, describe),
@@ -440,11 +234,6 @@ class SharedMemoryBackend final : public c10d::Backend {
         one_shot_max_bytes_(static_cast<uint64_t>(std::max<int64_t>(one_shot_max_bytes, 0))) {}
 
   shm::Group& group() { return shared_->group; }
-
-  c10d::Backend& delegate() {
-    TORCH_CHECK(delegate_, "accel process group: used before install()");
-    return *delegate_;
-  }
 
   // Runs body under the group's lock (the core is used by one thread at a time: concurrent calls queue) and the
   // call's timeout, with the core's errors translated.
@@ -455,83 +244,11 @@ class SharedMemoryBackend final : public c10d::Backend {
     translating(body);
   }
 
-  static std::byte* bytes(const at::Tensor& tensor) { return static_cast<std::byte*>(tensor.data_ptr()); }
-
-  // Dense CPU tensors with a fixed element size: what the exchanges move.
-  static bool movable(const at::Tensor& tensor) {
-    return tensor.device().is_cpu() && tensor.layout() == at::kStrided && !tensor.is_quantized() &&
-           !tensor.is_nested() && tensor.element_size() <= 16;
-  }
-
-  // The reduction to run here, or nothing when gloo gets the call. The same answer on every rank: it depends on
-  // the dtype and the op, which every rank passes alike.
-  static std::optional<ReduceKind> reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op) {
-    if (tensors.size() != 1 || !movable(tensors[0]) || op.op_ >= c10d::ReduceOp::UNUSED) return std::nullopt;
-    const auto kind = static_cast<ReduceKind>(static_cast<int>(op.op_));
-    if (!reduce_in_order_supported(tensors[0].scalar_type(), kind)) return std::nullopt;
-    return kind;
-  }
-
-  static double premul_factor(const c10d::ReduceOp& op) {
-    if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return 1.0;
-    // NCCLPreMulSumSupplement: torch 2.11's name; later versions keep it as an alias of PreMulSumSupplement.
-    const auto* supplement = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-    TORCH_CHECK(supplement != nullptr, "accel process group: PREMUL_SUM without its factor");
-    if (supplement->tensor_factor.defined()) return supplement->tensor_factor.to(at::kCPU).item<double>();
-    return supplement->double_factor;
-  }
-
-  static void check_same_dtype(const at::Tensor& output, const at::Tensor& input, const char* what) {
-    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "accel process group: ", what, " output is ",
-                output.scalar_type(), " but the input is ", input.scalar_type());
-    TORCH_CHECK(output.device().is_cpu(), "accel process group: ", what, " output is on ", output.device());
-  }
-
-  void check_gather_outputs(const std::vector<at::Tensor>& outputs, const at::Tensor& input) const {
-    TORCH_CHECK(outputs.size() == static_cast<size_t>(getSize()), "accel process group: all_gather needs ",
-                getSize(), " output tensors, got ", outputs.size());
-    for (const at::Tensor& out : outputs) {
-      check_same_dtype(out, input, "all_gather");
-      TORCH_CHECK(out.numel() == input.numel(), "accel process group: all_gather outputs must have the input's ",
-                  input.numel(), " elements, got ", out.numel());
-    }
-  }
-
-  // The exchanges read and write a collective's tensors as gloo's and NCCL's do, as memory, unseen by autograd: a
-  // c10d collective is not differentiable (torch's functional collectives are), so a Parameter, a view of one or a
-  // tensor of a graph takes part as it is, and its version stays as it was. Non-contiguous tensors go through a
-  // contiguous copy, made and written back below autograd for the same reason (the copy_ of the write-back would
-  // otherwise refuse a leaf that requires grad, or record itself in a graph).
-
-  // `tensor` itself when it is contiguous, else a contiguous copy of it.
-  static at::Tensor dense(const at::Tensor& tensor) {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return tensor.contiguous();
-  }
-
-  // Writes the results the exchange left in `results` (each from dense(outputs[i])) into the outputs that are not
-  // the same tensor. An output whose elements share memory (an expanded tensor) cannot take one result per element:
-  // refused, writing no output, after the exchange (every rank has finished it and the group stays usable).
-  static void write_results(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& results,
-                            const char* what) {
-    for (const at::Tensor& output : outputs) {
-      TORCH_CHECK(at::has_internal_overlap(output) != at::MemOverlap::Yes, "accel process group: ", what,
-                  " cannot write its result into a tensor whose elements share memory (an expanded tensor, stride 0 ",
-                  "in a dimension of size > 1; strides ", output.strides(), "); pass one that owns its elements, ",
-                  "e.g. tensor.clone()");
-    }
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (!results[i].is_same(outputs[i])) outputs[i].copy_(results[i]);
-    }
-  }
-
   std::shared_ptr<SharedGroup> shared_;  // the group and its lock, shared with accel's own collectives
   const int64_t handle_;
   shm::Collectives collectives_;
   Milliseconds timeout_;
   const uint64_t one_shot_max_bytes_;
-  c10::intrusive_ptr<c10d::Backend> delegate_;
 };
 
 }  // namespace
