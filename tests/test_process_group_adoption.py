@@ -4,8 +4,8 @@ A user's own `init_process_group("gloo")` on 2 ranks of one host, then `Accelera
 backend becomes accel's shared-memory backend (natively; gloo with ACCEL_TRANSPORT=torch or without the extension),
 and collectives, `gather`, `gather_for_metrics` and DDP training give the same results either way. Without LOCAL_RANK
 in the environment (a user's group; a group PartialState starts from RANK/WORLD_SIZE alone, as under Kubeflow), the
-local rank and local world size come from the ranks' host identities (simulated hosts), a group spanning hosts stays
-gloo, and a launcher's LOCAL_RANK is kept. The adoption happens once per group.
+local rank and local world size come from the ranks' host identities (simulated hosts), a group spanning hosts shares
+memory inside each host, and a launcher's LOCAL_RANK is kept. The adoption happens once per group.
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ def _on_simulated_hosts(hosts: list[str], keep_launcher_values: bool, users_grou
 
 @pytest.mark.timeout(120)
 def test_local_ranks_come_from_the_hosts_when_no_launcher_gave_them():
-    # Three ranks on two hosts, interleaved (not rank % n): each host numbers its ranks in rank order. A group that
-    # spans hosts stays gloo as it is.
+    # Three ranks on two hosts, interleaved (not rank % n): each host numbers its ranks in rank order. The group that
+    # spans the hosts shares memory inside host a (accel's HostLeaderBackend, natively).
     results = run_on_ranks(_on_simulated_hosts, 3, ["a", "b", "a"], False, timeout=90)
-    assert results == [(0, 2, "gloo"), (0, 1, "gloo"), (1, 2, "gloo")]
+    assert results == [(0, 2, SHARED), (0, 1, SHARED), (1, 2, SHARED)]
 
 
 @pytest.mark.timeout(120)

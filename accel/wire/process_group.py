@@ -11,8 +11,8 @@ A group accel starts and a group someone else initialized (a user's `init_proces
 Kubeflow, torchrun without `accel launch`) are treated alike, once per group (`adopt_default_group`): the ranks
 exchange their host identities through the group's store, which gives LOCAL_RANK / LOCAL_WORLD_SIZE where the
 environment lacks them, and a gloo group whose ranks share one host gets accel's shared-memory backend for its CPU
-collectives (`share_memory_in_default_group`; ACCEL_TRANSPORT=torch keeps it gloo). A group whose ranks span hosts
-stays gloo as it is.
+collectives (`share_memory_in_default_group`; ACCEL_TRANSPORT=torch keeps it gloo); one whose ranks span hosts shares
+memory inside each host, its hosts' leaders talking over gloo.
 """
 
 from __future__ import annotations
@@ -121,10 +121,10 @@ def adopt_default_group() -> None:
     Collective over the group's store, on every rank of a group of several processes: each rank tells the others its
     host identity (`same_host.host_identity`), and where LOCAL_RANK is not set, it is exported with LOCAL_WORLD_SIZE
     from them (`export_local_placement`). Then a gloo group moves CPU tensors through shared memory when its ranks
-    share one host (`share_memory_in_default_group`; it stays gloo where they cannot, with ACCEL_TRANSPORT=torch, and
-    when its ranks span hosts). A group without a gloo CPU backend (NCCL) is left as it is. Calling it again for the
-    same group (a `PartialState` made again after `_reset_state`) does nothing, so no rank waits for a peer that does
-    not call it.
+    share one host, and inside each host when they span hosts (`share_memory_in_default_group`; it stays gloo where
+    they cannot, and with ACCEL_TRANSPORT=torch). A group without a gloo CPU backend (NCCL) is left as it is. Calling
+    it again for the same group (a `PartialState` made again after `_reset_state`) does nothing, so no rank waits for
+    a peer that does not call it.
     """
     global _adopted
     group = dist.distributed_c10d._get_default_group()

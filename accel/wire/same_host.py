@@ -5,8 +5,9 @@ Each rank states its facts (`local_facts`), the ranks exchange them, and every r
 same list (`why_not`, `oversubscribed`), so all reach the same answer: one host and one /dev/shm (compared, not
 assumed from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead peers are found by pid), the native code
 loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. `ACCEL_TRANSPORT=shm` asks for an error instead
-of a fallback. Setting up is collective too: `on_every_rank` runs a step on each rank and gives every rank the same
-outcome. Nothing here imports torch.distributed or the state: both users sit above it.
+of a fallback. A group that spans hosts can still share memory inside each host (`host_layout`, `why_not_per_host`).
+Setting up is collective too: `on_every_rank` runs a step on each rank and gives every rank the same outcome. Nothing
+here imports torch.distributed or the state: both users sit above it.
 """
 
 from __future__ import annotations
@@ -57,15 +58,38 @@ def local_facts(native: bool) -> Facts:
     return Facts(host_identity(), native, requested_transport(), secrets.token_hex(16), inherited_cpus(), _cpu_quota())
 
 
+SPANS_HOSTS = "the processes are not all on one host with a shared /dev/shm"
+
+
 def why_not(everyone: list[Facts]) -> str | None:
-    """Why this group cannot use shared memory (None: it can); the same answer on every rank."""
+    """Why this group cannot use shared memory among all its ranks (None: it can); the same answer on every rank.
+    `SPANS_HOSTS` when that is the only reason: see `why_not_per_host`."""
     if any(facts.choice == "torch" for facts in everyone):
         return "ACCEL_TRANSPORT=torch"
     if not all(facts.native for facts in everyone):
         missing = [rank for rank, facts in enumerate(everyone) if not facts.native]
         return f"the native extension is not loaded on process(es) {missing} (see `accel env`)"
     if any(facts.host != everyone[0].host for facts in everyone):
-        return "the processes are not all on one host with a shared /dev/shm"
+        return SPANS_HOSTS
+    return None
+
+
+def host_layout(everyone: list[Facts]) -> list[list[int]]:
+    """The group's ranks by host: each host's ranks in rank order, hosts in the order of their lowest rank (that rank
+    leads its host). The same on every rank."""
+    hosts: dict[tuple, list[int]] = {}
+    for rank, facts in enumerate(everyone):
+        hosts.setdefault(facts.host, []).append(rank)
+    return list(hosts.values())  # dicts keep insertion order: by lowest rank
+
+
+def why_not_per_host(everyone: list[Facts]) -> str | None:
+    """Why a group that spans hosts cannot share memory inside each host (None: it can); the same on every rank. Only
+    worth it when some host holds several of the group's ranks."""
+    if why_not(everyone) != SPANS_HOSTS:
+        return why_not(everyone) or "the processes are all on one host"
+    if all(len(ranks) == 1 for ranks in host_layout(everyone)):
+        return "no two processes of the group share a host"
     return None
 
 
@@ -109,9 +133,14 @@ def _boot_id() -> str | None:
 
 def host_identity() -> tuple:
     """What two processes on one host with one /dev/shm have in common: host name, boot id, /dev/shm's inode, mount
-    and pid namespaces (two containers of one machine are two hosts here)."""
+    and pid namespaces (two containers of one machine are two hosts here).
+
+    ACCEL_TEST_HOST_ID (tests and benchmarks only) is added to it: processes of one machine with different values are
+    different hosts, so that a job of several "hosts" runs on one machine (two launchers on 127.0.0.2 and 127.0.0.3)."""
     namespaces = tuple(_inode(f"/proc/self/ns/{name}") for name in ("mnt", "pid"))
-    return socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces
+    identity = (socket.gethostname(), _boot_id(), _inode("/dev/shm"), namespaces)
+    test_host = os.environ.get("ACCEL_TEST_HOST_ID")
+    return identity if not test_host else (*identity, test_host)
 
 
 def placement(hosts: list[tuple], rank: int) -> tuple[int, int]:

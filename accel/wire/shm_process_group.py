@@ -18,8 +18,10 @@ becomes the group's CPU backend, with the gloo backend as its delegate. `torch.d
 it unchanged: DDP's gradient buckets, its comm hooks and `broadcast_buffers`, FSDP2's `fully_shard`, DeviceMesh.
 Groups can also ask for it by name: `init_process_group("accel")`, `new_group(ranks, backend="accel")` (the backend is
 registered with `Backend.register_backend("accel", ..., devices=["cpu"])`; where the ranks cannot share memory such a
-group is plain gloo). Groups whose ranks span hosts (they stay gloo, decided per group as above) and GPU groups
-(NCCL; a group without a CPU backend is left alone) are unchanged.
+group is plain gloo). A group whose ranks span hosts gets `HostLeaderBackend` instead
+(`csrc/shm_bindings/host_leader_backend.cpp`): shared memory inside each host, gloo among the hosts' leaders (decided
+per group as above; a group with one rank per host stays gloo). GPU groups (NCCL; a group without a CPU backend) are
+left alone.
 
 Through shared memory: `all_reduce` (sum, avg, product, min, max, band/bor/bxor, premul_sum; fp32, fp64, fp16,
 bf16, int8/16/32/64, uint8, bool), `broadcast`, `all_gather`, `all_gather_into_tensor`, `reduce_scatter_tensor`,
@@ -114,10 +116,14 @@ def share_memory_in_default_group() -> Any:
 
 
 def shared_memory_backend(group: Any) -> Any:
-    """`group`'s shared-memory backend (an `accel._C.SharedMemoryBackend`), or None when the group does not share
-    memory."""
+    """`group`'s shared-memory backend (an `accel._C.SharedMemoryBackend`, whose one group spans all its ranks), or
+    None when the group does not share memory, or only inside each of its hosts (a `HostLeaderBackend`)."""
     cpu = _cpu_backend(group)
-    return cpu if cpu is not None and cpu.name() == BACKEND else None
+    if cpu is None or cpu.name() != BACKEND:
+        return None
+    from accel import _C
+
+    return cpu if isinstance(cpu, _C.SharedMemoryBackend) else None
 
 
 def _cpu_backend(group: Any) -> Any:
@@ -150,13 +156,13 @@ def _slot_bytes() -> int:
     return -(-same_host.slot_bytes(DEFAULT_SLOT_BYTES) // 64) * 64
 
 
-def _one_shot_bytes(world_size: int) -> int:
-    value = get_setting("SHM_ONE_SHOT_BYTES")
-    if not value:
+def _one_shot_bytes(world_size: int, setting: str | None) -> int:
+    """The one-shot all-reduce limit for a shared-memory group of `world_size` ranks, given ACCEL_SHM_ONE_SHOT_BYTES."""
+    if not setting:
         return 2**62 if world_size <= 2 else ONE_SHOT_BYTES_FROM_THREE_RANKS
-    if not value.strip().isdigit():
-        raise ValueError(f"ACCEL_SHM_ONE_SHOT_BYTES={value!r}: expected a number of bytes")
-    return int(value)
+    if not setting.strip().isdigit():
+        raise ValueError(f"ACCEL_SHM_ONE_SHOT_BYTES={setting!r}: expected a number of bytes")
+    return int(setting)
 
 
 # --- creating a group: torch.distributed calls _create_backend on every rank of a new group ------------------------
@@ -168,7 +174,7 @@ class _Facts:
 
     host: same_host.Facts  # host identity, extension, ACCEL_TRANSPORT, token, CPUs
     slot_bytes: int
-    one_shot_bytes: int
+    one_shot_setting: str | None  # ACCEL_SHM_ONE_SHOT_BYTES (checked when stated)
 
 
 def _create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -189,9 +195,14 @@ def _share_memory(rounds: StoreRounds, group: Any, timeout: timedelta) -> Any:
     """Installs the backend into `group` (its CPU backend becomes the delegate) when every rank can share memory.
     Returns the backend, or None when the group stays as it was; the same outcome on every rank."""
     everyone = rounds.all_gather("facts", _local_facts(rounds.world_size))
-    forced = same_host.forced([facts.host for facts in everyone])
-    reason = same_host.why_not([facts.host for facts in everyone])
-    if reason is None:
+    hosts = [facts.host for facts in everyone]
+    forced = same_host.forced(hosts)
+    reason = same_host.why_not(hosts)
+    if reason == same_host.SPANS_HOSTS and same_host.why_not_per_host(hosts) is None:
+        backend, reason = _set_up_across_hosts(rounds, group, everyone, timeout)
+        if backend is not None:
+            return backend
+    elif reason is None:
         backend, reason = _set_up(rounds, group, everyone, timeout)
         if backend is not None:
             return backend
@@ -203,7 +214,9 @@ def _share_memory(rounds: StoreRounds, group: Any, timeout: timedelta) -> Any:
 
 
 def _local_facts(world_size: int) -> _Facts:
-    return _Facts(same_host.local_facts(_native_ready()), _slot_bytes(), _one_shot_bytes(world_size))
+    setting = get_setting("SHM_ONE_SHOT_BYTES")
+    _one_shot_bytes(world_size, setting)  # a bad value stops every rank's set-up here, naming it
+    return _Facts(same_host.local_facts(_native_ready()), _slot_bytes(), setting)
 
 
 def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
@@ -236,8 +249,54 @@ def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: ti
         return None, failure
     from accel import _C
 
-    backend = _C.SharedMemoryBackend(handle, leader.one_shot_bytes)  # releases the group when it goes
+    one_shot = _one_shot_bytes(rounds.world_size, leader.one_shot_setting)
+    backend = _C.SharedMemoryBackend(handle, one_shot)  # releases the group when it goes
     backend.install(group)  # every rank has attached (the exchange above is the barrier)
+    return backend, None
+
+
+def _set_up_across_hosts(
+    rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta
+) -> tuple[Any, str | None]:
+    """A group that spans hosts: the ranks of each host create and attach a shared-memory group of their own (its
+    lowest rank's token names it), the hosts' leaders (each host's lowest rank) start a gloo group among themselves
+    over the process group's store, and every rank installs a `HostLeaderBackend` into `group`: (backend, None), or
+    (None, the first failure) on every rank alike."""
+    layout = same_host.host_layout([facts.host for facts in everyone])
+    host = next(index for index, ranks in enumerate(layout) if rounds.rank in ranks)
+    ranks = layout[host]
+    local_rank, leader = ranks.index(rounds.rank), everyone[ranks[0]]
+    handle = None
+
+    def create() -> list[int]:
+        nonlocal handle
+        handle = ops.shm_group_create(
+            local_rank,
+            len(ranks),
+            leader.host.token,
+            everyone[0].slot_bytes,
+            timeout.total_seconds(),
+            same_host.oversubscribed([everyone[rank].host for rank in ranks]),
+        )
+        return ops.shm_group_locator(handle)
+
+    locators, failure = rounds.on_every_rank("create", create)
+    if failure is None:
+        flat = [number for rank in ranks for number in locators[rank]]
+        _, failure = rounds.on_every_rank("attach", lambda: ops.shm_group_attach(handle, flat))
+    if failure is not None:
+        if handle is not None:
+            ops.shm_group_destroy(handle)
+        return None, failure
+    from accel import _C
+
+    leaders = None
+    if local_rank == 0:  # collective among the leaders only, under the process group's timeout
+        store = dist.PrefixStore(f"accel/{rounds.generation}/leaders/", rounds.store)
+        leaders = dist.ProcessGroupGloo(store, host, len(layout), timeout)
+    one_shot = _one_shot_bytes(len(ranks), everyone[0].one_shot_setting)  # rank 0's setting, as for one host
+    backend = _C.HostLeaderBackend(handle, rounds.rank, rounds.world_size, layout, leaders, one_shot)
+    backend.install(group)
     return backend, None
 
 

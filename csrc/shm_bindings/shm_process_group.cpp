@@ -256,6 +256,8 @@ class SharedMemoryBackend final : public DelegatingBackend {
 
 namespace accel {
 
+void add_host_leader_backend(pybind11::handle module);  // host_leader_backend.cpp: the backend of a group across hosts
+
 // Python constructs the backend and sets it up through this class (accel._C.SharedMemoryBackend), a subclass of
 // torch.distributed's Backend: a ProcessGroup's `_get_backend(cpu)` then returns it as such, with `options` (its
 // timeout) like gloo's.
@@ -271,6 +273,7 @@ int add_python_types(PyObject* module) {
         .def("install", &SharedMemoryBackend::install, py::arg("group"))
         .def("rounds", &SharedMemoryBackend::rounds)
         .def_property_readonly("options", &SharedMemoryBackend::getBackendOptions);
+    add_host_leader_backend(module);
     return 0;
   } catch (py::error_already_set& error) {
     error.restore();
