@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q -p no:cacheprovider
 # pytest-benchmark's flags for every benchmark target: timings only, medians with their spread.
 BENCH_ARGS = --benchmark-only -p no:cacheprovider -q --benchmark-columns=median,iqr,rounds
 
-.PHONY: setup train lint test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack bench-fsdp2 bench-deepspeed cuda-check shm-check gpu-check gpu-docs ci clean
+.PHONY: setup train lint test test-native test-fallback test-pure bench bench-docs bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hosts bench-hf-stack bench-fsdp2 bench-deepspeed cuda-check shm-check gpu-check gpu-docs ci clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(shell find csrc -type f)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -59,7 +59,7 @@ bench: setup
 
 # Every public-path benchmark against HF Accelerate, one after another (run it on a quiet machine): regenerates every
 # table and plot under docs/benchmarks/.
-bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hf-stack \
+bench-docs: bench-gather bench-unscale bench-checkpoint bench-big-model bench-process-group bench-hosts bench-hf-stack \
 	bench-fsdp2 bench-deepspeed
 
 # The padded all-gather on 2 and 4 real ranks against HF Accelerate (installed into the venv for the comparison);
@@ -114,6 +114,21 @@ bench-process-group: setup
 	$(VENV)/bin/pytest benchmarks/bench_training.py $(BENCH_ARGS) --benchmark-json=build/bench-training.json
 	$(VENV)/bin/python benchmarks/report/process_group.py $(BENCH_OUT) build/bench-allreduce-2.json \
 	  build/bench-allreduce-4.json build/bench-training.json
+
+# all_reduce on 2 simulated hosts x 2 ranks: two launchers of this machine (machine ranks 0 and 1, meeting at
+# 127.0.0.2), each launcher's ranks one host (ACCEL_TEST_HOST_ID); accel's per-host shared memory with gloo among
+# the hosts' leaders against flat gloo over the same 4 ranks; regenerates docs/benchmarks/hosts.md and hosts.png.
+HOSTS_PORT ?= 29533
+bench-hosts: setup
+	$(VENV)/bin/pip install -q matplotlib
+	mkdir -p build
+	pids=""; for m in 0 1; do \
+	  ACCEL_TEST_HOST_ID=host$$m ACCEL_BENCH_PAYLOADS=64B,64KiB,4MiB,32MiB $(VENV)/bin/accel launch --cpu \
+	    --num_machines 2 --machine_rank $$m --num_processes 4 --main_process_ip 127.0.0.2 \
+	    --main_process_port $(HOSTS_PORT) benchmarks/ranked_pytest.py benchmarks/bench_allreduce.py $(BENCH_ARGS) \
+	    --benchmark-json=build/bench-hosts.json & pids="$$pids $$!"; \
+	done; for p in $$pids; do wait $$p || exit 1; done
+	$(VENV)/bin/python benchmarks/report/hosts.py $(BENCH_OUT) build/bench-hosts.json
 
 # transformers' Trainer and TRL's SFTTrainer on 2 CPU processes, accel (`accel launch --as_accelerate`) against HF
 # Accelerate 1.15 (torchrun), with a raw torch DDP loop of the same model over accel's shared-memory group and over

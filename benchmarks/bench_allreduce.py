@@ -4,8 +4,9 @@ Runs inside every rank of a real job, on the process group `PartialState` starts
 
     accel launch --cpu --num_processes 2 benchmarks/ranked_pytest.py benchmarks/bench_allreduce.py --benchmark-only
 
-(`make bench-allreduce` runs it on 2 and 4 ranks and writes docs/benchmarks/allreduce.md and allreduce.png.) Every
-rank makes the same calls in the same order; rank 0 reports.
+(`make bench-process-group` runs it on 2 and 4 ranks of one host; `make bench-hosts` on 2 simulated hosts x 2 ranks,
+where `accel` is the group's per-host shared memory with gloo among the hosts' leaders and `gloo` is flat gloo over
+the same 4 ranks.) Every rank makes the same calls in the same order; rank 0 reports.
 
 Per payload (float32 bytes per rank), each round times, in an order that alternates between rounds, the same
 number of calls of:
@@ -29,20 +30,40 @@ from bench_gather import Interleaved
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 pytestmark = pytest.mark.skipif(WORLD_SIZE < 2, reason="run under `accel launch --num_processes N` (see docstring)")
 
-PAYLOADS = {"64B": 64, "4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "32MiB": 32 << 20}
+SIZES = {"64B": 64, "4KiB": 4 << 10, "64KiB": 64 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "32MiB": 32 << 20}
+# The payloads measured: ACCEL_BENCH_PAYLOADS (names of SIZES, comma-separated) picks others (`make bench-hosts`).
+PAYLOADS = {
+    name: SIZES[name] for name in os.environ.get("ACCEL_BENCH_PAYLOADS", "64B,4KiB,256KiB,4MiB,32MiB").split(",")
+}
 # (rounds, calls per contender and round): the same on every rank, so every rank runs the same collectives.
-REPEATS = {"64B": (21, 200), "4KiB": (21, 200), "256KiB": (15, 20), "4MiB": (11, 3), "32MiB": (7, 1)}
+REPEATS = {
+    "64B": (21, 200),
+    "4KiB": (21, 200),
+    "64KiB": (21, 50),
+    "256KiB": (15, 20),
+    "4MiB": (11, 3),
+    "32MiB": (7, 1),
+}
 
 
 @pytest.fixture(scope="module")
 def groups():
-    """(the default group, sharing memory; a gloo group of the same ranks)."""
+    """(the default group, sharing memory: on one host, or inside each host of a job across hosts; a gloo group of the
+    same ranks)."""
     from accel.state import PartialState
     from accel.wire.shm_process_group import share_memory_in_default_group
 
     PartialState()
     assert share_memory_in_default_group() is not None, "the default group does not share memory"
     return dist.group.WORLD, dist.new_group(backend="gloo")
+
+
+def _hosts() -> list[list[int]] | None:
+    """The ranks of each host when the group spans hosts (accel's HostLeaderBackend), else None."""
+    from accel import _C
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.hosts() if isinstance(backend, _C.HostLeaderBackend) else None
 
 
 def _same_result(tensor: torch.Tensor, gloo) -> None:
@@ -76,6 +97,7 @@ def test_all_reduce(benchmark, groups, name):
     benchmark.pedantic(runs.round, rounds=rounds, iterations=1)
     benchmark.extra_info.update(
         world_size=WORLD_SIZE,
+        hosts=_hosts(),
         payload=name,
         calls_per_round=calls,
         **runs.summary("accel", ["gloo", "limit"]),
