@@ -45,17 +45,17 @@ _LAUNCH_VARIABLES = (
 )
 
 
+# ACCEL_BENCH_HOSTS=2 (`make bench-hosts`): each job is 2 simulated hosts x 2 ranks instead, two torchrun agents of
+# this machine (node ranks 0 and 1, meeting at 127.0.0.2), each agent's ranks one host (ACCEL_TEST_HOST_ID).
+HOSTS = int(os.environ.get("ACCEL_BENCH_HOSTS", "1"))
+HOSTS_ADDRESS, HOSTS_PORT = "127.0.0.2", os.environ.get("ACCEL_BENCH_HOSTS_PORT", "29534")
+
+
 def run_job(library: str, workload: str, extra_env: dict, out: Path) -> dict:
-    """One 2-process training job; its rank 0's report."""
+    """One training job of 2 processes (or 2 simulated hosts x 2, see HOSTS); its rank 0's report."""
     env = {name: value for name, value in os.environ.items() if name not in _LAUNCH_VARIABLES}
     env.update(OMP_NUM_THREADS="1", **extra_env)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
+    script = [
         str(HERE / "training_job.py"),
         "--library",
         library,
@@ -66,8 +66,22 @@ def run_job(library: str, workload: str, extra_env: dict, out: Path) -> dict:
         "--out",
         str(out),
     ]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"{library} {workload} job failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    if HOSTS == 1:
+        agents = [([*launcher, "--standalone", *script], env)]
+    else:
+        rendezvous = ["--nnodes", str(HOSTS), "--master_addr", HOSTS_ADDRESS, "--master_port", HOSTS_PORT]
+        agents = [
+            ([*launcher, *rendezvous, "--node_rank", str(node), *script], dict(env, ACCEL_TEST_HOST_ID=f"host{node}"))
+            for node in range(HOSTS)
+        ]
+    runs = [
+        subprocess.Popen(command, env=agent_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command, agent_env in agents
+    ]
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, f"{library} {workload} job failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
@@ -89,7 +103,7 @@ def test_training_steps_per_second(benchmark, workload, tmp_path):
             reports[name] = run_job(library, workload, extra_env, tmp_path / f"{name}.json")
             rates[name].append(reports[name]["steps_per_s"])
 
-    benchmark.group = f"training steps, {workload}, 2 processes"
+    benchmark.group = f"training steps, {workload}, " + ("2 processes" if HOSTS == 1 else f"{HOSTS} hosts x 2")
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
     first = names[0]
     assert reports[first]["shared_memory"] and not any(reports[n]["shared_memory"] for n in names[1:])
@@ -99,7 +113,7 @@ def test_training_steps_per_second(benchmark, workload, tmp_path):
         for a, b in zip(reports[first]["losses"], reports[name]["losses"])
     )
     assert loss_difference < 1e-3, f"the losses differ by {loss_difference:.2e} (relative)"
-    info = {"workload": workload, "steps": STEPS[workload], "median_steps_per_s": {}}
+    info = {"workload": workload, "steps": STEPS[workload], "hosts": HOSTS, "median_steps_per_s": {}}
     for name in names:
         info["median_steps_per_s"][name] = statistics.median(rates[name])
     for name in names[1:]:

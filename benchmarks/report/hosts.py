@@ -1,10 +1,12 @@
 """The benchmark JSON of `make bench-hosts` -> OUT_DIR/hosts.md and hosts.png.
 
-    python benchmarks/report/hosts.py OUT_DIR hosts.json
+    python benchmarks/report/hosts.py OUT_DIR hosts.json hosts-training.json
 
 Reads the `extra_info` of benchmarks/bench_allreduce.py run on 2 simulated hosts x 2 ranks: per payload the median
 time per all_reduce of accel (shared memory inside each host, gloo among the hosts' leaders), flat gloo over the same
-ranks and the memcpy limit, with the median of the per-round gloo/accel ratios (quartiles in brackets).
+ranks and the memcpy limit, with the median of the per-round gloo/accel ratios (quartiles in brackets); and of
+benchmarks/bench_training.py on the same layout (ACCEL_BENCH_HOSTS=2): the tiny GPT-2's steps per second under accel
+and under HF Accelerate.
 """
 
 from __future__ import annotations
@@ -49,9 +51,28 @@ def table(results: dict) -> list[str]:
     return scaffold.table(header, rows)
 
 
-def main(out_dir: str, path: str) -> None:
+def training_table(training: list[dict]) -> list[str]:
+    rows = []
+    for info in training:
+        rates = info["median_steps_per_s"]
+        rows.append(
+            row(
+                info["workload"],
+                info["steps"],
+                f"{rates['accel']:.1f}",
+                f"{rates['hf']:.1f}",
+                quartile_ratio(info["accel/hf"]),
+                f"{info['max_relative_loss_difference']:.1e}",
+            )
+        )
+    header = ["workload", "steps timed", "accel steps/s", "HF steps/s", "**accel / HF**", "max loss difference"]
+    return scaffold.table(header, rows)
+
+
+def main(out_dir: str, path: str, training_path: str) -> None:
     benchmarks, machine = scaffold.load([path])
     results = {info["payload"]: info for _, info in benchmarks}
+    training = [info for _, info in scaffold.load([training_path])[0]]
     hosts = next(iter(results.values()))["hosts"]
     text = [
         "# all_reduce across hosts: shared memory inside each host against flat gloo",
@@ -68,6 +89,13 @@ def main(out_dir: str, path: str) -> None:
         "are medians per call, ratios the median of the per-round ratios with their quartiles in brackets.",
         "",
         *table(results),
+        "",
+        "DDP training on the same layout: the tests' tiny GPT-2 (`benchmarks/training_job.py`), each job two",
+        "`torchrun` agents of this machine (node ranks 0 and 1), accel (per-host shared memory) against HF Accelerate",
+        "1.15 (flat gloo), rounds interleaved; the losses of the two jobs agree to the relative difference shown (the",
+        "hosts' sums are added in another order).",
+        "",
+        *training_table(training),
         "",
         "![all_reduce across hosts](hosts.png)",
         "",
