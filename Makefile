@@ -118,8 +118,8 @@ bench-process-group: setup
 # all_reduce on 2 simulated hosts x 2 ranks: two launchers of this machine (machine ranks 0 and 1, meeting at
 # 127.0.0.2), each launcher's ranks one host (ACCEL_TEST_HOST_ID); accel's per-host shared memory with gloo among
 # the hosts' leaders against flat gloo over the same 4 ranks; then the tiny GPT-2's DDP training steps on the same
-# layout against HF Accelerate 1.15 (installed into the venv; flat gloo); regenerates docs/benchmarks/hosts.md and
-# hosts.png.
+# layout, and inside Ray Train's TorchTrainer on 2 CPU workers (pinned to loopback), against HF Accelerate 1.15
+# (installed into the venv); regenerates docs/benchmarks/hosts.md and hosts.png.
 HOSTS_PORT ?= 29533
 bench-hosts: setup
 	$(VENV)/bin/pip install -q accelerate==1.15.0 transformers==5.25.0 matplotlib
@@ -132,7 +132,10 @@ bench-hosts: setup
 	done; for p in $$pids; do wait $$p || exit 1; done
 	ACCEL_BENCH_HOSTS=2 $(VENV)/bin/pytest benchmarks/bench_training.py -k gpt2 $(BENCH_ARGS) \
 	  --benchmark-json=build/bench-hosts-training.json
-	$(VENV)/bin/python benchmarks/report/hosts.py $(BENCH_OUT) build/bench-hosts.json build/bench-hosts-training.json
+	ACCEL_BENCH_RAY=1 $(VENV)/bin/pytest benchmarks/bench_training.py -k gpt2 $(BENCH_ARGS) \
+	  --benchmark-json=build/bench-ray-training.json
+	$(VENV)/bin/python benchmarks/report/hosts.py $(BENCH_OUT) build/bench-hosts.json build/bench-hosts-training.json \
+	  build/bench-ray-training.json
 
 # transformers' Trainer and TRL's SFTTrainer on 2 CPU processes, accel (`accel launch --as_accelerate`) against HF
 # Accelerate 1.15 (torchrun), with a raw torch DDP loop of the same model over accel's shared-memory group and over

@@ -118,6 +118,25 @@ def batches(loader, count: int):
                 return
 
 
+def train(library_name: str, workload: str, steps: int, warmup: int, out: str) -> None:
+    """This rank's part of the job; rank 0 writes the report to `out`. Leaves the process group as it is."""
+    library = importlib.import_module("accel" if library_name == "accel" else "accelerate")
+    accelerator = library.Accelerator(cpu=True)
+    loader, step = WORKLOADS[workload](library, accelerator)
+    losses, started = [], None
+    for index, batch in enumerate(batches(loader, warmup + steps)):
+        if index == warmup:
+            dist.barrier()
+            started = time.perf_counter()
+        losses.append(step(batch).item())
+    elapsed = time.perf_counter() - started
+    backend = dist.group.WORLD._get_backend(torch.device("cpu")).name()
+    if dist.get_rank() == 0:
+        with open(out, "w") as file:
+            json.dump({"steps_per_s": steps / elapsed, "losses": losses, "shared_memory": backend == "accel"}, file)
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--library", choices=("accel", "hf"), required=True)
@@ -126,23 +145,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    library = importlib.import_module("accel" if args.library == "accel" else "accelerate")
-    accelerator = library.Accelerator(cpu=True)
-    loader, step = WORKLOADS[args.workload](library, accelerator)
-    losses, started = [], None
-    for index, batch in enumerate(batches(loader, args.warmup + args.steps)):
-        if index == args.warmup:
-            dist.barrier()
-            started = time.perf_counter()
-        losses.append(step(batch).item())
-    elapsed = time.perf_counter() - started
-    backend = dist.group.WORLD._get_backend(torch.device("cpu")).name()
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as file:
-            json.dump(
-                {"steps_per_s": args.steps / elapsed, "losses": losses, "shared_memory": backend == "accel"}, file
-            )
-    accelerator.wait_for_everyone()
+    train(args.library, args.workload, args.steps, args.warmup, args.out)
     dist.destroy_process_group()
 
 

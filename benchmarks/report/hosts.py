@@ -1,12 +1,12 @@
 """The benchmark JSON of `make bench-hosts` -> OUT_DIR/hosts.md and hosts.png.
 
-    python benchmarks/report/hosts.py OUT_DIR hosts.json hosts-training.json
+    python benchmarks/report/hosts.py OUT_DIR hosts.json hosts-training.json ray-training.json
 
 Reads the `extra_info` of benchmarks/bench_allreduce.py run on 2 simulated hosts x 2 ranks: per payload the median
 time per all_reduce of accel (shared memory inside each host, gloo among the hosts' leaders), flat gloo over the same
 ranks and the memcpy limit, with the median of the per-round gloo/accel ratios (quartiles in brackets); and of
-benchmarks/bench_training.py on the same layout (ACCEL_BENCH_HOSTS=2): the tiny GPT-2's steps per second under accel
-and under HF Accelerate.
+benchmarks/bench_training.py on the same layout (ACCEL_BENCH_HOSTS=2) and under Ray Train (ACCEL_BENCH_RAY=1): the
+tiny GPT-2's steps per second under accel and under HF Accelerate.
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ def training_table(training: list[dict]) -> list[str]:
     return scaffold.table(header, rows)
 
 
-def main(out_dir: str, path: str, training_path: str) -> None:
+def main(out_dir: str, path: str, training_path: str, ray_path: str) -> None:
     benchmarks, machine = scaffold.load([path])
     results = {info["payload"]: info for _, info in benchmarks}
     training = [info for _, info in scaffold.load([training_path])[0]]
+    ray_training = [info for _, info in scaffold.load([ray_path])[0]]
     hosts = next(iter(results.values()))["hosts"]
     text = [
         "# all_reduce across hosts: shared memory inside each host against flat gloo",
@@ -96,6 +97,13 @@ def main(out_dir: str, path: str, training_path: str) -> None:
         "hosts' sums are added in another order).",
         "",
         *training_table(training),
+        "",
+        "Ray Train: the same GPT-2 loop inside `TorchTrainer(train_loop_per_worker, ScalingConfig(num_workers=2,",
+        "use_gpu=False))` (`benchmarks/ray_job.py`), Ray pinned to 127.0.0.1; each library's `Accelerator` adopts the",
+        "group Ray initialized (accel puts its shared-memory backend under it, the 2 workers being on one host; HF",
+        "keeps gloo). A fresh Ray instance per job; only the loop's steps are timed.",
+        "",
+        *training_table(ray_training),
         "",
         "![all_reduce across hosts](hosts.png)",
         "",
