@@ -10,7 +10,6 @@ with an error instead of training. Ray's session files go to a temporary folder 
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
 import tempfile
@@ -18,7 +17,7 @@ import tempfile
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from training_job import WORKLOADS, train
+from training_job import parse_arguments, train
 
 
 def _loop(config: dict) -> None:
@@ -34,13 +33,7 @@ def _loopback_only() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--library", choices=("accel", "hf"), required=True)
-    parser.add_argument("--workload", choices=list(WORKLOADS), required=True)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parse_arguments(__doc__.splitlines()[0])
     with tempfile.TemporaryDirectory(prefix="accel-bench-ray-") as folder:
         ray.init(
             _node_ip_address="127.0.0.1",

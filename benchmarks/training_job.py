@@ -137,14 +137,19 @@ def train(library_name: str, workload: str, steps: int, warmup: int, out: str) -
     accelerator.wait_for_everyone()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_arguments(description: str) -> argparse.Namespace:
+    """The job's options (this script's, and benchmarks/ray_job.py's)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--library", choices=("accel", "hf"), required=True)
     parser.add_argument("--workload", choices=list(WORKLOADS), required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_arguments(__doc__.splitlines()[0])
     train(args.library, args.workload, args.steps, args.warmup, args.out)
     dist.destroy_process_group()
 

@@ -32,11 +32,9 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -102,10 +100,12 @@ def _run_task(task: bytes) -> tuple[str, object]:
         os.environ.update(own_env)
 
 
-def _worker_main(conn: Connection, parent_pid: int, stack_path: str) -> None:
+def _worker_main(conn: Connection, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
-    stack_file = open(stack_path, "a")  # kept open for faulthandler's signal handler; appending survives truncation
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # Where SIGUSR1 dumps the stacks: a memfd, which has no name and goes with the process (the parent reads it
+    # through /proc/<pid>/fd), so a killed pytest leaves no file behind.
+    stack_fd = os.memfd_create("accel-test-stacks")
+    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=True)
     # The ranks are CPU processes even on a GPU host: CUDA is hidden before its first (cached) initialization.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
@@ -114,7 +114,7 @@ def _worker_main(conn: Connection, parent_pid: int, stack_path: str) -> None:
 
     assert not torch.cuda.is_available()
     torch.set_num_threads(1)  # torchrun's OMP_NUM_THREADS=1 for several processes per machine
-    conn.send(("ready", None))
+    conn.send(("ready", stack_fd))
     while True:
         try:
             task = conn.recv_bytes()
@@ -138,10 +138,10 @@ class _Pool:
         self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs = []
-        self.stack_dir = tempfile.mkdtemp(prefix=f"accel-test-pool{world_size}-")
+        self.stack_fds: dict[int, int] = {}  # rank -> the worker's memfd its stacks are dumped to
 
     def _stack_path(self, rank: int) -> str:
-        return os.path.join(self.stack_dir, f"rank{rank}.stacks")
+        return f"/proc/{self.procs[rank].pid}/fd/{self.stack_fds[rank]}"
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -149,7 +149,7 @@ class _Pool:
             parent_end, child_end = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(child_end, os.getpid(), self._stack_path(rank)),
+                args=(child_end, os.getpid()),
                 daemon=True,
                 name=f"accel-test-rank{rank}-of{self.world_size}",
             )
@@ -159,7 +159,7 @@ class _Pool:
             self.procs.append(proc)
 
     def wait_ready(self) -> None:
-        self._collect(lambda rank, reply: None, STARTUP_TIMEOUT_S)
+        self._collect(self.stack_fds.__setitem__, STARTUP_TIMEOUT_S)
 
     @property
     def alive(self) -> bool:
@@ -193,17 +193,25 @@ class _Pool:
                 del pending[rank]
 
     def _stacks_of(self, ranks: list[int]) -> str:
-        """Every thread's Python stack in each of `ranks`' workers, as faulthandler writes them on SIGUSR1."""
+        """Every thread's Python stack in each of `ranks`' workers, as faulthandler writes them on SIGUSR1 (the part
+        of each worker's dump file written after this call's signal: earlier dumps stay before it)."""
+        offsets = {}
         for rank in ranks:
-            with open(self._stack_path(rank), "w"):
-                pass  # the worker's descriptor appends at its own offset: truncating first keeps one dump
-            if self.procs[rank].is_alive():
+            if rank in self.stack_fds and self.procs[rank].is_alive():
+                offsets[rank] = os.stat(self._stack_path(rank)).st_size
                 os.kill(self.procs[rank].pid, signal.SIGUSR1)
         time.sleep(STACK_DUMP_WAIT_S)
         dumps = []
         for rank in ranks:
-            with open(self._stack_path(rank)) as dump:
-                dumps.append(f"--- rank {rank} (pid {self.procs[rank].pid}) ---\n{dump.read() or '(no dump)'}")
+            text = "(no dump)"
+            if rank in offsets:
+                try:
+                    with open(self._stack_path(rank)) as dump:
+                        dump.seek(offsets[rank])
+                        text = dump.read() or text
+                except OSError:  # the worker is gone
+                    pass
+            dumps.append(f"--- rank {rank} (pid {self.procs[rank].pid}) ---\n{text}")
         return "\n".join(dumps)
 
     def _receive(self, rank: int) -> tuple[str, object]:
@@ -236,7 +244,6 @@ class _Pool:
                 proc.join()
         for conn in self.conns:
             conn.close()
-        shutil.rmtree(self.stack_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:

@@ -476,7 +476,7 @@ def _build_and_prepare_measured(efficient):
     model, optimizer = accelerator.prepare(model, optimizer)
     growth = (_kib("VmHWM") - start) / 1024
     # A fixed 128 KiB threshold would fault every larger block in and out for the rest of this worker's tests (the
-    # pool's later tests ran 3x slower and one timed out); 32 MiB is where glibc's own adjustment stops.
+    # pool's later tests ran 3x slower); 32 MiB is where glibc's own adjustment stops.
     libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     return growth, accelerator, model, optimizer
 

@@ -5,7 +5,7 @@ Each rank states its facts (`local_facts`), the ranks exchange them, and every r
 same list (`why_not`, `oversubscribed`), so all reach the same answer: one host and one /dev/shm (compared, not
 assumed from LOCAL_WORLD_SIZE), the same mount and pid namespaces (dead peers are found by pid), the native code
 loaded everywhere, and no rank asking for `ACCEL_TRANSPORT=torch`. `ACCEL_TRANSPORT=shm` asks for an error instead
-of a fallback. A group that spans hosts can still share memory inside each host (`host_layout`, `why_not_per_host`).
+of a fallback. A group that spans hosts can still share memory inside each host (`host_layout`, `shares_a_host`).
 Setting up is collective too: `on_every_rank` runs a step on each rank and gives every rank the same outcome. Nothing
 here imports torch.distributed or the state: both users sit above it.
 """
@@ -63,7 +63,7 @@ SPANS_HOSTS = "the processes are not all on one host with a shared /dev/shm"
 
 def why_not(everyone: list[Facts]) -> str | None:
     """Why this group cannot use shared memory among all its ranks (None: it can); the same answer on every rank.
-    `SPANS_HOSTS` when that is the only reason: see `why_not_per_host`."""
+    `SPANS_HOSTS` when that is the only reason: see `shares_a_host`."""
     if any(facts.choice == "torch" for facts in everyone):
         return "ACCEL_TRANSPORT=torch"
     if not all(facts.native for facts in everyone):
@@ -83,14 +83,10 @@ def host_layout(everyone: list[Facts]) -> list[list[int]]:
     return list(hosts.values())  # dicts keep insertion order: by lowest rank
 
 
-def why_not_per_host(everyone: list[Facts]) -> str | None:
-    """Why a group that spans hosts cannot share memory inside each host (None: it can); the same on every rank. Only
-    worth it when some host holds several of the group's ranks."""
-    if why_not(everyone) != SPANS_HOSTS:
-        return why_not(everyone) or "the processes are all on one host"
-    if all(len(ranks) == 1 for ranks in host_layout(everyone)):
-        return "no two processes of the group share a host"
-    return None
+def shares_a_host(everyone: list[Facts]) -> bool:
+    """Whether some host holds several of the group's ranks: what sharing memory inside each host of a group that
+    spans hosts (`why_not` says SPANS_HOSTS) is worth doing for."""
+    return any(len(ranks) > 1 for ranks in host_layout(everyone))
 
 
 def forced(everyone: list[Facts]) -> bool:

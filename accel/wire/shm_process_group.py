@@ -198,7 +198,7 @@ def _share_memory(rounds: StoreRounds, group: Any, timeout: timedelta) -> Any:
     hosts = [facts.host for facts in everyone]
     forced = same_host.forced(hosts)
     reason = same_host.why_not(hosts)
-    if reason == same_host.SPANS_HOSTS and same_host.why_not_per_host(hosts) is None:
+    if reason == same_host.SPANS_HOSTS and same_host.shares_a_host(hosts):
         backend, reason = _set_up_across_hosts(rounds, group, everyone, timeout)
         if backend is not None:
             return backend
@@ -220,36 +220,14 @@ def _local_facts(world_size: int) -> _Facts:
 
 
 def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta) -> tuple[Any, str | None]:
-    """Creates this rank's segment, attaches to every peer's, then installs the backend on that group into `group`:
-    (backend, None), or (None, the first failure) on every rank alike. A rank killed at any point leaves nothing
-    behind (the segments have no name anywhere)."""
-    leader = everyone[0]
-    oversubscribed = same_host.oversubscribed([facts.host for facts in everyone])
-    handle = None
-
-    def create() -> list[int]:
-        nonlocal handle
-        handle = ops.shm_group_create(
-            rounds.rank,
-            rounds.world_size,
-            leader.host.token,
-            leader.slot_bytes,
-            timeout.total_seconds(),
-            oversubscribed,
-        )
-        return ops.shm_group_locator(handle)
-
-    locators, failure = rounds.on_every_rank("create", create)
-    if failure is None:
-        flat = [number for locator in locators for number in locator]
-        _, failure = rounds.on_every_rank("attach", lambda: ops.shm_group_attach(handle, flat))
+    """Every rank's segment in one shared-memory group, then the backend on it installed into `group`: (backend,
+    None), or (None, the first failure) on every rank alike."""
+    handle, failure = _attach(rounds, list(range(rounds.world_size)), everyone, timeout)
     if failure is not None:
-        if handle is not None:
-            ops.shm_group_destroy(handle)
         return None, failure
     from accel import _C
 
-    one_shot = _one_shot_bytes(rounds.world_size, leader.one_shot_setting)
+    one_shot = _one_shot_bytes(rounds.world_size, everyone[0].one_shot_setting)
     backend = _C.SharedMemoryBackend(handle, one_shot)  # releases the group when it goes
     backend.install(group)  # every rank has attached (the exchange above is the barrier)
     return backend, None
@@ -258,22 +236,49 @@ def _set_up(rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: ti
 def _set_up_across_hosts(
     rounds: StoreRounds, group: Any, everyone: list[_Facts], timeout: timedelta
 ) -> tuple[Any, str | None]:
-    """A group that spans hosts: the ranks of each host create and attach a shared-memory group of their own (its
-    lowest rank's token names it), the hosts' leaders (each host's lowest rank) start a gloo group among themselves
-    over the process group's store, and every rank installs a `HostLeaderBackend` into `group`: (backend, None), or
+    """A group that spans hosts: the ranks of each host attach a shared-memory group of their own, the hosts' leaders
+    (each host's lowest rank) start a gloo group among themselves over the process group's store, on the network
+    devices of the group's own gloo, and every rank installs a `HostLeaderBackend` into `group`: (backend, None), or
     (None, the first failure) on every rank alike."""
     layout = same_host.host_layout([facts.host for facts in everyone])
     host = next(index for index, ranks in enumerate(layout) if rounds.rank in ranks)
-    ranks = layout[host]
-    local_rank, leader = ranks.index(rounds.rank), everyone[ranks[0]]
+    handle, failure = _attach(rounds, layout[host], everyone, timeout)
+    if failure is not None:
+        return None, failure
+    from accel import _C
+
+    try:
+        leaders = None
+        if layout[host][0] == rounds.rank:  # collective among the leaders only, under the process group's timeout
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = _cpu_backend(group).options._devices
+            store = dist.PrefixStore(f"accel/{rounds.generation}/leaders/", rounds.store)
+            leaders = dist.ProcessGroupGloo(store, host, len(layout), options)
+        one_shot = _one_shot_bytes(len(layout[host]), everyone[0].one_shot_setting)  # rank 0's setting, as for one host
+        backend = _C.HostLeaderBackend(handle, rounds.rank, rounds.world_size, layout, leaders, one_shot)
+    except BaseException:
+        ops.shm_group_destroy(handle)  # no backend holds the host's group yet
+        raise
+    backend.install(group)
+    return backend, None
+
+
+def _attach(
+    rounds: StoreRounds, ranks: list[int], everyone: list[_Facts], timeout: timedelta
+) -> tuple[int | None, str | None]:
+    """Creates this rank's segment of the shared-memory group of `ranks` (this rank among them, numbered in their
+    order; the first one's token names the group) and attaches to its peers' segments: (handle, None), or (None, the
+    first failure) on every rank of the process group alike. A rank killed at any point leaves nothing behind (the
+    segments have no name anywhere)."""
     handle = None
 
     def create() -> list[int]:
         nonlocal handle
         handle = ops.shm_group_create(
-            local_rank,
+            ranks.index(rounds.rank),
             len(ranks),
-            leader.host.token,
+            everyone[ranks[0]].host.token,
             everyone[0].slot_bytes,
             timeout.total_seconds(),
             same_host.oversubscribed([everyone[rank].host for rank in ranks]),
@@ -288,16 +293,7 @@ def _set_up_across_hosts(
         if handle is not None:
             ops.shm_group_destroy(handle)
         return None, failure
-    from accel import _C
-
-    leaders = None
-    if local_rank == 0:  # collective among the leaders only, under the process group's timeout
-        store = dist.PrefixStore(f"accel/{rounds.generation}/leaders/", rounds.store)
-        leaders = dist.ProcessGroupGloo(store, host, len(layout), timeout)
-    one_shot = _one_shot_bytes(len(ranks), everyone[0].one_shot_setting)  # rank 0's setting, as for one host
-    backend = _C.HostLeaderBackend(handle, rounds.rank, rounds.world_size, layout, leaders, one_shot)
-    backend.install(group)
-    return backend, None
+    return handle, None
 
 
 class StoreRounds:

@@ -107,6 +107,53 @@ class DelegatingBackend : public c10d::Backend {
     return finished(getRank(), OpType::COALESCED, std::vector<at::Tensor>{});
   }
 
+  // The reduction this backend runs itself for `tensors` and `op`, or nothing when the delegate gets the call (the
+  // same answer on every rank: it depends on the dtype and the op, which every rank passes alike).
+  virtual std::optional<ReduceKind> reduction_here(const std::vector<at::Tensor>& tensors,
+                                                   const c10d::ReduceOp& op) const {
+    return reduction(tensors, op);
+  }
+
+  // The coalesced forms run their collectives one by one (each is done when it returns), unless one of them is the
+  // delegate's: then the delegate gets the whole block.
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    for (const at::Tensor& tensor : tensors) {
+      if (!reduction_here({tensor}, opts.reduceOp)) return delegate().allreduce_coalesced(tensors, opts);
+    }
+    for (const at::Tensor& tensor : tensors) {
+      std::vector<at::Tensor> one{tensor};
+      allreduce(one, opts);
+    }
+    return finished(getRank(), OpType::ALLREDUCE_COALESCED, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
+                inputs.size(), " inputs");
+    for (const at::Tensor& input : inputs) {
+      if (!movable(input)) return delegate().allgather_into_tensor_coalesced(outputs, inputs, opts);
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
+    return finished(getRank(), OpType::COALESCED, outputs);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
+                inputs.size(), " inputs");
+    for (const at::Tensor& input : inputs) {
+      if (!reduction_here({input}, opts.reduceOp)) {
+        return delegate().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+      }
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
+    return finished(getRank(), OpType::COALESCED, outputs);
+  }
+
   // --- delegated: what training does not need on a fast path ---
 
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {

@@ -132,27 +132,12 @@ class HostLeaderBackend final : public DelegatingBackend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    const std::optional<ReduceKind> kind = reduction(tensors, opts.reduceOp);
-    if (!kind || !leaders_can_reduce(tensors[0].scalar_type(), *kind)) return delegate().allreduce(tensors, opts);
+    const std::optional<ReduceKind> kind = reduction_here(tensors, opts.reduceOp);
+    if (!kind) return delegate().allreduce(tensors, opts);
     const at::Tensor data = dense(tensors[0]);
     on_group(opts.timeout, [&] { all_reduce(data, *kind, premul_factor(opts.reduceOp), opts.timeout); });
     write_results({tensors[0]}, {data}, "all_reduce");
     return finished(getRank(), OpType::ALLREDUCE, tensors);
-  }
-
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
-                                                     const c10d::AllreduceCoalescedOptions& opts) override {
-    for (const at::Tensor& tensor : tensors) {
-      const std::optional<ReduceKind> kind = reduction({tensor}, opts.reduceOp);
-      if (!kind || !leaders_can_reduce(tensor.scalar_type(), *kind)) {
-        return delegate().allreduce_coalesced(tensors, opts);
-      }
-    }
-    for (const at::Tensor& tensor : tensors) {
-      std::vector<at::Tensor> one{tensor};
-      allreduce(one, opts);
-    }
-    return finished(getRank(), OpType::ALLREDUCE_COALESCED, tensors);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -198,24 +183,10 @@ class HostLeaderBackend final : public DelegatingBackend {
     return finished(getRank(), OpType::_ALLGATHER_BASE, {output});
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::AllgatherOptions& opts) override {
-    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
-                inputs.size(), " inputs");
-    for (const at::Tensor& input : inputs) {
-      if (!movable(input)) return delegate().allgather_into_tensor_coalesced(outputs, inputs, opts);
-    }
-    for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
-    return finished(getRank(), OpType::COALESCED, outputs);
-  }
-
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
-    const std::optional<ReduceKind> kind = reduction({input}, opts.reduceOp);
-    if (!kind || !leaders_can_reduce(input.scalar_type(), *kind)) {
-      return delegate()._reduce_scatter_base(output, input, opts);
-    }
+    const std::optional<ReduceKind> kind = reduction_here({input}, opts.reduceOp);
+    if (!kind) return delegate()._reduce_scatter_base(output, input, opts);
     check_same_dtype(output, input, "reduce_scatter_tensor");
     TORCH_CHECK(input.numel() == output.numel() * getSize(), "accel process group: reduce_scatter_tensor needs an "
                 "input of world_size (", getSize(), ") * ", output.numel(), " elements, got ", input.numel());
@@ -228,21 +199,6 @@ class HostLeaderBackend final : public DelegatingBackend {
     const at::Tensor slice = reduced.view(-1).narrow(0, getRank() * output.numel(), output.numel());
     write_results({output}, {slice.view(output.sizes())}, "reduce_scatter_tensor");
     return finished(getRank(), OpType::_REDUCE_SCATTER_BASE, {output});
-  }
-
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts) override {
-    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
-                inputs.size(), " inputs");
-    for (const at::Tensor& input : inputs) {
-      const std::optional<ReduceKind> kind = reduction({input}, opts.reduceOp);
-      if (!kind || !leaders_can_reduce(input.scalar_type(), *kind)) {
-        return delegate().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-      }
-    }
-    for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
-    return finished(getRank(), OpType::COALESCED, outputs);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
@@ -258,6 +214,14 @@ class HostLeaderBackend final : public DelegatingBackend {
     return finished(getRank(), OpType::BARRIER, std::vector<at::Tensor>{});
   }
 
+
+  // What the shared memory and the leaders can reduce; the rest goes to the group's gloo as a whole.
+  std::optional<ReduceKind> reduction_here(const std::vector<at::Tensor>& tensors,
+                                           const c10d::ReduceOp& op) const override {
+    const std::optional<ReduceKind> kind = reduction(tensors, op);
+    if (!kind || !leaders_can_reduce(tensors[0].scalar_type(), *kind)) return std::nullopt;
+    return kind;
+  }
 
   void shutdown() override {
     host().abort("its process group was shut down");
@@ -277,6 +241,8 @@ class HostLeaderBackend final : public DelegatingBackend {
   // The layout every rank passed must be this rank's: a partition of 0..size-1 in which this rank's host is the
   // shared-memory group it attached, at its rank there, and a leader backend exactly on leaders.
   void check_layout() {
+    TORCH_CHECK(hosts_.size() >= 2, "accel process group: a group on one host takes SharedMemoryBackend, not ",
+                "HostLeaderBackend (", hosts_.size(), " host given)");
     std::vector<bool> seen(getSize(), false);
     std::optional<size_t> mine;
     for (size_t h = 0; h < hosts_.size(); ++h) {
@@ -337,11 +303,11 @@ class HostLeaderBackend final : public DelegatingBackend {
     if (host_size() > 1) body();
   }
 
-  // A step among the leaders, on a leader (nothing to do with one host). A failure aborts this host's group first,
-  // so that its other ranks, which wait for this leader, fail now.
+  // A step among the leaders, on a leader. A failure aborts this host's group first, so that its other ranks, which
+  // wait for this leader, fail now.
   template <typename Body>
   void on_leaders(const Body& body) {
-    if (!leaders_ || hosts_count() == 1) return;
+    if (!leaders_) return;
     try {
       body();
     } catch (const std::exception& error) {
@@ -372,10 +338,6 @@ class HostLeaderBackend final : public DelegatingBackend {
       call.root = 0;
       collectives_.broadcast(bytes(data), call);
     });
-    if (hosts_count() == 1 && kind == ReduceKind::Avg) {  // no leaders' step: divide where the sum is
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      data.div_(getSize());
-    }
   }
 
   void broadcast_from(const at::Tensor& data, int64_t root, Milliseconds timeout) {

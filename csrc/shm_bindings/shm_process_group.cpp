@@ -95,7 +95,7 @@ class SharedMemoryBackend final : public DelegatingBackend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
-    const std::optional<ReduceKind> kind = reduction(tensors, opts.reduceOp);
+    const std::optional<ReduceKind> kind = reduction_here(tensors, opts.reduceOp);
     if (!kind) return delegate().allreduce(tensors, opts);
     const double factor = premul_factor(opts.reduceOp);
     const at::Tensor data = dense(tensors[0]);
@@ -105,18 +105,6 @@ class SharedMemoryBackend final : public DelegatingBackend {
     });
     write_results({tensors[0]}, {data}, "all_reduce");
     return finished(getRank(), OpType::ALLREDUCE, tensors);
-  }
-
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
-                                                     const c10d::AllreduceCoalescedOptions& opts) override {
-    for (const at::Tensor& tensor : tensors) {
-      if (!reduction({tensor}, opts.reduceOp)) return delegate().allreduce_coalesced(tensors, opts);
-    }
-    for (const at::Tensor& tensor : tensors) {
-      std::vector<at::Tensor> one{tensor};
-      allreduce(one, opts);
-    }
-    return finished(getRank(), OpType::ALLREDUCE_COALESCED, tensors);
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -171,21 +159,9 @@ class SharedMemoryBackend final : public DelegatingBackend {
     return finished(getRank(), OpType::_ALLGATHER_BASE, {output});
   }
 
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::AllgatherOptions& opts) override {
-    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
-                inputs.size(), " inputs");
-    for (const at::Tensor& input : inputs) {
-      if (!movable(input)) return delegate().allgather_into_tensor_coalesced(outputs, inputs, opts);
-    }
-    for (size_t i = 0; i < inputs.size(); ++i) _allgather_base(outputs[i], inputs[i], opts);
-    return finished(getRank(), OpType::COALESCED, outputs);
-  }
-
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
-    const std::optional<ReduceKind> kind = reduction({input}, opts.reduceOp);
+    const std::optional<ReduceKind> kind = reduction_here({input}, opts.reduceOp);
     if (!kind) return delegate()._reduce_scatter_base(output, input, opts);
     check_same_dtype(output, input, "reduce_scatter_tensor");
     TORCH_CHECK(input.numel() == output.numel() * getSize(), "accel process group: reduce_scatter_tensor needs an "
@@ -199,18 +175,6 @@ class SharedMemoryBackend final : public DelegatingBackend {
     });
     write_results({output}, {scattered}, "reduce_scatter_tensor");
     return finished(getRank(), OpType::_REDUCE_SCATTER_BASE, {output});
-  }
-
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts) override {
-    TORCH_CHECK(outputs.size() == inputs.size(), "accel process group: ", outputs.size(), " outputs for ",
-                inputs.size(), " inputs");
-    for (const at::Tensor& input : inputs) {
-      if (!reduction({input}, opts.reduceOp)) return delegate().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-    }
-    for (size_t i = 0; i < inputs.size(); ++i) _reduce_scatter_base(outputs[i], inputs[i], opts);
-    return finished(getRank(), OpType::COALESCED, outputs);
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
