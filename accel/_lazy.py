@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import Callable
 
 
@@ -25,7 +26,11 @@ def lazy_names(
 
     def __getattr__(name: str) -> object:
         if name in names:
-            return getattr(importlib.import_module(names[name]), name)
+            value = getattr(importlib.import_module(names[name]), name)
+            # Bound in the package, so later reads are plain attribute reads (Accelerator's collectives read
+            # theirs on every call) rather than an import lookup each.
+            setattr(sys.modules[package], name, value)
+            return value
         if submodules and not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
             return importlib.import_module(f"{package}.{name}")  # binds the submodule as an attribute too
         raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -80,7 +80,13 @@ class GradientState:
     @property
     def active_dataloader(self):
         """The innermost dataloader being iterated, or None."""
-        innermost = self._dataloader_references_ref[-1]  # read on every collective: not the whole list
+        return GradientState.current_dataloader()
+
+    @staticmethod
+    def current_dataloader():
+        """`active_dataloader` without making an instance: every collective asks (None before any instance)."""
+        references = GradientState._shared_state.get("_dataloader_references_ref")
+        innermost = references[-1] if references else None  # not the whole list
         return innermost() if innermost is not None else None
 
     @property

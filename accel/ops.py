@@ -211,6 +211,37 @@ def shm_group_destroy(group: int) -> None:
 _MISMATCH = "accel collective mismatch: "
 
 
+def _eager(leaves, pad_value: object = 0) -> bool:
+    """Whether a shared-memory collective may call its kernel through accel._C's direct entry instead of torch.ops.
+
+    The kernel is the same; the direct entry skips the dispatcher's boxing, which costs a small gather on one host
+    about as much as its whole rendezvous. Only when nothing needs to see the call as an op: every leaf a plain
+    tensor (no fake or other subclass), no dispatch or function mode (tracing, FakeTensorMode), torch.compile not
+    tracing, and a fill value the direct entry reads (bool, int, float).
+    """
+    if type(pad_value) not in _PLAIN_FILL or _dispatch_modes() or _function_modes() or torch.compiler.is_compiling():
+        return False
+    for leaf in leaves:
+        if type(leaf) is not torch.Tensor:
+            return False
+    return True
+
+
+_PLAIN_FILL = (bool, int, float)
+_dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._len_torch_function_stack
+_C = None
+
+
+def _direct():
+    """accel._C (loaded: a shared-memory group exists only with it), imported once."""
+    global _C
+    if _C is None:
+        from accel import _C as module
+
+        _C = module
+    return _C
+
+
 def _collective_error(error: RuntimeError) -> Exception:
     """`error`, or the DistributedOperationException it stands for when the ranks' calls disagree."""
     message = str(error)
@@ -232,6 +263,8 @@ def shm_all_gather(
     `call` names the collective in the DistributedOperationException raised when ranks run different ones.
     """
     try:
+        if _eager(leaves, pad_value):
+            return _direct().shm_all_gather(group, leaves, pad_dim, pad_value, pad_first, call)
         return torch.ops.accel.shm_all_gather.default(group, leaves, pad_dim, pad_value, pad_first, call)
     except RuntimeError as error:
         raise _collective_error(error) from None
@@ -255,6 +288,8 @@ def shm_all_gather_bytes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's 1-d uint8 `data` concatenated in rank order, and each rank's length (int64)."""
     try:
+        if _eager((data,)):
+            return _direct().shm_all_gather_bytes(group, data, call)
         return torch.ops.accel.shm_all_gather_bytes.default(group, data, call)
     except RuntimeError as error:
         raise _collective_error(error) from None
@@ -272,6 +307,8 @@ def shm_pad_across_processes(
     """One exchange of shapes: the padded copies of the leaves smaller along `dim` than on some rank, and their
     indices in `leaves` (HF's pad_across_processes semantics; leaves without `dim` stay as they are)."""
     try:
+        if _eager(leaves, pad_value):
+            return _direct().shm_pad_across_processes(group, leaves, dim, pad_value, pad_first)
         return torch.ops.accel.shm_pad_across_processes.default(group, leaves, dim, pad_value, pad_first)
     except RuntimeError as error:
         raise _collective_error(error) from None

@@ -7,7 +7,8 @@
 
 extern "C" {
 // Importing accel._C runs the static registrations below; the module itself holds no op, only the process group
-// backend's class (a c10d::Backend has to reach Python as one, see shm_bindings/shm_process_group.cpp).
+// backends' classes (a c10d::Backend has to reach Python as one, see shm_bindings/shm_process_group.cpp) and the
+// direct entries of the shared-memory collectives' kernels (shm_bindings/shm_transport.cpp: the eager path).
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);

@@ -102,6 +102,12 @@ def _mismatch(operation: str, everyone: list, device_type: str) -> str | None:
     return message
 
 
+def _state() -> dict:
+    """PartialState's fields (started first if need be), read as a dict: the hottest collectives ask on every call,
+    and building the singleton's object costs more than the read."""
+    return PartialState._shared_state or PartialState().__dict__
+
+
 def verify_operation(function: Callable) -> Callable:
     """Decorates a collective taking a pytree first: in debug mode, checks it agrees across ranks first.
 
@@ -113,11 +119,11 @@ def verify_operation(function: Callable) -> Callable:
 
     @wraps(function)
     def wrapper(*args, **kwargs):
-        state = PartialState()
-        if state.num_processes > 1 and state.debug:
+        state = _state()
+        if state["num_processes"] > 1 and state["debug"]:
             data = kwargs["tensor"] if "tensor" in kwargs else args[0]
             everyone = select_transport([]).all_gather_object(_describe(data))
-            message = _mismatch(operation, everyone, state.device.type)
+            message = _mismatch(operation, everyone, state["device"].type)
             if message is not None:
                 raise DistributedOperationException(message)
         return function(*args, **kwargs)
@@ -180,7 +186,7 @@ def gather(tensor: Any) -> Any:
         gather(torch.arange(2) + 2 * PartialState().process_index)
         # every process: tensor([0, 1, 2, 3])
     """
-    if PartialState().num_processes == 1:
+    if _state()["num_processes"] == 1:
         return tensor
     leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather")]
     return replace_tensor_leaves(tensor, select_transport(leaves).all_gather(leaves))

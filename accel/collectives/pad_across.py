@@ -15,6 +15,7 @@ import torch.distributed as dist
 from accel.pytree import replace_tensor_leaves, tensor_leaves
 from accel.wire import uneven
 from accel.wire.padding import pad_to_largest_shapes
+from accel.wire.shm_transport import SharedMemoryTransport
 from accel.wire.transport_selection import select_transport
 
 
@@ -56,6 +57,10 @@ def _pad_in_uneven_step(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first
     return _with_padded(tensor, leaves, regular, pad_to_largest_shapes(regular, shapes, dim, pad_index, pad_first))
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
@@ -85,9 +90,11 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
     """
     leaves = tensor_leaves(tensor, "pad_across_processes")
     regular = _paddable(leaves)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    transport = select_transport(regular)
+    # A shared-memory group has two ranks or more; otherwise ask torch.distributed.
+    if not isinstance(transport, SharedMemoryTransport) and not _distributed():
         return tensor
     # Every rank joins the shape exchange before anything is decided, so all ranks decide alike (a rank
     # returning early on its own would leave the others waiting in the collective).
-    padded = select_transport(regular).pad_to_largest(regular, dim, pad_index, pad_first)
+    padded = transport.pad_to_largest(regular, dim, pad_index, pad_first)
     return _with_padded(tensor, leaves, regular, padded)

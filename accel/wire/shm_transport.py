@@ -154,5 +154,9 @@ def shared_memory_transport() -> SharedMemoryTransport | None:
     return transport
 
 
+# c10d's registry of groups, one object for the life of the process (read before every collective).
+_WORLD = dist.distributed_c10d._world if dist.is_available() else None
+
+
 def _default_group() -> Any:
-    return dist.distributed_c10d._world.default_pg if dist.is_available() else None
+    return None if _WORLD is None else _WORLD.default_pg

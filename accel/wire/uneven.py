@@ -55,7 +55,7 @@ class _StandingBy:
 
 def in_uneven_step() -> bool:
     """Whether this process is in the last step of an uneven epoch, holding one of its batches."""
-    loader = GradientState().active_dataloader
+    loader = GradientState.current_dataloader()
     return loader is not None and getattr(loader, "in_uneven_step", False)
 
 

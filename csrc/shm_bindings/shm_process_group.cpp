@@ -221,6 +221,7 @@ class SharedMemoryBackend final : public DelegatingBackend {
 namespace accel {
 
 void add_host_leader_backend(pybind11::handle module);  // host_leader_backend.cpp: the backend of a group across hosts
+void add_direct_collectives(pybind11::handle module);    // shm_transport.cpp: the collectives' kernels without torch.ops
 
 // Python constructs the backend and sets it up through this class (accel._C.SharedMemoryBackend), a subclass of
 // torch.distributed's Backend: a ProcessGroup's `_get_backend(cpu)` then returns it as such, with `options` (its
@@ -238,6 +239,7 @@ int add_python_types(PyObject* module) {
         .def("rounds", &SharedMemoryBackend::rounds)
         .def_property_readonly("options", &SharedMemoryBackend::getBackendOptions);
     add_host_leader_backend(module);
+    add_direct_collectives(module);
     return 0;
   } catch (py::error_already_set& error) {
     error.restore();

@@ -32,6 +32,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -276,3 +278,43 @@ TORCH_LIBRARY_IMPL(accel, CompositeExplicitAutograd, m) {
   m.impl("shm_all_gather_bytes", &accel::shm_all_gather_bytes);
   m.impl("shm_pad_across_processes", &accel::shm_pad_across_processes);
 }
+
+namespace accel {
+
+// The same three kernels as plain functions of accel._C, for the eager path of accel's own collectives (accel/ops.py
+// calls them when nothing traces: no tensor subclass, no dispatch mode, no torch.compile). A call through torch.ops
+// costs about 2 us of boxing before the kernel runs, as much as the whole rendezvous of a small gather on one host;
+// these cost a pybind call. torch's wrapper raises c10's errors as torch.ops would (DistBackendError included).
+// The fill value of a padding call (torch's caster does not load a Scalar): a Python bool, int or float.
+c10::Scalar fill_value(const pybind11::handle& value) {
+  if (PyBool_Check(value.ptr())) return c10::Scalar(value.ptr() == Py_True);
+  if (PyLong_Check(value.ptr())) return c10::Scalar(value.cast<int64_t>());
+  if (PyFloat_Check(value.ptr())) return c10::Scalar(value.cast<double>());
+  TORCH_CHECK_TYPE(false, "accel: the padding value must be a bool, int or float, got ", Py_TYPE(value.ptr())->tp_name);
+}
+
+void add_direct_collectives(pybind11::handle module) {
+  namespace py = pybind11;
+  py::module_ m = py::reinterpret_borrow<py::module_>(module);
+  m.def("shm_all_gather",
+        torch::wrap_pybind_function([](int64_t handle, const std::vector<at::Tensor>& leaves,
+                                       std::optional<int64_t> pad_dim, const py::object& pad_value, bool pad_first,
+                                       const std::string& call) {
+          return shm_all_gather(handle, leaves, pad_dim, fill_value(pad_value), pad_first, call);
+        }),
+        py::arg("group"), py::arg("leaves"), py::arg("pad_dim"), py::arg("pad_value"), py::arg("pad_first"),
+        py::arg("call"));
+  m.def("shm_all_gather_bytes",
+        torch::wrap_pybind_function([](int64_t handle, const at::Tensor& data, const std::string& call) {
+          return shm_all_gather_bytes(handle, data, call);
+        }),
+        py::arg("group"), py::arg("data"), py::arg("call"));
+  m.def("shm_pad_across_processes",
+        torch::wrap_pybind_function([](int64_t handle, const std::vector<at::Tensor>& leaves, int64_t dim,
+                                       const py::object& pad_value, bool pad_first) {
+          return shm_pad_across_processes(handle, leaves, dim, fill_value(pad_value), pad_first);
+        }),
+        py::arg("group"), py::arg("leaves"), py::arg("dim"), py::arg("pad_value"), py::arg("pad_first"));
+}
+
+}  // namespace accel

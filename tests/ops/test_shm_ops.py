@@ -115,3 +115,70 @@ def test_recycled_output_buffers_never_alias_live_tensors(group):
     grown = ops.shm_all_gather(group, [torch.ones(70_000)])[0]
     grown.resize_(200_000)
     assert torch.equal(grown[:70_000], torch.ones(70_000))
+
+
+# --- the direct entry (accel._C's functions, the eager path) against the op (torch.ops) ----------------------------
+
+
+def _raised(call) -> tuple[type, str]:
+    with pytest.raises(Exception) as raised:
+        call()
+    return raised.type, str(raised.value).split("\nException raised from", 1)[0]
+
+
+@pytest.mark.parametrize("leaves", SAMPLES)
+def test_the_direct_entry_returns_what_the_op_returns(group, leaves):
+    from accel import _C
+
+    for pad in [(None, 0, False), (0, 7, True), (-1, 2.5, False), (0, True, False)]:
+        direct = _C.shm_all_gather(group, leaves, *pad, "gather")
+        dispatched = torch.ops.accel.shm_all_gather.default(group, leaves, *pad, "gather")
+        assert [(t.dtype, t.shape, t.stride()) for t in direct] == [(t.dtype, t.shape, t.stride()) for t in dispatched]
+        assert all(torch.equal(a, b) for a, b in zip(direct, dispatched))
+    assert _C.shm_pad_across_processes(group, leaves, 0, 1, False) == ([], [])
+    data = torch.arange(300, dtype=torch.int64).to(torch.uint8)
+    direct, dispatched = (
+        _C.shm_all_gather_bytes(group, data, "x"),
+        torch.ops.accel.shm_all_gather_bytes.default(group, data, "x"),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(direct, dispatched))
+
+
+def test_the_direct_entry_raises_what_the_op_raises(group):
+    from accel import _C
+
+    zero_d = [torch.tensor(1.0)]
+    assert _raised(lambda: _C.shm_all_gather(group, zero_d, None, 0, False, "gather")) == _raised(
+        lambda: torch.ops.accel.shm_all_gather.default(group, zero_d, None, 0, False, "gather")
+    )
+    assert _raised(lambda: _C.shm_all_gather_bytes(123456, torch.ones(1, dtype=torch.uint8), "x")) == _raised(
+        lambda: torch.ops.accel.shm_all_gather_bytes.default(123456, torch.ones(1, dtype=torch.uint8), "x")
+    )
+    with pytest.raises(TypeError, match="padding value must be a bool, int or float, got str"):
+        _C.shm_pad_across_processes(group, [torch.ones(2)], 0, "7", False)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_the_eager_path_is_taken_only_where_nothing_sees_ops(monkeypatch):
+    """ops' wrappers call the direct entry only for plain tensors with nothing tracing: fake tensors, modes and
+    torch.compile must meet the op (its fake kernel), or a traced program would run a real collective."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from accel import ops
+
+    plain = torch.ones(2)
+    assert ops._eager([plain]) and ops._eager([plain, plain], 0.5) and ops._eager([], True)
+    assert not ops._eager([plain], torch.tensor(1))  # a fill value only the op reads
+    assert not ops._eager([plain.as_subclass(_Subclass)])
+    assert not ops._eager([torch.nn.Parameter(plain)])
+    with FakeTensorMode() as mode:
+        assert not ops._eager([plain])
+        assert not ops._eager([mode.from_tensor(plain)])
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert not ops._eager([plain])
+    assert ops._eager([plain])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # what torch.compile's tracing sees
+    assert not ops._eager([plain])
