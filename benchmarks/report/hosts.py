@@ -36,6 +36,8 @@ def table(results: dict) -> list[str]:
                 time_in(t["gloo"], 1e6),
                 quartile_ratio(info.get("gloo/accel")),
                 goal,
+                time_in(t["leaders"], 1e6) if "leaders" in t else MISSING,
+                quartile_ratio(info.get("leaders/accel")),
                 rank_spread(info),
             )
         )
@@ -46,6 +48,8 @@ def table(results: dict) -> list[str]:
         "flat gloo µs",
         "**gloo / accel**",
         "goal",
+        "leaders' gloo alone µs",
+        "leaders' gloo / accel",
         "slowest/fastest rank",
     ]
     return scaffold.table(header, rows)
