@@ -107,8 +107,19 @@ def timed(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _start_together() -> None:
+    """Every rank starts the next timing at once (outside the timing): a timing that began while a peer was still
+    finishing the previous contender would bill this contender for that lag (a loop without collectives, such as an
+    evaluation pass's forward-only limit, lets the ranks drift apart by up to its whole length)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 class Interleaved:
-    """Times contenders round after round, alternating their order; the same calls on every rank."""
+    """Times contenders round after round, alternating their order; the same calls on every rank, each timing
+    started on every rank at once."""
 
     def __init__(
         self,
@@ -126,6 +137,7 @@ class Interleaved:
         names = list(self.contenders)
         for name in names if self.rounds % 2 == 0 else reversed(names):
             with plain_gloo() if name in self.over_gloo else contextlib.nullcontext():
+                _start_together()
                 self.times[name].append(self.timer(self.contenders[name], self.calls))
         self.rounds += 1
 
