@@ -777,6 +777,33 @@ def test_a_sharded_checkpoint_resumes_bit_identically_and_loads_on_one_process(t
         torch.testing.assert_close(merged[name], tensor, rtol=0, atol=0)
 
 
+def _saved_twice_beside_the_users_files(folder):
+    accelerator = fresh_accelerator()
+    model, optimizer = prepared(accelerator)
+    if accelerator.is_main_process:
+        os.makedirs(folder)
+        with open(os.path.join(folder, "logs.txt"), "w") as logs:
+            logs.write("the user's")
+    accelerator.wait_for_everyone()
+    for seed in range(2):  # the second save replaces the sharded-state folders of the first
+        train(accelerator, model, optimizer, batches(accelerator.process_index, 1, seed))
+        accelerator.save_state(folder)
+    saved = full_weights(accelerator, model)
+    train(accelerator, model, optimizer, batches(accelerator.process_index, 1, seed=2))
+    accelerator.load_state(folder)
+    loaded = full_weights(accelerator, model)
+    return sorted(os.listdir(folder)), all(torch.equal(saved[name], loaded[name]) for name in saved)
+
+
+def test_a_sharded_checkpoint_saved_again_into_a_folder_with_other_files_keeps_them(tmp_path):
+    folder = str(tmp_path / "state")
+    for listing, resumed in run_on_ranks(_saved_twice_beside_the_users_files, 2, folder, timeout=240):
+        assert resumed
+        assert {"logs.txt", "pytorch_model_fsdp_0", "optimizer_0"} <= set(listing)
+    assert (tmp_path / "state" / "logs.txt").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["state"]
+
+
 def _weights_after_three_steps():
     accelerator = fresh_accelerator()
     model, optimizer = prepared(accelerator)

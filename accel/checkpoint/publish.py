@@ -26,7 +26,7 @@ import secrets
 import shutil
 
 from accel.checkpoint import background
-from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly
+from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly, replace_entry
 from accel.checkpoint.background import remove_tree_now_free_later
 from accel.checkpoint.durability import Durability, durability_of
 from accel.checkpoint.names import CHECKPOINT_FILE, CHECKPOINT_PATTERN, DURABILITY_RECORD
@@ -102,11 +102,8 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
             final,
             ", ".join(foreign[:5]),
         )
-        # The new record first: it replaces the old checkpoint's, which would no longer hold for the new files.
-        for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
-            os.replace(os.path.join(partial, name), os.path.join(final, name))
+        _replace_entries(partial, final)
         sync(final)  # the renames into it, not only its own entry in the parent
-        os.rmdir(partial)
     elif not os.path.exists(final):
         os.rename(partial, final)
     elif exchange(partial, final):
@@ -178,6 +175,23 @@ def prepare_staging(output_dir: str, staged: bool) -> str:
     os.makedirs(output_dir, exist_ok=True)
     remove_quietly(os.path.join(output_dir, DURABILITY_RECORD))
     return output_dir
+
+
+def _replace_entries(partial: str, final: str) -> None:
+    """Moves every entry of `partial` into `final` (files and folders, such as FSDP's sharded state, in place of
+    theirs), removes what they replaced, then `partial` itself. The new durability record goes first: it replaces
+    the old checkpoint's, which would no longer hold for the new files."""
+    replaced = []
+    for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
+        old = replace_entry(os.path.join(partial, name), os.path.join(final, name))
+        if old is not None:
+            replaced.append(old)
+    for old in replaced:
+        if os.path.isdir(old) and not os.path.islink(old):
+            remove_tree_now_free_later(old)
+        else:
+            background.unlink_now_free_later([old])
+    os.rmdir(partial)
 
 
 def publish_and_rotate(

@@ -414,3 +414,32 @@ def test_a_checkpoint_saved_by_two_processes_loads_in_one_with_its_step(tmp_path
     step, sync, _, warned = _load_and_step(folder)
     assert step == 5 and sync is True
     assert len(warned) == 1 and "saved by 2 processes and is loaded by 1" in warned[0]
+
+
+def _checkpoint_folder(root, name: str, weights: str, shard: str, extra: dict | None = None) -> str:
+    """A folder holding a weight file and an FSDP-style sharded-state folder (plus `extra` files)."""
+    folder = root / name
+    (folder / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (folder / "pytorch_model_fsdp_0" / "__0_0.distcp").write_text(shard)
+    (folder / "model.safetensors").write_text(weights)
+    for file, text in (extra or {}).items():
+        (folder / file).write_text(text)
+    return str(folder)
+
+
+@pytest.mark.parametrize("swaps", [True, False], ids=["renameat2", "without-renameat2"])
+def test_a_folder_with_other_files_gets_its_sharded_state_folders_replaced_too(tmp_path, monkeypatch, swaps):
+    """A checkpoint folder that also holds the user's files is updated entry by entry; an entry that is a folder (FSDP's
+    sharded state) replaces the old folder of that name, which a plain rename cannot do when it is not empty."""
+    if not swaps:
+        monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+        monkeypatch.setattr("accel.checkpoint.atomic_files.exchange", lambda a, b: False)
+    final = _checkpoint_folder(tmp_path, "out", "old weights", "old shard", {"logs.txt": "the user's"})
+    staged = _checkpoint_folder(tmp_path, ".out.partial-1-0123456789abcdef", "new weights", "new shard")
+    publish.publish(staged, final)
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # nothing left beside it: the staging folder, the old entries
+    assert sorted(os.listdir(final)) == ["logs.txt", "model.safetensors", "pytorch_model_fsdp_0"]
+    assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
+    assert (tmp_path / "out" / "model.safetensors").read_text() == "new weights"
+    assert os.listdir(tmp_path / "out" / "pytorch_model_fsdp_0") == ["__0_0.distcp"]
+    assert (tmp_path / "out" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_text() == "new shard"
