@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from accel.test_utils.ray_loopback import LOOPBACK_ENV
+
 HERE = Path(__file__).resolve().parent
 ROUNDS = int(os.environ.get("ACCEL_BENCH_ROUNDS", "5"))
 STEPS = {"mlp": 300, "gpt2": 60, "fsdp2": 100}
@@ -75,7 +77,7 @@ def run_job(library: str, workload: str, extra_env: dict, out: Path) -> dict:
     script = [str(HERE / "training_job.py"), *arguments]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     if RAY:
-        ray_env = dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", GLOO_SOCKET_IFNAME="lo")
+        ray_env = dict(env, **LOOPBACK_ENV)
         ray_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
         agents = [([sys.executable, str(HERE / "ray_job.py"), *arguments], ray_env)]
     elif HOSTS == 1:

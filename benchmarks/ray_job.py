@@ -3,14 +3,13 @@ training_job.train (accel's or HF Accelerate's `Accelerator` inside `train_loop_
 
     python benchmarks/ray_job.py --library accel --workload gpt2 --steps 60 --out result.json
 
-Ray is pinned to 127.0.0.1 as tests/integrations/test_ray_train.py pins it (the caller sets
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and GLOO_SOCKET_IFNAME=lo); where Ray reports another address the job stops
-with an error instead of training. Ray's session files go to a temporary folder removed afterwards.
+Ray is pinned to loopback as tests/integrations/test_ray_train.py pins it (accel.test_utils.ray_loopback; the caller
+sets LOOPBACK_ENV); where Ray reports another address the job stops with an error instead of training. Ray's session
+files go to a temporary folder removed afterwards.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import tempfile
 
@@ -19,31 +18,21 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from training_job import parse_arguments, train
 
+from accel.test_utils.ray_loopback import not_loopback, reported_addresses, start_ray
+
 
 def _loop(config: dict) -> None:
     train(config["library"], config["workload"], config["steps"], config["warmup"], config["out"])
 
 
-def _loopback_only() -> None:
-    gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
-    addresses = [ray.util.get_node_ip_address(), gcs_host, *(node["NodeManagerAddress"] for node in ray.nodes())]
-    wrong = [address for address in addresses if not ipaddress.ip_address(address.strip("[]")).is_loopback]
-    if wrong:
-        raise SystemExit(f"Ray reports non-loopback addresses {wrong} despite the pinning; not training")
-
-
 def main() -> None:
     args = parse_arguments(__doc__.splitlines()[0])
     with tempfile.TemporaryDirectory(prefix="accel-bench-ray-") as folder:
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            _temp_dir=os.path.join(folder, "ray"),
-            num_cpus=2,
-            log_to_driver=False,
-        )
+        start_ray(folder)
         try:
-            _loopback_only()
+            wrong = not_loopback(reported_addresses())
+            if wrong:
+                raise SystemExit(f"Ray reports non-loopback addresses {wrong} despite the pinning; not training")
             config = dict(vars(args), out=os.path.abspath(args.out))
             TorchTrainer(
                 _loop,

@@ -101,7 +101,9 @@ def replace_entry(source: str, target: str) -> str | None:
 
     One step where the system swaps (`exchange`): the replaced entry ends up at `source`. Elsewhere a file is
     renamed over; a folder cannot be (rename refuses a non-empty one), so the entry there is renamed aside first, to
-    a hidden name nobody can guess next to `target` (`temporary_name`), and that name is returned. How a checkpoint
+    a hidden name nobody can guess next to `source` (`temporary_name`), and that name is returned: either way the
+    old entry waits where the new one came from (for a checkpoint, its staging folder, which the next save sweeps
+    when a crash leaves it), never as a stray name in the target's folder. How a checkpoint
     folder that holds other things than a checkpoint gets its entries replaced (accel.checkpoint.publish): the swap
     save_model's journal makes for its weight files (accel.checkpoint.model_io), for folders too."""
     if not os.path.lexists(target):
@@ -112,7 +114,7 @@ def replace_entry(source: str, target: str) -> str | None:
     if not os.path.isdir(target) or os.path.islink(target):
         os.replace(source, target)
         return None
-    aside = temporary_name(target)
+    aside = temporary_name(source)
     os.rename(target, aside)
     os.rename(source, target)
     return aside

@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from accel import _ext
+from accel.test_utils.ray_loopback import LOOPBACK_ENV
 
 pytest.importorskip("ray.train", reason="Ray Train is not installed (pip install 'accel[ray]')")
 
@@ -69,14 +70,7 @@ def _leftovers(run: str, grace_s: float = 15.0) -> list[str]:
 
 
 def _run_job(folder: str, run: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # a one-machine instance: loopback addresses
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_AUTH_MODE="disabled",
-        GLOO_SOCKET_IFNAME="lo",
-        **{MARKER: run},
-    )
+    env = dict(os.environ, **LOOPBACK_ENV, **{MARKER: run})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "examples"), env.get("PYTHONPATH")]))
     job = subprocess.Popen(
         [sys.executable, str(JOB), folder],

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from accel.test_utils.ray_loopback import not_loopback, reported_addresses, start_ray
+
 DATASET_SIZE = 24  # the observed dataloader: 24 indices, 12 per worker
 
 
@@ -60,21 +62,6 @@ def observed_loop(config: dict) -> None:
         json.dump(facts, file)
 
 
-def _addresses() -> dict:
-    """Every address Ray reports for this instance: the node's, each node's manager, the GCS."""
-    gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
-    return {
-        "node_ip": ray.util.get_node_ip_address(),
-        "nodes": [node["NodeManagerAddress"] for node in ray.nodes()],
-        "gcs": gcs_host,
-    }
-
-
-def _not_loopback(addresses: dict) -> list[str]:
-    flat = [addresses["node_ip"], addresses["gcs"], *addresses["nodes"]]
-    return [address for address in flat if not ipaddress.ip_address(address.strip("[]")).is_loopback]
-
-
 def _checkpoint_summary(path: str) -> dict:
     """The reported checkpoint's files and the loss of its weights on the example's whole dataset."""
     weights = load_file(os.path.join(path, "model.safetensors"))
@@ -87,18 +74,10 @@ def main(folder: str) -> dict:
     started = time.monotonic()
     facts = os.path.join(folder, "facts")
     os.makedirs(facts)
-    # 127.0.0.1 alone is not enough: Ray swaps a loopback node address for the machine's own unless it runs as a
-    # one-machine instance (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set by the test), which the check below verifies.
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        _temp_dir=os.path.join(folder, "ray"),
-        num_cpus=2,
-        log_to_driver=False,
-    )
+    start_ray(folder)  # pinned to loopback; the check below verifies it (LOOPBACK_ENV is set by the test)
     try:
-        addresses = _addresses()
-        wrong = _not_loopback(addresses)
+        addresses = reported_addresses()
+        wrong = not_loopback(addresses)
         if wrong:
             return {"skip": f"Ray reports non-loopback addresses {wrong} despite the pinning; not training"}
         trainer = ray_train.build_trainer(
