@@ -280,11 +280,8 @@ TORCH_LIBRARY_IMPL(accel, CompositeExplicitAutograd, m) {
 }
 
 namespace accel {
+namespace {
 
-// The same three kernels as plain functions of accel._C, for the eager path of accel's own collectives (accel/ops.py
-// calls them when nothing traces: no tensor subclass, no dispatch mode, no torch.compile). A call through torch.ops
-// costs about 2 us of boxing before the kernel runs, as much as the whole rendezvous of a small gather on one host;
-// these cost a pybind call. torch's wrapper raises c10's errors as torch.ops would (DistBackendError included).
 // The fill value of a padding call (torch's caster does not load a Scalar): a Python bool, int or float.
 c10::Scalar fill_value(const pybind11::handle& value) {
   if (PyBool_Check(value.ptr())) return c10::Scalar(value.ptr() == Py_True);
@@ -293,6 +290,12 @@ c10::Scalar fill_value(const pybind11::handle& value) {
   TORCH_CHECK_TYPE(false, "accel: the padding value must be a bool, int or float, got ", Py_TYPE(value.ptr())->tp_name);
 }
 
+}  // namespace
+
+// The same three kernels as plain functions of accel._C, for the eager path of accel's own collectives (accel/ops.py
+// calls them when nothing traces: no tensor subclass, no dispatch mode, no torch.compile). A call through torch.ops
+// costs about 2 us of boxing before the kernel runs, as much as the whole rendezvous of a small gather on one host;
+// these cost a pybind call. torch's wrapper raises c10's errors as torch.ops would (DistBackendError included).
 void add_direct_collectives(pybind11::handle module) {
   namespace py = pybind11;
   py::module_ m = py::reinterpret_borrow<py::module_>(module);
