@@ -1,6 +1,8 @@
 """setup.py for real: a native compile failure installs pure Python and records why, unless ACCEL_BUILD_NATIVE=1.
 
-Slow (each build compiles ops.cpp), so it runs once, in the native leg of `make test`.
+The broken file is the one setup.py compiles first (the generic copy of its first VEC_SOURCES file), its error is
+fatal at once (a missing include) and the builds compile one file at a time: each build stops within seconds
+instead of compiling the whole extension. Still slow (two pip builds), so it runs once, in the native leg.
 """
 
 import json
@@ -31,13 +33,13 @@ def broken_source_tree(tmp_path: Path) -> Path:
     shutil.copytree(
         ROOT / "accel", tree / "accel", ignore=shutil.ignore_patterns("*.so", "_build_info.json", "__pycache__")
     )
-    kernel = tree / "csrc" / "cpu" / "pad_into.cpp"
-    kernel.write_text(kernel.read_text().replace("namespace accel {", "namespace accel { deliberate_compile_error;", 1))
+    first = sorted((tree / "csrc" / "cpu" / "vec").glob("*.cpp"))[0]  # setup.py compiles these first
+    first.write_text('#include "deliberate_compile_error.h"\n' + first.read_text())
     return tree
 
 
 def build_wheel(tree: Path, out: Path, **env) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_BUILD")} | env
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCEL_BUILD")} | {"MAX_JOBS": "1"} | env
     command = [
         sys.executable,
         "-m",
@@ -64,7 +66,7 @@ def test_a_broken_native_build_installs_pure_python_and_records_the_compiler_err
         info = json.loads(archive.read("accel/_build_info.json"))
     assert not [n for n in names if n.startswith("accel/_C")], names
     assert info["native"] is False
-    assert "pad_into.cpp" in info["build_error"] and "deliberate_compile_error" in info["build_error"]
+    assert "/vec/" in info["build_error"] and "deliberate_compile_error" in info["build_error"]
 
     status = _ext.try_load("accel_wheel_without_extension._C", info=info)
     assert not status.loaded and "deliberate_compile_error" in status.reason and "pip install" in status.fix
