@@ -280,7 +280,7 @@ def _dies_in_setup(rank: int, world_size: int, port: int, sig: int, report_dir: 
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        ACCEL_PROCESS_GROUP_TIMEOUT="30",
+        ACCEL_PROCESS_GROUP_TIMEOUT="12",  # the survivor waits this long for its dead peer (a store wait)
     )
     from accel import ops
 
