@@ -20,8 +20,10 @@ machine hit both sides alike. A second group times whole `gather_for_metrics` ev
 third the same pass with a small MLP's forward (issue 23): accel's pass, HF's pass, accel's forward-only pass
 over the same prepared loader and model (the limit), and that pass with a barrier (`wait_for_everyone`) after each
 forward, with what gathering and what a barrier add per batch (a barrier is the least any collective per batch
-costs: one rendezvous, and each rank waiting for the slower one's forward). ACCEL_BENCH_ROUNDS sets the
-rounds of the evaluation-pass benchmarks (default 21; a few suffice to check that they run).
+costs: one rendezvous, and each rank waiting for the slower one's forward). accel's three passes are timed until
+every rank has finished (each ends with a barrier): the forward-only pass has no collective to line the ranks up.
+ACCEL_BENCH_ROUNDS sets the rounds of the evaluation-pass benchmarks (default 21; a few suffice to check that they
+run).
 Everything lands in each benchmark's `extra_info` (benchmarks/report/gather.py reads it); pytest-benchmark's
 own statistics are those of one whole round.
 
@@ -287,6 +289,39 @@ def _model_pass(model, loader, gather_for_metrics=None, sync=None) -> tuple[torc
     return (torch.cat(predictions), torch.cat(labels)) if gather_for_metrics is not None else None
 
 
+class _TimeInside:
+    """A per-batch call (the gather, the barrier) that adds up, per pass, the time spent inside it: the rest of the
+    pass is the rank's own work (loader and forward). `start` opens a pass's tally; `per_pass` holds them."""
+
+    def __init__(self, call: Callable) -> None:
+        self.call, self.per_pass = call, []
+
+    def start(self) -> None:
+        self.per_pass.append(0.0)
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.call(*args)
+        finally:
+            self.per_pass[-1] += time.perf_counter() - start
+
+
+def _until_every_rank_is_done(run_pass: Callable[[], object], barrier: Callable[[], object]) -> Callable[[], None]:
+    """`run_pass`, timed until the last rank has finished it: a distributed pass is done when every rank is. A
+    forward-only pass has no collective, so each rank's own time leaves out how much longer the slowest rank took,
+    and the gathering pass would be billed for that difference (a rank that waits at each gather for a peer whose
+    loader and forward are slower all along, not for the gather). accel's barrier adds ~5 µs to a pass. HF's pass
+    is left as it is: its last gather already ends on every rank together, and a barrier over its gloo group
+    would add a gloo round-trip (~1 ms here) to its time."""
+
+    def run() -> None:
+        run_pass()
+        barrier()
+
+    return run
+
+
 @multi_rank
 def test_eval_pass_with_model(benchmark, state):
     """accel's whole evaluation pass (forward + gather_for_metrics of (predictions, labels)) against the same pass
@@ -304,11 +339,22 @@ def test_eval_pass_with_model(benchmark, state):
         theirs_seen = _model_pass(their_model, their_loader, theirs.gather_for_metrics)
     assert all(torch.equal(a, b) for a, b in zip(seen, theirs_seen))
     assert torch.equal(seen[1], torch.arange(EVAL_ROWS))  # every sample once, in order
+    everyone = ours.wait_for_everyone
+    barrier, gathering = _TimeInside(everyone), _TimeInside(ours.gather_for_metrics)
+
+    def barrier_pass():
+        barrier.start()
+        _model_pass(our_model, our_loader, sync=barrier)
+
+    def accel_pass():
+        gathering.start()
+        _model_pass(our_model, our_loader, gathering)
+
     runs = Interleaved(
         {
-            "limit": lambda: _model_pass(our_model, our_loader),
-            "barrier": lambda: _model_pass(our_model, our_loader, sync=ours.wait_for_everyone),
-            "accel": lambda: _model_pass(our_model, our_loader, ours.gather_for_metrics),
+            "limit": _until_every_rank_is_done(lambda: _model_pass(our_model, our_loader), everyone),
+            "barrier": _until_every_rank_is_done(barrier_pass, everyone),
+            "accel": _until_every_rank_is_done(accel_pass, everyone),
             "hf": lambda: _model_pass(their_model, their_loader, theirs.gather_for_metrics),
         },
         1,
@@ -316,11 +362,20 @@ def test_eval_pass_with_model(benchmark, state):
     )
     runs.round()  # warm-up, not recorded
     runs.times = {contender: [] for contender in runs.times}
+    barrier.per_pass, gathering.per_pass = [], []
     benchmark.group = f"evaluation pass with a model, {WORLD_SIZE} ranks"
     benchmark.pedantic(runs.round, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=0)
     # What gathering adds per batch, from each round's pair (the same loader and model, interleaved).
     per_batch = [(a - f) / len(our_loader) for a, f in zip(runs.times["accel"], runs.times["limit"])]
     barrier_per_batch = [(b - f) / len(our_loader) for b, f in zip(runs.times["barrier"], runs.times["limit"])]
+    # Where that goes: the time inside the call, and the rank's own work (loader + forward) outside it, which is
+    # not the same when the ranks run in step as when each runs free (the forward-only pass).
+    batches = len(our_loader)
+    own_work = {
+        "free": [f / batches for f in runs.times["limit"]],
+        "barrier": [(b - inside) / batches for b, inside in zip(runs.times["barrier"], barrier.per_pass)],
+        "accel": [(a - inside) / batches for a, inside in zip(runs.times["accel"], gathering.per_pass)],
+    }
     benchmark.extra_info.update(
         world_size=WORLD_SIZE,
         payload="eval+mlp",
@@ -329,6 +384,9 @@ def test_eval_pass_with_model(benchmark, state):
         batches=len(our_loader),
         gather_per_batch_s=statistics.median(per_batch),
         barrier_per_batch_s=statistics.median(barrier_per_batch),
+        inside_gather_per_batch_s=statistics.median(inside / batches for inside in gathering.per_pass),
+        inside_barrier_per_batch_s=statistics.median(inside / batches for inside in barrier.per_pass),
+        own_work_per_batch_s={name: statistics.median(times) for name, times in own_work.items()},
         **runs.summary("accel", ["hf"]),
     )
     benchmark.extra_info["accel/limit"] = runs.summary("limit", ["accel"])["accel/limit"]

@@ -149,6 +149,36 @@ def model_pass_table(results: dict) -> list[str]:
     return scaffold.table(header, rows)
 
 
+def model_pass_breakdown_table(results: dict) -> list[str]:
+    """Per batch: the rank's own work (loader + forward) when the ranks run free (the forward-only pass) and in step
+    (the barrier's and the gather's passes, their time inside the call taken out), and the time inside the call."""
+    rows = []
+    for world in sorted({world for world, payload in results if payload == MODEL_PASS}):
+        info = results[(world, MODEL_PASS)]
+        own = info.get("own_work_per_batch_s")
+        if own is None:
+            continue
+        rows.append(
+            row(
+                world,
+                f"{own['free'] * 1e6:,.1f}",
+                f"{own['barrier'] * 1e6:,.1f}",
+                f"{info['inside_barrier_per_batch_s'] * 1e6:,.1f}",
+                f"{own['accel'] * 1e6:,.1f}",
+                f"{info['inside_gather_per_batch_s'] * 1e6:,.1f}",
+            )
+        )
+    header = [
+        "ranks",
+        "own work, ranks free µs",
+        "own work, in step (barrier) µs",
+        "inside the barrier µs",
+        "own work, in step (gather) µs",
+        "inside the gather µs",
+    ]
+    return scaffold.table(header, rows) if rows else []
+
+
 def plot(results: dict, path) -> None:
     worlds = sorted({world for world, payload in results if payload in PAYLOADS})
     with scaffold.figure(path, len(worlds), (6 * len(worlds), 4.5)) as axes:
@@ -192,12 +222,21 @@ def main(out_dir: str, *paths: str) -> None:
         "",
         "The user's whole loop: the prepared loader, the prepared model's forward under `torch.no_grad()`, then",
         "`gather_for_metrics((predictions, labels))` per batch. `forward only` is accel's same loop without the",
-        "gather (the limit); `gathering per batch` is the median over rounds of (accel - forward only) / batches,",
+        "gather (the limit). accel's passes are timed until every rank has finished them (a barrier ends each):",
+        "a pass is done when its slowest rank is, and the forward-only pass has no collective to line the ranks up.",
+        "`gathering per batch` is the median over rounds of (accel - forward only) / batches,",
         "what each call costs inside the loop, waiting for the slower rank included; `a barrier per batch` is the",
         "same for `wait_for_everyone()` in place of the gather, in the same rounds: the least any collective per",
         "batch costs there (one rendezvous, and the wait for the rank whose forward took longer).",
         "",
         *model_pass_table(results),
+        "",
+        "Where a batch's time goes in those passes (medians per batch): the rank's own work (the prepared loader and",
+        "the forward) when the ranks run free (the forward-only pass) and when a collective per batch keeps them in",
+        "step (the time inside the call taken out), and the time inside the call (the rendezvous, the wait for the",
+        "slower rank, the copies).",
+        "",
+        *model_pass_breakdown_table(results),
         "",
         "![padded all-gather](gather.png)",
         "",
