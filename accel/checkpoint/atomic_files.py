@@ -95,31 +95,6 @@ def exchange(a: str, b: str) -> bool:
     raise OSError(code, f"cannot swap '{a}' and '{b}': {os.strerror(code)}")
 
 
-def replace_entry(source: str, target: str) -> str | None:
-    """Puts the file or folder `source` at `target`, in place of whatever is there, and returns where the entry it
-    replaced is now (for the caller to remove), or None when nothing is left to remove.
-
-    One step where the system swaps (`exchange`): the replaced entry ends up at `source`. Elsewhere a file is
-    renamed over; a folder cannot be (rename refuses a non-empty one), so the entry there is renamed aside first, to
-    a hidden name nobody can guess next to `source` (`temporary_name`), and that name is returned: either way the
-    old entry waits where the new one came from (for a checkpoint, its staging folder, which the next save sweeps
-    when a crash leaves it), never as a stray name in the target's folder. How a checkpoint
-    folder that holds other things than a checkpoint gets its entries replaced (accel.checkpoint.publish): the swap
-    save_model's journal makes for its weight files (accel.checkpoint.model_io), for folders too."""
-    if not os.path.lexists(target):
-        os.rename(source, target)
-        return None
-    if exchange(source, target):
-        return source
-    if not os.path.isdir(target) or os.path.islink(target):
-        os.replace(source, target)
-        return None
-    aside = temporary_name(source)
-    os.rename(target, aside)
-    os.rename(source, target)
-    return aside
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 
 

@@ -14,37 +14,34 @@ outside its folder is refused. Saves come in three modes (accel.checkpoint.backg
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Mapping
 
 import torch
 
 from accel.checkpoint import background, snapshot
-from accel.checkpoint.atomic_files import (
-    TEMPORARY_NAME,
-    exchange,
-    fsync_directory,
-    process_alive,
-    remove_quietly,
-    write_atomically,
-    write_temporary,
-)
+from accel.checkpoint.atomic_files import TEMPORARY_NAME, fsync_directory, remove_quietly, write_temporary
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import (
-    PUBLISH_JOURNAL,
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
+    WEIGHT_FILE,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
 )
 from accel.checkpoint.progress import progress_bar
-from accel.checkpoint.safetensors_io import CheckpointError, FileIdentity, SafetensorsFile, _is_int, _shown
+from accel.checkpoint.publish_journal import (
+    PublishJournal,
+    publish_entries,
+    remove_now_free_later,
+    remove_orphan_temporaries,
+    replay_journal,
+)
+from accel.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from accel.checkpoint.safetensors_io import write_temporary as write_temporary_safetensors
 from accel.checkpoint.target_lock import TargetLock
 from accel.wire.process_group import wait_limit
@@ -199,14 +196,14 @@ def _save_state_dict_locked(
                 )
             )
         new = {name for _, name in staged}
-        stale = [name for name in os.listdir(folder) if _WEIGHT_FILE.fullmatch(name) and name not in new]
+        stale = [name for name in os.listdir(folder) if WEIGHT_FILE.fullmatch(name) and name not in new]
     except BaseException:
         for temporary, _ in staged:
             remove_quietly(temporary)
         raise
     # Once its journal is written, the publish is decided: an interruption from here on is completed by a replay.
-    background.unlink_now_free_later(publish_files(folder, staged, stale, durable))
-    _remove_orphan_temporaries(folder)
+    remove_now_free_later(publish_entries(folder, staged, stale, durable))
+    remove_orphan_temporaries(folder)
     return [os.path.join(folder, name) for _, name in staged]
 
 
@@ -215,261 +212,6 @@ def _write_shard(shard: dict[str, torch.Tensor], path: str, safe_serialization: 
         return write_temporary_safetensors(shard, path, metadata={"format": "pt"}, durable=durable)
     tensors = {name: t.contiguous().cpu() for name, t in shard.items()}
     return write_temporary(path, lambda f: torch.save(tensors, f), durable=durable)
-
-
-def publish_files(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> list[str]:
-    """Moves the complete temporary files `renames` ((temporary path, final name), in order) into place and
-    removes the indexes named in `remove`, as one step: through a journal (`PublishJournal`) that the writer's next
-    save completes after a kill and that a reader reads the new files through (see save_state_dict).
-
-    An existing file is swapped with its replacement (renameat2 RENAME_EXCHANGE: cheaper than a rename over it)
-    and left at the temporary name. Returns what is left to remove (those old files, the stale shards in
-    `remove`): nothing reads them any more, so the caller removes them after (`unlink_now_free_later`)."""
-    journal = PublishJournal.plan(folder, renames, remove)
-    try:
-        write_atomically(journal.path, lambda f: f.write(journal.to_json()), mode="w", durable=durable)
-    except BaseException:
-        for temporary, _ in renames:
-            remove_quietly(temporary)
-        raise
-    leftovers = journal.move_into_place()
-    for name in remove:
-        if name.endswith(".index.json"):  # no index may name a shard once its own shards are gone
-            remove_quietly(os.path.join(folder, name))
-    if durable:
-        fsync_directory(folder)
-    remove_quietly(journal.path)
-    return leftovers + [os.path.join(folder, name) for name in remove if not name.endswith(".index.json")]
-
-
-def replay_journal(folder: str) -> None:
-    """Completes the publish a killed save left in `folder` (its journal), if any: the writer's side only (a save
-    into the folder does this first); a load never changes the folder (see checkpoint_files).
-
-    A journal that names anything but accel's own entries of the folder is refused (CheckpointError) and left as it
-    is (see PublishJournal.read); only files the journal proves are the save's own are moved or removed."""
-    journal = PublishJournal.read(folder)
-    if journal is None:
-        return
-    background.unlink_now_free_later(journal.move_into_place() + journal.stale_files())
-    remove_quietly(journal.path)
-
-
-def _identity_at(path: str) -> FileIdentity | None:
-    """The identity of the entry at `path` itself (a symbolic link's own: never followed); None if nothing is there."""
-    info = _lstat_or_none(path)
-    return None if info is None else FileIdentity.of(info)
-
-
-def _lstat_or_none(path: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rename:
-    temporary: str  # a name in the journal's folder, where the new file was written
-    name: str  # its final name there
-    file: FileIdentity  # the new file
-    replaces: FileIdentity | None  # the file at `name` when the journal was written, if any
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishJournal:
-    """A save_model's plan to publish its files (`.accel-publish.json` in the folder), written once every new file
-    is complete at its temporary name: from then on the new checkpoint is decided, and its files move into place.
-
-    Every file is recorded with its identity (device, inode, size, mtime: a rename keeps them), so that what is
-    done can be told from the folder alone: a temporary name holding the new file is still to be moved; one holding
-    the file it replaced was swapped already. Anything else found there is not the save's to move or remove."""
-
-    folder: str
-    renames: tuple[_Rename, ...]
-    stale: tuple[tuple[str, FileIdentity], ...]  # earlier weight files to remove (name, identity)
-
-    @property
-    def path(self) -> str:
-        return os.path.join(self.folder, PUBLISH_JOURNAL)
-
-    @classmethod
-    def plan(cls, folder: str, renames: list[tuple[str, str]], remove: list[str]) -> PublishJournal:
-        moves = tuple(
-            _Rename(
-                os.path.basename(temporary),
-                name,
-                FileIdentity.of(os.lstat(temporary)),
-                _identity_at(os.path.join(folder, name)),
-            )
-            for temporary, name in renames
-        )
-        stale = tuple(
-            (name, identity) for name in remove if (identity := _identity_at(os.path.join(folder, name))) is not None
-        )
-        return cls(folder, moves, stale)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "rename": [
-                    {
-                        "temporary": r.temporary,
-                        "name": r.name,
-                        "file": list(dataclasses.astuple(r.file)),
-                        "replaces": None if r.replaces is None else list(dataclasses.astuple(r.replaces)),
-                    }
-                    for r in self.renames
-                ],
-                "remove": [
-                    {"name": name, "file": list(dataclasses.astuple(identity))} for name, identity in self.stale
-                ],
-            }
-        )
-
-    @classmethod
-    def read(cls, folder: str) -> PublishJournal | None:
-        """The journal of `folder`, validated; None when there is none. Changes nothing.
-
-        Raises CheckpointError, naming the journal and the entry, unless it is a journal accel wrote: every name in
-        it a plain entry of the folder (a weight file name, or a temporary name accel gives that file: no
-        separator, no '..', never absolute), and every entry it names that exists a regular file (not a symbolic
-        link). A model folder from elsewhere can hold any dotfile; one that names other files is never acted on."""
-        path = os.path.join(folder, PUBLISH_JOURNAL)
-        text = _read_journal_text(path)
-        if text is None:
-            return None
-        try:
-            plan = json.loads(text)
-        except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
-            raise _refused(path, f"it is not JSON ({error})") from None
-        if not (
-            isinstance(plan, dict)
-            and set(plan) == {"rename", "remove"}
-            and isinstance(plan["rename"], list)
-            and isinstance(plan["remove"], list)
-        ):
-            raise _refused(path, "expected an object of two lists, 'rename' and 'remove'")
-        journal = cls(
-            folder,
-            tuple(_rename_entry(path, i, entry) for i, entry in enumerate(plan["rename"])),
-            tuple(_stale_entry(path, i, entry) for i, entry in enumerate(plan["remove"])),
-        )
-        for name in [n for r in journal.renames for n in (r.temporary, r.name)] + [n for n, _ in journal.stale]:
-            info = _lstat_or_none(os.path.join(folder, name))
-            if info is not None and not stat.S_ISREG(info.st_mode):
-                kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-                raise _refused(path, f"it names '{name}', which is {kind}")
-        return journal
-
-    def locate(self) -> dict[str, str]:
-        """{final name: the path of its new file now}, without changing anything: at the temporary name until it
-        is moved, then at its name. Raises CheckpointError when a new file is in neither place."""
-        located = {}
-        for r in self.renames:
-            places = [os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)]
-            found = [place for place in places if _identity_at(place) == r.file]
-            if not found:
-                raise CheckpointError(
-                    f"a save into '{self.folder}' was interrupted while publishing its files, and its new '{r.name}' "
-                    f"is neither at '{r.temporary}' nor at '{r.name}' any more (the folder changed since, or a save "
-                    f"into it is running now): load it once that save is done, or save the model into '{self.folder}' "
-                    f"again. The journal '{self.path}' was left as it is"
-                )
-            located[r.name] = found[0]
-        return located
-
-    def move_into_place(self) -> list[str]:
-        """Renames (or swaps) each new file into place unless done already. Returns the replaced files left at
-        temporary names (by a swap now, or before a kill), for the caller to remove; any other file found at a
-        temporary name is left alone."""
-        leftovers = []
-        for r in self.renames:
-            source, target = os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)
-            found = _identity_at(source)
-            if found == r.file:
-                if not (os.path.lexists(target) and exchange(source, target)):
-                    os.replace(source, target)
-                    continue
-                found = _identity_at(source)  # what the swap displaced
-            if found is not None and found == r.replaces:
-                leftovers.append(source)
-            elif found is not None:
-                logger.warning(
-                    "leaving '%s' alone: the publish journal of '%s' names it, but it holds neither the "
-                    "new '%s' nor the file that one replaced",
-                    source,
-                    self.folder,
-                    r.name,
-                )
-        return leftovers
-
-    def stale_files(self) -> list[str]:
-        """The earlier weight files to remove that are still the ones the journal recorded."""
-        paths = [os.path.join(self.folder, name) for name, _ in self.stale]
-        return [path for path, (_, identity) in zip(paths, self.stale) if _identity_at(path) == identity]
-
-
-def _read_journal_text(path: str) -> bytes | None:
-    """The bytes of the journal at `path` (None when there is none), read without following a symbolic link or
-    blocking on a FIFO planted under its name."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as error:  # ELOOP: a symbolic link
-        raise _refused(path, f"it cannot be opened as a file: {error.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_JOURNAL_BYTES:
-            raise _refused(path, f"it is not a regular file of at most {_MAX_JOURNAL_BYTES} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(_MAX_JOURNAL_BYTES + 1)
-    finally:
-        os.close(fd)
-
-
-_MAX_JOURNAL_BYTES = 64 << 20  # a few hundred bytes per file of the checkpoint
-
-
-def _refused(path: str, why: str) -> CheckpointError:
-    return CheckpointError(
-        f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, "
-        "which names regular files of its own folder (weight files and accel's temporary names "
-        "for them); nothing was touched. If the folder is yours, check its files and remove the "
-        "journal"
-    )
-
-
-def _rename_entry(path: str, i: int, entry: object) -> _Rename:
-    if not isinstance(entry, dict) or set(entry) != {"temporary", "name", "file", "replaces"}:
-        raise _refused(
-            path, f"rename entry {i}, {_shown(entry, 300)}, is not an object of temporary, name, file, replaces"
-        )
-    temporary, name = entry["temporary"], entry["name"]
-    if not (isinstance(name, str) and _WEIGHT_FILE.fullmatch(name)):
-        raise _refused(path, f"rename entry {i} names {_shown(name, 300)}, not a weight file name")
-    match = TEMPORARY_NAME.fullmatch(temporary) if isinstance(temporary, str) else None
-    if match is None or match["name"] != name:
-        raise _refused(
-            path, f"rename entry {i} names {_shown(temporary, 300)}, not a temporary name accel gives '{name}'"
-        )
-    replaces = None if entry["replaces"] is None else _identity_entry(path, f"rename entry {i}", entry["replaces"])
-    return _Rename(temporary, name, _identity_entry(path, f"rename entry {i}", entry["file"]), replaces)
-
-
-def _stale_entry(path: str, i: int, entry: object) -> tuple[str, FileIdentity]:
-    if not isinstance(entry, dict) or set(entry) != {"name", "file"}:
-        raise _refused(path, f"remove entry {i}, {_shown(entry, 300)}, is not an object of name and file")
-    if not (isinstance(entry["name"], str) and _WEIGHT_FILE.fullmatch(entry["name"])):
-        raise _refused(path, f"remove entry {i} names {_shown(entry['name'], 300)}, not a weight file name")
-    return entry["name"], _identity_entry(path, f"remove entry {i}", entry["file"])
-
-
-def _identity_entry(path: str, where: str, value: object) -> FileIdentity:
-    if not (isinstance(value, list) and len(value) == 4 and all(_is_int(v) and v >= 0 for v in value)):
-        raise _refused(path, f"{where}: a file's identity is four non-negative integers, got {_shown(value)}")
-    return FileIdentity(*value)
 
 
 def sync_files(paths: list[str]) -> None:
@@ -511,21 +253,6 @@ def save_model_files(
     written = save_state_dict(state_dict, folder, max_shard_size, safe_serialization, durable=mode.durable)
     if not mode.durable:
         background.saves.submit(lambda: sync_files(written), f"fsync of '{folder}'")
-
-
-def _remove_orphan_temporaries(folder: str) -> None:
-    """The temporary weight files of saves killed midway (their process is gone): regular files at names accel gives
-    them (`TEMPORARY_NAME`); a symbolic link or anything else at such a name is not accel's and stays."""
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            match = TEMPORARY_NAME.fullmatch(entry.name)
-            if (
-                match
-                and _WEIGHT_FILE.fullmatch(match["name"])
-                and entry.is_file(follow_symlinks=False)
-                and not process_alive(int(match["pid"]))
-            ):
-                remove_quietly(entry.path)
 
 
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")

@@ -37,8 +37,11 @@ CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
 # published from the page cache of that boot, "durable <host> <boot id>" once everything in it is fsync'd. Its
 # content is rewritten in place, never its name. See accel.checkpoint.background.
 DURABILITY_RECORD = ".accel-durability"
-# A save_model folder's list of renames in progress: after a crash, read through by a load and completed by the
-# next save into the folder (accel.checkpoint.model_io.PublishJournal).
+# save_model's weight files and their indexes (`model-00001-of-00002.safetensors`, `pytorch_model.bin.index.json`).
+WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+# A checkpoint folder's list of renames in progress (save_model's, and save_state's into a folder that holds other
+# things): after a crash, read through by a load and completed by the next save into the folder
+# (accel.checkpoint.publish_journal).
 PUBLISH_JOURNAL = ".accel-publish.json"
 # Every file save_state writes (what a folder swap may replace; anything else there is the user's).
 CHECKPOINT_FILE = re.compile(

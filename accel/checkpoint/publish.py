@@ -10,26 +10,38 @@ parked at `<staging>.old` between two renames; the writer's next save puts it ba
 (`recover_interrupted_publish`), and a load reads it where it is (`readable_folder`): loading never renames. The
 writer holds the folder's lock (accel.checkpoint.target_lock) throughout, which is also what makes the staging
 folders of dead writers safe to sweep. A folder that holds other things than a checkpoint (logs...) gets its
-checkpoint files replaced one by one instead. With automatic_checkpoint_naming, `rotate` removes the oldest
-`checkpoint_N` folders by number beyond total_limit, keeping the newest durable one until the new one is durable
-too. Replaced and rotated-out folders are gone before the call returns (`discard`); only freeing their blocks is
-left to the background. Durability itself (fsync, the `.accel-durability` record) is accel.checkpoint.background.
+checkpoint's entries replaced one by one instead, through the journal save_model uses
+(accel.checkpoint.publish_journal): a kill midway leaves the previous checkpoint or the new one, the next save
+completes it, and a load reads the new one through the journal. With automatic_checkpoint_naming, `rotate`
+removes the oldest `checkpoint_N` folders by number beyond total_limit, keeping the newest durable one until the new
+one is durable too. Replaced and rotated-out folders are gone before the call returns (`discard`); only freeing
+their blocks is left to the background. Durability itself (fsync, the `.accel-durability` record) is
+accel.checkpoint.durability.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 
 from accel.checkpoint import background
-from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly, replace_entry
+from accel.checkpoint.atomic_files import exchange, fsync_directory, process_alive, remove_quietly, temporary_name
 from accel.checkpoint.background import remove_tree_now_free_later
 from accel.checkpoint.durability import Durability, durability_of
 from accel.checkpoint.names import CHECKPOINT_FILE, CHECKPOINT_PATTERN, DURABILITY_RECORD
+from accel.checkpoint.publish_journal import (
+    journal_view,
+    publish_entries,
+    remove_now_free_later,
+    remove_orphan_temporaries,
+    replay_journal,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +100,8 @@ def foreign_entries(final: str, staged: str) -> list[str]:
 def publish(partial: str, final: str, durable: bool = True) -> None:
     """Moves the complete `partial` folder to `final`; an existing `final` is swapped out in one step.
 
-    When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new files are
-    moved in one by one instead (each file atomically, the folder as a whole not). `durable`: fsync the folders
+    When `final` holds other things than a checkpoint (see foreign_entries), they are kept: the new entries are
+    published into it through a journal instead (`_publish_among_other_entries`). `durable`: fsync the folders
     (else accel.checkpoint.durability.Durability does it later).
     """
     sync = fsync_directory if durable else (lambda folder: None)
@@ -97,13 +109,12 @@ def publish(partial: str, final: str, durable: bool = True) -> None:
     foreign = foreign_entries(final, partial)
     if foreign:
         logger.warning(
-            "'%s' holds other things than a checkpoint (%s): replacing its checkpoint files one by one "
-            "(not atomically) so that they are kept",
+            "'%s' holds other things than a checkpoint (%s): replacing its checkpoint's entries one by one, "
+            "through a journal, so that they are kept",
             final,
             ", ".join(foreign[:5]),
         )
-        _replace_entries(partial, final)
-        sync(final)  # the renames into it, not only its own entry in the parent
+        _publish_among_other_entries(partial, final, durable)
     elif not os.path.exists(final):
         os.rename(partial, final)
     elif exchange(partial, final):
@@ -138,15 +149,24 @@ def recover_interrupted_publish(final: str) -> None:
         os.rename(old, final)
 
 
-def readable_folder(folder: str) -> str:
-    """Where a load finds the checkpoint of `folder`: the folder itself, or, after a crash between the two renames
-    of publish's fallback, the previous checkpoint where it is parked (read there: a load renames nothing; the
-    writer's next save puts it back)."""
+@contextlib.contextmanager
+def readable_folder(folder: str) -> Iterator[str]:
+    """Where a load finds the checkpoint of `folder`: the folder itself; after a crash between the two renames of
+    publish's fallback, the previous checkpoint where it is parked; after a crash while publishing into a folder
+    that holds other things, a private view of the checkpoint its journal published (`journal_view`, removed on
+    exit). A load renames nothing: the writer's next save puts things back."""
     old = parked_checkpoint(folder)
-    if old is None:
-        return folder
-    logger.warning("'%s' is missing after an interrupted save: loading the previous checkpoint from '%s'", folder, old)
-    return old
+    if old is not None:
+        logger.warning(
+            "'%s' is missing after an interrupted save: loading the previous checkpoint from '%s'", folder, old
+        )
+        yield old
+        return
+    if not os.path.isdir(folder):
+        yield folder
+        return
+    with journal_view(folder) as view:
+        yield view
 
 
 def sweep_orphan_staging(final: str) -> None:
@@ -167,6 +187,9 @@ def prepare_staging(output_dir: str, staged: bool) -> str:
     publish, sweeps what dead writers left, and returns the new staging folder (`output_dir` itself when the save
     is written in place, not staged)."""
     recover_interrupted_publish(output_dir)
+    if os.path.isdir(output_dir):  # a publish into a folder holding other things, killed midway
+        replay_journal(output_dir)
+        remove_orphan_temporaries(output_dir)
     sweep_discarded(os.path.dirname(os.path.normpath(output_dir)) or ".")
     if staged:
         sweep_orphan_staging(output_dir)
@@ -177,20 +200,26 @@ def prepare_staging(output_dir: str, staged: bool) -> str:
     return output_dir
 
 
-def _replace_entries(partial: str, final: str) -> None:
-    """Moves every entry of `partial` into `final` (files and folders, such as FSDP's sharded state, in place of
-    theirs), removes what they replaced, then `partial` itself. The new durability record goes first: it replaces
-    the old checkpoint's, which would no longer hold for the new files."""
-    replaced = []
-    for name in sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD):
-        old = replace_entry(os.path.join(partial, name), os.path.join(final, name))
-        if old is not None:
-            replaced.append(old)
-    for old in replaced:
-        if os.path.isdir(old) and not os.path.islink(old):
-            remove_tree_now_free_later(old)
-        else:
-            background.unlink_now_free_later([old])
+def _publish_among_other_entries(partial: str, final: str, durable: bool) -> None:
+    """Publishes the entries of the complete `partial` into `final`, which holds other things: each moved to a
+    temporary name in `final` (the durability record first), then all swapped into place through a journal
+    (accel.checkpoint.publish_journal.publish_entries), the previous checkpoint's entries the new one lacks
+    (another process count's RNG files, ...) removed with it. A failure before the journal is written leaves the
+    previous checkpoint whole: the moved entries go back to `partial`, which the caller's failure path sweeps."""
+    names = sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD)
+    renames: list[tuple[str, str]] = []
+    try:
+        for name in names:
+            temporary = temporary_name(os.path.join(final, name))
+            os.rename(os.path.join(partial, name), temporary)
+            renames.append((temporary, name))
+    except BaseException:
+        for temporary, name in renames:
+            os.rename(temporary, os.path.join(partial, name))
+        raise
+    new = set(names)
+    stale = [name for name in os.listdir(final) if CHECKPOINT_FILE.fullmatch(name) and name not in new]
+    remove_now_free_later(publish_entries(final, renames, stale, durable))
     os.rmdir(partial)
 
 

@@ -51,6 +51,7 @@ What is saved comes from the Accelerator through one seam, `Accelerator.checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -714,13 +715,25 @@ def load_state(
     own RNG states where the checkpoint has them, and derives new ones from process (index mod saved count)'s
     otherwise. Loading changes nothing on disk.
     """
-    config = parts.project_configuration
     join_saves(parts, asynchronous_only=True)
+    with contextlib.ExitStack() as views:  # a view of an interrupted publish is removed when the load is done
+        return _load_state(parts, input_dir, load_kwargs, pre_hooks, strict, views)
+
+
+def _load_state(
+    parts: Checkpointable,
+    input_dir: str | None,
+    load_kwargs: dict | None,
+    pre_hooks: list[Callable],
+    strict: bool,
+    views: contextlib.ExitStack,
+) -> tuple[str, int | None]:
+    config = parts.project_configuration
     load_kwargs = {"weights_only": True, **(load_kwargs or {})}
     models = list(parts.models)  # a hook may pop the models it loads itself (HF's diffusers pattern)
     failure = folder = None
     try:
-        input_dir, folder = _folder_to_load(config, parts.project_dir, input_dir)
+        input_dir, folder = _folder_to_load(config, parts.project_dir, input_dir, views)
         for hook in pre_hooks:
             hook(models, folder)
         _check_complete(parts, models, folder)
@@ -744,15 +757,18 @@ def load_state(
     return input_dir, step
 
 
-def _folder_to_load(config: Any, project_dir: str | None, input_dir: str | None) -> tuple[str, str]:
-    """(the checkpoint asked for, the folder its files are read from: the same, or where an interrupted save
-    parked it)."""
+def _folder_to_load(
+    config: Any, project_dir: str | None, input_dir: str | None, views: contextlib.ExitStack
+) -> tuple[str, str]:
+    """(the checkpoint asked for, the folder its files are read from: the same, where an interrupted save parked
+    it, or a view of what an interrupted publish into a folder holding other things published, which `views`
+    removes)."""
     if input_dir is None:
         if not config.automatic_checkpoint_naming:
             raise ValueError("load_state needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True)")
         input_dir = latest_checkpoint(project_dir)
     input_dir = os.path.expanduser(os.fspath(input_dir))
-    folder = readable_folder(input_dir)
+    folder = views.enter_context(readable_folder(input_dir))
     if not os.path.isdir(folder):
         raise ValueError(f"checkpoint folder '{input_dir}' does not exist")
     if durability_of(folder) == "lost-boot":

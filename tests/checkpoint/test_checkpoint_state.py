@@ -468,7 +468,7 @@ def test_a_publish_interrupted_between_its_renames_is_loaded_where_it_is_parked(
 
 
 def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(tmp_path, monkeypatch):
-    from accel.checkpoint import publish
+    from accel.checkpoint import publish, publish_journal
 
     final, partial = tmp_path / "out", tmp_path / ".out.partial"
     final.mkdir()
@@ -477,6 +477,7 @@ def test_publishing_into_a_folder_with_other_content_makes_that_folder_durable(t
     (partial / "model.safetensors").write_bytes(b"new")
     synced = []
     monkeypatch.setattr(publish, "fsync_directory", lambda path: synced.append(os.path.normpath(path)))
+    monkeypatch.setattr(publish_journal, "fsync_directory", lambda path: synced.append(os.path.normpath(path)))
     publish.publish(str(partial), str(final))
     assert (final / "model.safetensors").read_bytes() == b"new" and (final / "train.log").read_text() == "kept"
     assert str(final) in synced  # the renames into it are durable, not only its parent's entry

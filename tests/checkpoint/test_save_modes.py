@@ -17,7 +17,7 @@ import torch
 
 from accel.accelerator import Accelerator
 from accel.accelerator_config import ProjectConfiguration
-from accel.checkpoint import background, durability, load_checkpoint_in_model, model_io, snapshot
+from accel.checkpoint import background, durability, load_checkpoint_in_model, model_io, publish_journal, snapshot
 from accel.checkpoint.background import SaveMode
 from accel.checkpoint.names import DURABILITY_RECORD, PUBLISH_JOURNAL
 from accel.state import AcceleratorState, GradientState
@@ -251,7 +251,7 @@ def test_a_save_model_interrupted_while_publishing_is_read_whole_and_completed_b
     old = {f"{i}.weight": torch.full((64, 64), 1.0) for i in range(4)}
     new = {f"{i}.weight": torch.full((64, 64), 2.0) for i in range(4)}
     model_io.save_state_dict(old, folder, max_shard_size="40KB")
-    real_exchange, calls = model_io.exchange, []
+    real_exchange, calls = publish_journal.exchange, []
 
     def killed_after_the_first_swap(a, b):
         calls.append(b)
@@ -259,7 +259,7 @@ def test_a_save_model_interrupted_while_publishing_is_read_whole_and_completed_b
             raise KeyboardInterrupt  # the first shard is the new one, the second still the old one
         return real_exchange(a, b)
 
-    monkeypatch.setattr(model_io, "exchange", killed_after_the_first_swap)
+    monkeypatch.setattr(publish_journal, "exchange", killed_after_the_first_swap)
     with pytest.raises(KeyboardInterrupt):
         model_io.save_state_dict(new, folder, max_shard_size="40KB")
     monkeypatch.undo()

@@ -429,11 +429,12 @@ def _checkpoint_folder(root, name: str, weights: str, shard: str, extra: dict | 
 
 @pytest.mark.parametrize("swaps", [True, False], ids=["renameat2", "without-renameat2"])
 def test_a_folder_with_other_files_gets_its_sharded_state_folders_replaced_too(tmp_path, monkeypatch, swaps):
-    """A checkpoint folder that also holds the user's files is updated entry by entry; an entry that is a folder (FSDP's
-    sharded state) replaces the old folder of that name, which a plain rename cannot do when it is not empty."""
+    """A checkpoint folder that also holds the user's files is updated entry by entry (through a journal); an entry
+    that is a folder (FSDP's sharded state) replaces the old folder of that name, which a plain rename cannot do
+    when it is not empty."""
     if not swaps:
         monkeypatch.setattr(publish, "exchange", lambda a, b: False)
-        monkeypatch.setattr("accel.checkpoint.atomic_files.exchange", lambda a, b: False)
+        monkeypatch.setattr("accel.checkpoint.publish_journal.exchange", lambda a, b: False)
     final = _checkpoint_folder(tmp_path, "out", "old weights", "old shard", {"logs.txt": "the user's"})
     staged = _checkpoint_folder(tmp_path, ".out.partial-1-0123456789abcdef", "new weights", "new shard")
     publish.publish(staged, final)
@@ -443,3 +444,164 @@ def test_a_folder_with_other_files_gets_its_sharded_state_folders_replaced_too(t
     assert (tmp_path / "out" / "model.safetensors").read_text() == "new weights"
     assert os.listdir(tmp_path / "out" / "pytorch_model_fsdp_0") == ["__0_0.distcp"]
     assert (tmp_path / "out" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_text() == "new shard"
+
+
+# --- a publish into a folder with other files, killed midway (issue 23: one publish protocol) ----------------------
+
+
+class _Counter:
+    """An object registered for checkpointing: its value tells which save its custom checkpoint came from."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def _save(folder: str, value: float) -> None:
+    accelerator = fresh_accelerator()
+    prepared_linear(accelerator, value)
+    accelerator.register_for_checkpointing(_Counter(int(value)))
+    accelerator.save_state(folder)
+    accelerator.wait_for_checkpoint()  # the durability record is rewritten in the background: done before the checks
+
+
+def _load(folder: str) -> tuple[float, int]:
+    """(the weights' value, the registered object's value) of the checkpoint `folder` loads as."""
+    accelerator = fresh_accelerator()
+    model, _ = prepared_linear(accelerator)
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    accelerator.load_state(folder)
+    return model.weight[0, 0].item(), counter.value
+
+
+def _killed_at_swap(monkeypatch, call: int):
+    """publish_journal's swaps raise at the `call`-th one (a kill while the entries move into place)."""
+    from accel.checkpoint import publish_journal
+
+    real_exchange, calls = publish_journal.exchange, []
+
+    def exchange(a, b):
+        calls.append(b)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(publish_journal, "exchange", exchange)
+
+
+def _listing(folder: str) -> dict[str, tuple[int, int]]:
+    return {
+        name: (os.lstat(os.path.join(folder, name)).st_ino, os.lstat(os.path.join(folder, name)).st_size)
+        for name in os.listdir(folder)
+    }
+
+
+def test_a_save_into_a_folder_with_other_files_killed_while_publishing_loads_whole_and_is_completed(
+    tmp_path, monkeypatch
+):
+    """Killed after the durability record and the custom checkpoint moved in, before the weights did: the folder
+    then holds the new custom checkpoint beside the old weights. A load reads the new checkpoint whole (through the
+    journal) and changes nothing; the next save completes the interrupted one, then publishes its own."""
+    folder = str(tmp_path / "out")
+    os.makedirs(folder)
+    (tmp_path / "out" / "logs.txt").write_text("the user's")
+    _save(folder, 1.0)
+    with monkeypatch.context() as patched:
+        _killed_at_swap(patched, 3)  # swaps: the record, custom_checkpoint_0.pkl, then model.safetensors
+        with pytest.raises(KeyboardInterrupt):
+            _save(folder, 2.0)
+    assert os.path.exists(os.path.join(folder, ".accel-publish.json"))
+    assert load_file(os.path.join(folder, "model.safetensors"))["weight"][0, 0].item() == 1.0  # the old weights
+    before = _listing(folder)
+    assert _load(folder) == (2.0, 2)  # never the mix (1.0, 2) the folder holds at the entries' names
+    assert _listing(folder) == before  # the load changed nothing
+    assert not [name for name in os.listdir(tempfile_dir()) if name.startswith("accel-checkpoint-view-")]
+    _save(folder, 3.0)
+    assert sorted(os.listdir(folder)) == [
+        ".accel-durability",
+        "custom_checkpoint_0.pkl",
+        "logs.txt",
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+    ]
+    assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
+    assert _load(folder) == (3.0, 3)
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def test_a_save_into_a_folder_with_other_files_removes_the_previous_checkpoints_extra_entries(tmp_path):
+    """An earlier save with more processes or more registered objects left entries this one does not write: they
+    go with it (a stale custom checkpoint would make the load count two registered objects), the user's stay."""
+    folder = str(tmp_path / "out")
+    os.makedirs(folder)
+    (tmp_path / "out" / "logs.txt").write_text("the user's")
+    _save(folder, 1.0)
+    for stale in ("custom_checkpoint_1.pkl", "random_states_3.pkl"):
+        (tmp_path / "out" / stale).write_bytes(b"an earlier save's")
+    _save(folder, 2.0)
+    assert "custom_checkpoint_1.pkl" not in os.listdir(folder) and "random_states_3.pkl" not in os.listdir(folder)
+    assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
+    assert _load(folder) == (2.0, 2)
+
+
+@pytest.mark.parametrize("swaps", [True, False], ids=["renameat2", "without-renameat2"])
+def test_a_publish_of_folders_killed_midway_is_read_through_a_view_and_replayed(tmp_path, monkeypatch, swaps):
+    """Sharded-state folders too: after a kill between two entries, a load reads every new entry (files and
+    folders) through a private view of links, and the folder's other entries; the writer's next save replays."""
+    if not swaps:
+        monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+        monkeypatch.setattr("accel.checkpoint.publish_journal.exchange", lambda a, b: False)
+    final = _checkpoint_folder(tmp_path, "out", "old weights", "old shard", {"logs.txt": "the user's"})
+    staged = _checkpoint_folder(tmp_path, ".out.partial-1-0123456789abcdef", "new weights", "new shard")
+    from accel.checkpoint import publish_journal
+
+    real_rename, real_replace, calls = os.rename, os.replace, []
+
+    def killed_at_the_second_move_into_place(source, target):
+        """Without renameat2 a file is renamed over its old one (os.replace), a folder renamed in after its old one
+        was renamed aside (os.rename): counts the moves of new entries into place."""
+        if ".tmp-" in os.fspath(source) and os.path.dirname(os.fspath(source)) == final:
+            calls.append(target)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return (real_replace if os.path.isfile(source) else real_rename)(source, target)
+
+    with monkeypatch.context() as patched:
+        if swaps:
+            _killed_at_swap(patched, 2)
+        else:
+            patched.setattr(os, "rename", killed_at_the_second_move_into_place)
+            patched.setattr(os, "replace", killed_at_the_second_move_into_place)
+        with pytest.raises(KeyboardInterrupt):
+            publish.publish(staged, final)
+    assert os.path.exists(os.path.join(final, ".accel-publish.json"))
+    before = _listing(final)
+    with publish.readable_folder(final) as view:
+        assert view != final
+        with open(os.path.join(view, "model.safetensors")) as f:
+            assert f.read() == "new weights"
+        assert os.listdir(os.path.join(view, "pytorch_model_fsdp_0")) == ["__0_0.distcp"]
+        with open(os.path.join(view, "pytorch_model_fsdp_0", "__0_0.distcp")) as f:
+            assert f.read() == "new shard"
+        with open(os.path.join(view, "logs.txt")) as f:
+            assert f.read() == "the user's"
+        assert sorted(os.listdir(view)) == ["logs.txt", "model.safetensors", "pytorch_model_fsdp_0"]
+    assert not os.path.exists(view) and _listing(final) == before
+    monkeypatch.setattr(publish_journal, "process_alive", lambda pid: False)  # the killed writer is gone
+    publish.prepare_staging(final, staged=True)  # what the writer's next save does first
+    assert (tmp_path / "out" / "model.safetensors").read_text() == "new weights"
+    assert (tmp_path / "out" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_text() == "new shard"
+    assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
+    assert not [name for name in os.listdir(final) if ".tmp-" in name or name == ".accel-publish.json"]

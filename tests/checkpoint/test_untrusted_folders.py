@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from accel.big_modeling import load_checkpoint_and_dispatch
-from accel.checkpoint import CheckpointError, load_checkpoint_in_model, model_io, save_file, save_state_dict
+from accel.checkpoint import (
+    CheckpointError,
+    load_checkpoint_in_model,
+    model_io,
+    publish_journal,
+    save_file,
+    save_state_dict,
+)
 from accel.checkpoint.names import PUBLISH_JOURNAL, SAFE_WEIGHTS_INDEX_NAME
 
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -82,7 +89,7 @@ def killed_after_the_first_swap(folder, monkeypatch):
     """The old sharded checkpoint (1.0) replaced by a new one of the same layout (2.0), killed after its first
     swap: shard 1 is new at its name (the old one at its temporary name); shard 2 and the index are still at theirs."""
     save_state_dict(weights(1.0), folder, max_shard_size="40KB")
-    real_exchange, calls = model_io.exchange, []
+    real_exchange, calls = publish_journal.exchange, []
 
     def exchange(a, b):
         calls.append(b)
@@ -91,7 +98,7 @@ def killed_after_the_first_swap(folder, monkeypatch):
         return real_exchange(a, b)
 
     with monkeypatch.context() as patched:
-        patched.setattr(model_io, "exchange", exchange)
+        patched.setattr(publish_journal, "exchange", exchange)
         with pytest.raises(KeyboardInterrupt):
             save_state_dict(weights(2.0), folder, max_shard_size="40KB")
 
@@ -105,7 +112,7 @@ def killed_before_the_old_index_went(folder, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr(model_io, "remove_quietly", killed)
+        patched.setattr(publish_journal, "remove_quietly", killed)
         with pytest.raises(KeyboardInterrupt):
             save_state_dict(weights(2.0), folder)
     assert os.path.exists(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME))
