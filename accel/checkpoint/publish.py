@@ -205,7 +205,8 @@ def _publish_among_other_entries(partial: str, final: str, durable: bool) -> Non
     temporary name in `final` (the durability record first), then all swapped into place through a journal
     (accel.checkpoint.publish_journal.publish_entries), the previous checkpoint's entries the new one lacks
     (another process count's RNG files, ...) removed with it. A failure before the journal is written leaves the
-    previous checkpoint whole: the moved entries go back to `partial`, which the caller's failure path sweeps."""
+    previous checkpoint whole: the entries moved so far go back to `partial` (which the caller's failure path
+    sweeps), or, once all are moved, are removed (publish_entries)."""
     names = sorted(os.listdir(partial), key=lambda name: name != DURABILITY_RECORD)
     renames: list[tuple[str, str]] = []
     try:

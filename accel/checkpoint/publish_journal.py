@@ -51,27 +51,28 @@ def removable(name: str) -> bool:
 
 def publish_entries(folder: str, renames: list[tuple[str, str]], remove: list[str], durable: bool) -> list[str]:
     """Moves the complete entries at temporary names `renames` ((temporary path, final name), in order) into
-    place and removes the indexes named in `remove`, as one step: through a journal (`PublishJournal`) that the
-    writer's next save completes after a kill and that a reader reads the new entries through.
+    place and removes the previous checkpoint's entries named in `remove`, as one step: through a journal
+    (`PublishJournal`) that the writer's next save completes after a kill and that a reader reads the new entries
+    through. A failure before the journal is written removes the new entries (the previous checkpoint is whole).
 
     An existing entry is swapped with its replacement (renameat2 RENAME_EXCHANGE: cheaper than a rename over a
-    file, and the one atomic way to put a folder over another) and left at the temporary name. Returns what is
-    left to remove (those old entries, the stale ones in `remove`): nothing reads them any more, so the caller
-    removes them after (`remove_now_free_later`)."""
-    journal = PublishJournal.plan(folder, renames, remove)
+    file, and the one atomic way to put a folder over another) and left at the temporary name. Returns those
+    replaced entries: nothing reads them (a temporary name), so the caller removes them after the call
+    (`remove_now_free_later`)."""
     try:
+        journal = PublishJournal.plan(folder, renames, remove)
         write_atomically(journal.path, lambda f: f.write(journal.to_json()), mode="w", durable=durable)
     except BaseException:
         remove_now_free_later([temporary for temporary, _ in renames])
         raise
     leftovers = journal.move_into_place()
-    for name in remove:
-        if name.endswith(".index.json"):  # no index may name a shard once its own shards are gone
-            remove_quietly(os.path.join(folder, name))
+    # Before the journal goes: a kill after it must not leave the previous checkpoint's extra entries (an index, a
+    # model.safetensors beside a new pytorch_model.bin, other RNG files) among the new ones.
+    remove_now_free_later(journal.stale_files())
     if durable:
         fsync_directory(folder)
     remove_quietly(journal.path)
-    return leftovers + [os.path.join(folder, name) for name in remove if not name.endswith(".index.json")]
+    return leftovers
 
 
 def replay_journal(folder: str) -> None:
@@ -140,6 +141,17 @@ class PublishJournal:
 
     @classmethod
     def plan(cls, folder: str, renames: list[tuple[str, str]], remove: list[str]) -> PublishJournal:
+        """The journal of publishing `renames` and removing `remove` in `folder`, under `read`'s rules, so that
+        it never writes a journal it would refuse: an entry it would replace must be a regular file or a folder
+        (ValueError otherwise, before anything is written); one to remove that is not (a user's link named
+        `latest`, ...) is left alone."""
+        for _, name in renames:
+            if not _movable(os.path.join(folder, name)):
+                raise ValueError(
+                    f"cannot publish '{name}' into '{folder}': the entry there is a symbolic link or neither a file "
+                    "nor a folder; accel does not replace it (move it away and save again)"
+                )
+        remove = [name for name in remove if _movable(os.path.join(folder, name))]
         moves = tuple(
             _Rename(
                 os.path.basename(temporary),
@@ -201,7 +213,11 @@ class PublishJournal:
             tuple(_rename_entry(path, i, entry) for i, entry in enumerate(plan["rename"])),
             tuple(_stale_entry(path, i, entry) for i, entry in enumerate(plan["remove"])),
         )
-        for name in [n for r in journal.renames for n in (r.temporary, r.name)] + [n for n, _ in journal.stale]:
+        named = [n for r in journal.renames for n in (r.temporary, r.name)] + [n for n, _ in journal.stale]
+        repeated = sorted({name for name in named if named.count(name) > 1})
+        if repeated:
+            raise _refused(path, f"it names '{repeated[0]}' more than once")
+        for name in named:
             info = _lstat_or_none(os.path.join(folder, name))
             if info is not None and not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
                 kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "neither a regular file nor a folder"
@@ -234,9 +250,14 @@ class PublishJournal:
             source, target = os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)
             found = _identity_at(source)
             if found == r.file:
-                if not os.path.lexists(target):
+                if not os.path.lexists(target):  # nothing there, or a folder renamed aside before a kill
                     os.rename(source, target)
                     continue
+                if _identity_at(target) != r.replaces:  # never put the new entry over one the journal did not see
+                    raise CheckpointError(
+                        f"the publish journal '{self.path}' would replace '{r.name}', but that is no longer the "
+                        f"entry it recorded (the folder changed since): nothing more was moved; check '{self.folder}'"
+                    )
                 if not exchange(source, target):
                     leftovers += _rename_over(source, target)
                     continue
@@ -283,11 +304,17 @@ _MAX_JOURNAL_BYTES = 64 << 20  # a few hundred bytes per file of the checkpoint
 
 def _refused(path: str, why: str) -> CheckpointError:
     return CheckpointError(
-        f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, "
-        "which names regular files of its own folder (weight files and accel's temporary names "
-        "for them); nothing was touched. If the folder is yours, check its files and remove the "
-        "journal"
+        f"refusing the publish journal '{path}': {why}. accel acts only on a journal it wrote, which names "
+        "regular files and folders of its own folder (checkpoint entries and accel's temporary names for them) "
+        "once each; nothing was touched. If the folder is yours, fix or move away the entry named: removing the "
+        "journal instead keeps whatever mix of two checkpoints the folder holds now"
     )
+
+
+def _movable(path: str) -> bool:
+    """Nothing at `path`, or a regular file or folder (not a symbolic link): what a journal may replace or remove."""
+    info = _lstat_or_none(path)
+    return info is None or stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)
 
 
 def _rename_entry(path: str, i: int, entry: object) -> _Rename:

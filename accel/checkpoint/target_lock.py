@@ -33,7 +33,9 @@ class WriterBusyError(TimeoutError):
 def lock_path(target: str) -> str:
     """The lock file of the checkpoint folder `target`: `.NAME.lock` beside it, or inside it when its parent is not
     writable (a mount point) and the folder exists."""
-    parent, name = os.path.split(os.path.normpath(target))
+    # The folder's real path: save_model and save_state share one journal, so a folder reached through a link and
+    # by its own path must take one lock.
+    parent, name = os.path.split(os.path.realpath(target))
     parent = parent or "."
     if os.path.isdir(target) and not os.access(parent, os.W_OK | os.X_OK):
         return os.path.join(target, ".accel-save.lock")

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -19,6 +20,7 @@ from spawn_pool import run_on_ranks
 from accel.accelerator import Accelerator
 from accel.accelerator_config import GradientAccumulationPlugin
 from accel.checkpoint import background, publish, training_state
+from accel.checkpoint.names import PUBLISH_JOURNAL as PUBLISH_JOURNAL_NAME
 from accel.checkpoint.target_lock import TargetLock, WriterBusyError
 from accel.state import AcceleratorState, GradientState
 
@@ -508,6 +510,9 @@ def test_a_save_into_a_folder_with_other_files_killed_while_publishing_loads_who
     """Killed after the durability record and the custom checkpoint moved in, before the weights did: the folder
     then holds the new custom checkpoint beside the old weights. A load reads the new checkpoint whole (through the
     journal) and changes nothing; the next save completes the interrupted one, then publishes its own."""
+    views = tmp_path / "tmp"
+    views.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(views))
     folder = str(tmp_path / "out")
     os.makedirs(folder)
     (tmp_path / "out" / "logs.txt").write_text("the user's")
@@ -521,7 +526,7 @@ def test_a_save_into_a_folder_with_other_files_killed_while_publishing_loads_who
     before = _listing(folder)
     assert _load(folder) == (2.0, 2)  # never the mix (1.0, 2) the folder holds at the entries' names
     assert _listing(folder) == before  # the load changed nothing
-    assert not [name for name in os.listdir(tempfile_dir()) if name.startswith("accel-checkpoint-view-")]
+    assert os.listdir(views) == []  # the load's view of the new checkpoint is gone
     _save(folder, 3.0)
     assert sorted(os.listdir(folder)) == [
         ".accel-durability",
@@ -533,12 +538,6 @@ def test_a_save_into_a_folder_with_other_files_killed_while_publishing_loads_who
     ]
     assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
     assert _load(folder) == (3.0, 3)
-
-
-def tempfile_dir() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def test_a_save_into_a_folder_with_other_files_removes_the_previous_checkpoints_extra_entries(tmp_path):
@@ -572,7 +571,8 @@ def test_a_publish_of_folders_killed_midway_is_read_through_a_view_and_replayed(
     def killed_at_the_second_move_into_place(source, target):
         """Without renameat2 a file is renamed over its old one (os.replace), a folder renamed in after its old one
         was renamed aside (os.rename): counts the moves of new entries into place."""
-        if ".tmp-" in os.fspath(source) and os.path.dirname(os.fspath(source)) == final:
+        name = os.path.basename(os.fspath(source))
+        if ".tmp-" in name and PUBLISH_JOURNAL_NAME not in name and os.path.dirname(os.fspath(source)) == final:
             calls.append(target)
             if len(calls) == 2:
                 raise KeyboardInterrupt
@@ -586,7 +586,12 @@ def test_a_publish_of_folders_killed_midway_is_read_through_a_view_and_replayed(
             patched.setattr(os, "replace", killed_at_the_second_move_into_place)
         with pytest.raises(KeyboardInterrupt):
             publish.publish(staged, final)
-    assert os.path.exists(os.path.join(final, ".accel-publish.json"))
+    assert os.path.exists(os.path.join(final, PUBLISH_JOURNAL_NAME))
+    assert (tmp_path / "out" / "model.safetensors").read_text() == "new weights"  # moved in
+    if swaps:
+        assert (tmp_path / "out" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_text() == "old shard"
+    else:  # renamed aside, the new one not yet in
+        assert not os.path.exists(os.path.join(final, "pytorch_model_fsdp_0"))
     before = _listing(final)
     with publish.readable_folder(final) as view:
         assert view != final
@@ -605,3 +610,17 @@ def test_a_publish_of_folders_killed_midway_is_read_through_a_view_and_replayed(
     assert (tmp_path / "out" / "pytorch_model_fsdp_0" / "__0_0.distcp").read_text() == "new shard"
     assert (tmp_path / "out" / "logs.txt").read_text() == "the user's"
     assert not [name for name in os.listdir(final) if ".tmp-" in name or name == ".accel-publish.json"]
+
+
+def test_a_save_into_a_folder_with_other_files_leaves_a_users_link_alone(tmp_path):
+    """A symbolic link of the user's with a checkpoint entry's name (DeepSpeed's `latest`) is neither removed nor
+    named in the journal (which would then be refused)."""
+    folder = str(tmp_path / "out")
+    os.makedirs(folder)
+    (tmp_path / "out" / "logs.txt").write_text("the user's")
+    (tmp_path / "elsewhere").write_text("linked")
+    os.symlink(str(tmp_path / "elsewhere"), os.path.join(folder, "latest"))
+    _save(folder, 1.0)
+    _save(folder, 2.0)
+    assert os.path.islink(os.path.join(folder, "latest")) and (tmp_path / "elsewhere").read_text() == "linked"
+    assert _load(folder) == (2.0, 2)

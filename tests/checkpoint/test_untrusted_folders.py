@@ -108,11 +108,11 @@ def killed_before_the_old_index_went(folder, monkeypatch):
     was removed: the folder holds the new file beside the whole old checkpoint, index included."""
     save_state_dict(weights(1.0), folder, max_shard_size="40KB")
 
-    def killed(path):
+    def killed(paths):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr(publish_journal, "remove_quietly", killed)
+        patched.setattr(publish_journal, "remove_now_free_later", killed)
         with pytest.raises(KeyboardInterrupt):
             save_state_dict(weights(2.0), folder)
     assert os.path.exists(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME))
@@ -218,6 +218,18 @@ def a_temporary_that_is_a_symlink(tmp_path, folder, monkeypatch) -> str:
     return temporary
 
 
+def an_entry_named_twice(tmp_path, folder, monkeypatch) -> str:
+    """One rename twice over (a journal could otherwise make many guesses at one entry's identity)."""
+    killed_after_the_first_swap(folder, monkeypatch)
+    path = os.path.join(folder, PUBLISH_JOURNAL)
+    with open(path) as f:
+        plan = json.load(f)
+    plan["rename"].append(plan["rename"][-1])
+    with open(path, "w") as f:
+        json.dump(plan, f)
+    return plan["rename"][-1]["temporary"]
+
+
 HOSTILE = {
     "the issue's": the_issues_journal,
     "remove entries outside": remove_entries_outside,
@@ -225,6 +237,7 @@ HOSTILE = {
     "a name outside": a_name_outside,
     "a temporary accel does not write": a_temporary_accel_does_not_write,
     "a temporary that is a symlink": a_temporary_that_is_a_symlink,
+    "an entry named twice": an_entry_named_twice,
 }
 
 
@@ -384,3 +397,16 @@ def test_a_dcp_metadata_naming_a_shard_outside_its_folder_is_refused(tmp_path, n
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match="not a file of its folder"):
         _load_dcp(folder)
+
+
+def test_a_replay_never_puts_a_new_file_over_one_the_journal_did_not_see(tmp_path, monkeypatch):
+    """After the kill, the user put another file at a name the journal still has to publish: the writer's replay
+    refuses, moving nothing more, and the user's file stays."""
+    folder = str(tmp_path / "out")
+    killed_after_the_first_swap(folder, monkeypatch)
+    with open(os.path.join(folder, SHARD_2), "wb") as f:
+        f.write(b"the user's")
+    before = everything_under(tmp_path)
+    with pytest.raises(CheckpointError, match="no longer the entry it recorded"):
+        model_io.replay_journal(folder)
+    assert everything_under(tmp_path) == before
