@@ -35,7 +35,7 @@ WEIGHTS_PATTERN_NAME = MODEL_NAME + "{suffix}.bin"
 CHECKPOINT_PATTERN = re.compile(r"checkpoint_(\d+)")
 # accel's record of a save_state folder's durability (hidden): "unsynced <host> <boot id>" while the folder was
 # published from the page cache of that boot, "durable <host> <boot id>" once everything in it is fsync'd. Its
-# content is rewritten in place, never its name. See accel.checkpoint.background.
+# content is rewritten in place, never its name. See accel.checkpoint.durability.
 DURABILITY_RECORD = ".accel-durability"
 # save_model's weight files and their indexes (`model-00001-of-00002.safetensors`, `pytorch_model.bin.index.json`).
 WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")

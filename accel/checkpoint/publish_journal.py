@@ -116,24 +116,24 @@ def _lstat_or_none(path: str) -> os.stat_result | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Rename:
-    temporary: str  # a name in the journal's folder, where the new file was written
+    temporary: str  # a name in the journal's folder, where the new entry was put
     name: str  # its final name there
-    file: FileIdentity  # the new file
-    replaces: FileIdentity | None  # the file at `name` when the journal was written, if any
+    file: FileIdentity  # the new entry
+    replaces: FileIdentity | None  # the entry at `name` when the journal was written, if any
 
 
 @dataclasses.dataclass(frozen=True)
 class PublishJournal:
-    """A save_model's plan to publish its files (`.accel-publish.json` in the folder), written once every new file
-    is complete at its temporary name: from then on the new checkpoint is decided, and its files move into place.
+    """A save's plan to publish its entries (`.accel-publish.json` in the folder), written once every new entry
+    is complete at its temporary name: from then on the new checkpoint is decided, and its entries move into place.
 
-    Every file is recorded with its identity (device, inode, size, mtime: a rename keeps them), so that what is
-    done can be told from the folder alone: a temporary name holding the new file is still to be moved; one holding
-    the file it replaced was swapped already. Anything else found there is not the save's to move or remove."""
+    Every entry is recorded with its identity (`_identity_at`: a rename keeps it), so that what is done can be told
+    from the folder alone: a temporary name holding the new entry is still to be moved; one holding the entry it
+    replaced was swapped already. Anything else found there is not the save's to move or remove."""
 
     folder: str
     renames: tuple[_Rename, ...]
-    stale: tuple[tuple[str, FileIdentity], ...]  # earlier weight files to remove (name, identity)
+    stale: tuple[tuple[str, FileIdentity], ...]  # the previous checkpoint's entries to remove (name, identity)
 
     @property
     def path(self) -> str:
@@ -225,8 +225,8 @@ class PublishJournal:
         return journal
 
     def locate(self) -> dict[str, str]:
-        """{final name: the path of its new file now}, without changing anything: at the temporary name until it
-        is moved, then at its name. Raises CheckpointError when a new file is in neither place."""
+        """{final name: the path of its new entry now}, without changing anything: at the temporary name until it
+        is moved, then at its name. Raises CheckpointError when a new entry is in neither place."""
         located = {}
         for r in self.renames:
             places = [os.path.join(self.folder, r.temporary), os.path.join(self.folder, r.name)]
@@ -275,7 +275,7 @@ class PublishJournal:
         return leftovers
 
     def stale_files(self) -> list[str]:
-        """The earlier weight files to remove that are still the ones the journal recorded."""
+        """The previous checkpoint's entries to remove that are still the ones the journal recorded."""
         paths = [os.path.join(self.folder, name) for name, _ in self.stale]
         return [path for path, (_, identity) in zip(paths, self.stale) if _identity_at(path) == identity]
 
@@ -391,7 +391,7 @@ def _plain_name(name: object) -> bool:
     """A name of an entry directly in its folder (never the journal's own)."""
     return (
         isinstance(name, str)
-        and 0 < len(name) <= 255
+        and 0 < len(os.fsencode(name)) <= 255  # a file name's limit, in bytes
         and "/" not in name
         and "\0" not in name
         and name not in (".", "..", PUBLISH_JOURNAL)
