@@ -94,11 +94,6 @@ def _wait_all(works: list) -> None:
             work.wait()
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage seen as 1-d uint8 (an alias, so writes land in `tensor`)."""
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
 def _all_gather_single(output: torch.Tensor, tensor: torch.Tensor):
     gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather_single(output, tensor, async_op=True)
@@ -126,7 +121,7 @@ class TorchDistributedTransport(Transport):
         for leaf in leaves:
             source = leaf.detach().contiguous()
             output = torch.empty((world_size * leaf.shape[0], *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
-            works.append(_all_gather_single(_flat_bytes(output), _flat_bytes(source)))
+            works.append(_all_gather_single(ragged.flat_bytes(output), ragged.flat_bytes(source)))
             outputs.append(output)
         _wait_all(works)
         return outputs
@@ -146,7 +141,7 @@ class TorchDistributedTransport(Transport):
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         buffers = [leaf.detach().contiguous() for leaf in leaves]
-        _wait_all([dist.broadcast(_flat_bytes(buffer), src=src, async_op=True) for buffer in buffers])
+        _wait_all([dist.broadcast(ragged.flat_bytes(buffer), src=src, async_op=True) for buffer in buffers])
         if dist.get_rank() != src:
             for leaf, buffer in zip(leaves, buffers):
                 if not leaf.is_contiguous():  # it was received into a contiguous copy

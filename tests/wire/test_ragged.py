@@ -16,6 +16,7 @@ def _rank_leaves(rank, rows, seed):
         torch.randn(rows + rank, 3, generator=generator).to(torch.float16),
         torch.randint(0, 9, (rows * 2 + rank,), generator=generator) > 4,
         torch.randn(4, 5, generator=generator)[:, 1::2],
+        torch.arange(2 * rows + 2 * rank, dtype=torch.int64)[::2],  # 1-d with a stride: reshape keeps the view
     ]
 
 
