@@ -219,7 +219,7 @@ def _eager(leaves, pad_value: object = 0) -> bool:
     tensor (no fake or other subclass), no dispatch or function mode (tracing, FakeTensorMode), torch.compile not
     tracing, and a fill value the direct entry reads (bool, int, float).
     """
-    if type(pad_value) not in _PLAIN_FILL or _dispatch_modes() or _function_modes() or torch.compiler.is_compiling():
+    if type(pad_value) not in PLAIN_FILL or not untraced():
         return False
     for leaf in leaves:
         if type(leaf) is not torch.Tensor:
@@ -227,7 +227,13 @@ def _eager(leaves, pad_value: object = 0) -> bool:
     return True
 
 
-_PLAIN_FILL = (bool, int, float)
+def untraced() -> bool:
+    """No dispatch or function mode is active and torch.compile is not tracing: nothing needs to see a call as an
+    op, so a plain-tensor call may take accel._C's direct entry (`_eager`, `accel.collectives.direct`)."""
+    return not (_dispatch_modes() or _function_modes() or torch.compiler.is_compiling())
+
+
+PLAIN_FILL = (bool, int, float)  # the fill values the direct entry reads
 _dispatch_modes, _function_modes = torch._C._len_torch_dispatch_stack, torch._C._len_torch_function_stack
 _C = None
 
@@ -283,6 +289,22 @@ def _shm_all_gather_fake(group, leaves, pad_dim, pad_value, pad_first, call):
     return outputs
 
 
+def shm_all_gather_direct(
+    group: int,
+    leaves: list[torch.Tensor],
+    pad_dim: int | None,
+    pad_value: float | int | bool,
+    pad_first: bool,
+    call: str,
+) -> list[torch.Tensor]:
+    """`shm_all_gather` through accel._C's direct entry, for callers that checked what `_eager` checks (plain
+    tensors, a fill value in PLAIN_FILL, `untraced()`): the hottest calls, which make those checks in one pass."""
+    try:
+        return _direct().shm_all_gather(group, leaves, pad_dim, pad_value, pad_first, call)
+    except RuntimeError as error:
+        raise _collective_error(error) from None
+
+
 def shm_all_gather_bytes(
     group: int, data: torch.Tensor, call: str = "gather_object"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,6 +321,16 @@ def shm_all_gather_bytes(
 def _shm_all_gather_bytes_fake(group, data, call):
     ctx = torch.library.get_ctx()
     return data.new_empty(ctx.new_dynamic_size()), data.new_empty(ctx.new_dynamic_size(), dtype=torch.int64)
+
+
+def shm_pad_across_processes_direct(
+    group: int, leaves: list[torch.Tensor], dim: int, pad_value: float | int | bool, pad_first: bool
+) -> tuple[list[torch.Tensor], list[int]]:
+    """`shm_pad_across_processes` through accel._C's direct entry (see `shm_all_gather_direct`)."""
+    try:
+        return _direct().shm_pad_across_processes(group, leaves, dim, pad_value, pad_first)
+    except RuntimeError as error:
+        raise _collective_error(error) from None
 
 
 def shm_pad_across_processes(

@@ -557,9 +557,11 @@ def _native_calls_per_collective():
     rank = accelerator.process_index
     accelerator.gather(torch.zeros(1))
     calls = []
-    for name in ("shm_all_gather", "shm_all_gather_bytes", "shm_pad_across_processes"):
+    # The direct path's entries (accel.collectives.direct) count as the ops they call.
+    ops_and_entries = ("shm_all_gather", "shm_all_gather_bytes", "shm_pad_across_processes")
+    for name in (*ops_and_entries, "shm_all_gather_direct", "shm_pad_across_processes_direct"):
 
-        def recorded(group, data, *args, _name=name, _op=getattr(ops, name), **kwargs):
+        def recorded(group, data, *args, _name=name.removesuffix("_direct"), _op=getattr(ops, name), **kwargs):
             calls.append((_name, len(data) if isinstance(data, list) else 1))
             return _op(group, data, *args, **kwargs)
 

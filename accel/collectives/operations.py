@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from accel.collectives import direct
 from accel.errors import DistributedOperationException
 from accel.pytree import concatenate, recursively_apply, replace_tensor_leaves, send_to_device, tensor_leaves
 from accel.state import AcceleratorState, DistributedType, PartialState, is_initialized
@@ -108,14 +109,16 @@ def _state() -> dict:
     return PartialState._shared_state or PartialState().__dict__
 
 
-def verify_operation(function: Callable) -> Callable:
+def verify_operation(function: Callable | None = None, *, name: str | None = None) -> Callable:
     """Decorates a collective taking a pytree first: in debug mode, checks it agrees across ranks first.
 
     Every rank's description (structure, shapes, dtypes, devices) is gathered, so a mismatch raises
-    `DistributedOperationException` on every rank, naming each rank's shapes. Off unless
-    `PartialState().debug` (ACCEL_DEBUG_MODE=1) and there is more than one process.
+    `DistributedOperationException` on every rank, naming each rank's shapes and the operation (`name`, default
+    the function's). Off unless `PartialState().debug` (ACCEL_DEBUG_MODE=1) and there is more than one process.
     """
-    operation = f"{function.__module__}.{function.__name__}"
+    if function is None:
+        return lambda decorated: verify_operation(decorated, name=name)
+    operation = f"{function.__module__}.{name or function.__name__}"
 
     @wraps(function)
     def wrapper(*args, **kwargs):
@@ -162,8 +165,6 @@ def _gather_in_uneven_step(tensor: Any) -> Any:
     return send_to_device(concatenate([part for part in parts if part is not None]), device)
 
 
-@uneven.uneven_aware("gather", _gather_in_uneven_step)
-@verify_operation
 def gather(tensor: Any) -> Any:
     """Gathers every tensor of a nested list/tuple/dict from all processes, concatenated along dim 0.
 
@@ -186,6 +187,15 @@ def gather(tensor: Any) -> Any:
         gather(torch.arange(2) + 2 * PartialState().process_index)
         # every process: tensor([0, 1, 2, 3])
     """
+    leaves = None if _state()["debug"] else direct.flat_leaves(tensor)  # debug mode verifies first
+    gathered = None if leaves is None else direct.all_gather(leaves)
+    return _gather(tensor) if gathered is None else direct.rebuilt(tensor, gathered)
+
+
+@uneven.uneven_aware("gather", _gather_in_uneven_step)
+@verify_operation(name="gather")
+def _gather(tensor: Any) -> Any:
+    """`gather`'s general path (any pytree, any transport)."""
     if _state()["num_processes"] == 1:
         return tensor
     leaves = [leaf[None] if leaf.dim() == 0 else leaf for leaf in tensor_leaves(tensor, "gather")]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accel.collectives import direct
 from accel.pytree import replace_tensor_leaves, tensor_leaves
 from accel.wire import uneven
 from accel.wire.padding import pad_to_largest_shapes
@@ -44,7 +45,7 @@ def _paddable(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         warnings.warn(
             "Cannot pad nested tensors without more information. Leaving unprocessed.",
             CannotPadNestedTensorWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     return regular
 
@@ -61,7 +62,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-@uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pads every tensor in a (nested list/tuple/dict of) tensor(s) to the largest size across ranks along `dim`.
 
@@ -88,6 +88,13 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: Any = 0, pad_firs
         t = torch.ones(rank + 1, 2)           # rank 0: shape (1, 2), rank 1: shape (2, 2)
         pad_across_processes(t).shape          # both ranks: (2, 2); rank 0's second row is 0
     """
+    padded = direct.pad_across_processes(tensor, dim, pad_index, pad_first)
+    return _pad_across_processes(tensor, dim, pad_index, pad_first) if padded is None else padded
+
+
+@uneven.uneven_aware("pad_across_processes", _pad_in_uneven_step)
+def _pad_across_processes(tensor: Any, dim: int, pad_index: Any, pad_first: bool) -> Any:
+    """`pad_across_processes`'s general path (any pytree, nested tensors, any transport)."""
     leaves = tensor_leaves(tensor, "pad_across_processes")
     regular = _paddable(leaves)
     transport = select_transport(regular)

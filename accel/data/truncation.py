@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from accel import pytree
-from accel.collectives import operations
+from accel.collectives import direct, operations
 from accel.gradient_state import GradientState
 
 __all__ = ["gather_for_metrics", "gather_for_metrics_truncation"]
@@ -100,6 +100,10 @@ def gather_for_metrics(
         cut input (`input_data` itself when nothing is cut).
     """
     state = gradient_state if gradient_state is not None else GradientState()
+    flat = None if use_gather_object else direct.flat_leaves(input_data)
+    gathered = None if flat is None else direct.all_gather(flat)
+    if gathered is not None:  # the direct path: see accel.collectives.direct
+        return direct.rebuilt(input_data, _truncated_leaves(gathered, state))
     leaves = None if use_gather_object else _tensors_of(input_data)
     if leaves is None:
         return gather_for_metrics_truncation(operations.gather_object(input_data), state, use_gather_object=True)

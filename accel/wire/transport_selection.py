@@ -48,3 +48,13 @@ def select_transport(leaves: list[torch.Tensor]) -> Transport:
         if not leaf.is_cpu:
             return _TORCH_DISTRIBUTED
     return shared_memory_transport() or _TORCH_DISTRIBUTED
+
+
+def shared_memory_handle() -> int | None:
+    """The default group's shared-memory handle when `select_transport` would pick shared memory for CPU tensors
+    (the group shares memory and no transport is forced); None otherwise. The direct path of the hottest
+    collectives (`accel.collectives.direct`) asks this instead of building a transport call."""
+    if _forced is not None:
+        return None
+    transport = shared_memory_transport()
+    return None if transport is None else transport.handle

@@ -65,6 +65,11 @@ def _eval_pass(prepared):
         ours, composed = gather_for_metrics(outputs), gather_for_metrics_truncation(gather_ragged(outputs))
         if _listed(ours) != _listed(composed):
             unlike.append((ours, composed))
+        # A flat pair takes the direct path (accel.collectives.direct) outside the uneven step.
+        pair = (rows * 2, rows.to(torch.int16))
+        ours, composed = gather_for_metrics(pair), gather_for_metrics_truncation(gather_ragged(pair))
+        if _listed(ours) != _listed(composed):
+            unlike.append((ours, composed))
     return kept, ends, local, unlike
 
 
