@@ -151,6 +151,8 @@ inline std::vector<IoChunk> plan_io(at::TensorList tensors, at::IntArrayRef offs
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.is_contiguous(), op, ": tensors[", i, "] is not contiguous");
+    TORCH_CHECK(!t.is_conj() && !t.is_neg(), op, ": tensors[", i, "] is a conjugate or negative view (its memory does ",
+                "not hold its values); resolve_conj() and resolve_neg() it first");
     TORCH_CHECK(offsets[i] >= 0, op, ": offsets[", i, "] is negative");
     const int64_t nbytes = t.numel() * t.element_size();
     auto* memory = static_cast<char*>(t.data_ptr());

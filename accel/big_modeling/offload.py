@@ -22,6 +22,7 @@ from accel.big_modeling.hooks import set_module_tensor_to_device
 from accel.checkpoint.atomic_files import write_atomically
 from accel.checkpoint.safetensors_io import read_header, read_into
 from accel.unsupported import refuse
+from accel.wire.byte_views import byte_view
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -41,7 +42,7 @@ def offload_weight(
     path = os.path.join(os.fspath(offload_folder), f"{weight_name}.dat")
     # A new file renamed over the old one: a tensor may still map the old file, and truncating a mapped file
     # kills its reader (SIGBUS). Not fsync'd: the offload folder is scratch space, rebuilt after a crash.
-    data = memoryview(weight.reshape(-1).view(torch.uint8).numpy()) if weight.numel() else b""
+    data = memoryview(byte_view(weight).numpy()) if weight.numel() else b""
     write_atomically(path, lambda f: f.write(data), durable=False)
     index[weight_name] = {"dtype": str(weight.dtype).removeprefix("torch."), "shape": list(weight.shape)}
     return index

@@ -28,6 +28,7 @@ import torch
 
 from accel import _ext, ops
 from accel.checkpoint.atomic_files import rename_into_place, write_temporary_fd
+from accel.wire.byte_views import byte_view
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {
@@ -155,18 +156,24 @@ def write_temporary(
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous()
+    return _with_values(tensor.detach().to("cpu")).contiguous()
+
+
+def _with_values(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with its conjugate and negative view bits resolved: the memory of `x.conj()` or `x.conj().imag`
+    holds the unconjugated, unnegated values, and the writers copy memory."""
+    return tensor.resolve_conj().resolve_neg()
 
 
 def _staged(tensor: torch.Tensor, native: bool) -> torch.Tensor:
     """What the writer reads from: the tensor itself when it can (contiguous, on a device with a kernel)."""
     if native and tensor.device.type == "cuda" and _ext.native_for("write_tensors_", tensor.device):
-        return tensor.detach().contiguous()
+        return _with_values(tensor.detach()).contiguous()
     return _host_contiguous(tensor)
 
 
 def _readable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    if target.dtype != dtype or not target.is_contiguous():
+    if target.dtype != dtype or not target.is_contiguous() or target.is_conj() or target.is_neg():
         return False
     if target.device.type == "cpu":
         return True
@@ -175,7 +182,7 @@ def _readable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The tensor's memory as bytes, without a copy (it is contiguous and on the CPU)."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(byte_view(tensor).numpy())
 
 
 _CHUNK_BYTES = 8 << 20  # as the native writer: large for the disk, small enough to spread over threads

@@ -19,6 +19,7 @@ from accel.data.loaders import DataLoaderAdapter, last_step_sizes, place_batch, 
 from accel.data.rng import comm_device, multi_process
 from accel.data.samplers import SkipBatchSampler, sampler_num_samples
 from accel.state import PartialState
+from accel.wire.byte_views import byte_view, dense_values
 
 __all__ = ["DataLoaderDispatcher", "pack", "unpack"]
 
@@ -65,7 +66,7 @@ def pack(data: Any) -> tuple[Any, torch.Tensor]:
 
     def spec(tensor: torch.Tensor) -> TensorSpec:
         nonlocal offset
-        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        raw = byte_view(dense_values(tensor.detach().cpu()))
         start = offset
         padding = -raw.numel() % _ALIGNMENT  # keeps every offset a multiple of any dtype's size, for `view`
         pieces.extend([raw, torch.zeros(padding, dtype=torch.uint8)])

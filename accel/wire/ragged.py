@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from accel.errors import DistributedOperationException
+from accel.wire.byte_views import byte_view, dense_values
 
 # Stable indices for the header (any order works if every rank runs the same accel).
 _DTYPES = [
@@ -56,17 +57,10 @@ def _header(leaves: list[torch.Tensor]) -> list[int]:
     return words
 
 
-def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's elements seen as 1-d uint8, an alias (writes land in `tensor`). Not `reshape(-1)`:
-    torch counts a one-element tensor as contiguous whatever its stride (`torch.arange(2)[::2]`), and keeps that
-    stride, which a byte view refuses."""
-    return tensor.detach().as_strided((tensor.numel(),), (1,)).view(torch.uint8)
-
-
 def pack(leaves: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """This rank's slot contents (uint8 on `device`): prefix, header, then every leaf's bytes."""
     header = _header(leaves)
-    data = [flat_bytes(leaf.contiguous()) for leaf in leaves]
+    data = [byte_view(dense_values(leaf)) for leaf in leaves]
     total = 8 * (_PREFIX_WORDS + len(header)) + sum(part.numel() for part in data)
     words = torch.tensor([total, len(header), *header], dtype=torch.int64).view(torch.uint8).to(device)
     return torch.cat([words, *data])

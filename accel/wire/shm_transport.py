@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from accel import ops
 from accel.wire import shm_process_group
+from accel.wire.byte_views import byte_view, dense_values, holds_values
 from accel.wire.same_host import requested_transport  # noqa: F401  (where `accel env` reads it)
 from accel.wire.transport import REDUCE_OPS, Transport, exact_reduce_op, reduce_buffer
 
@@ -71,7 +72,7 @@ class SharedMemoryTransport(Transport):
         return result
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-        sent = [leaf.detach().contiguous().reshape(-1).view(torch.uint8) for leaf in leaves] if self.rank == src else []
+        sent = [byte_view(dense_values(leaf)) for leaf in leaves] if self.rank == src else []
         received = self._bytes_of(src, torch.cat(sent) if sent else torch.empty(0, dtype=torch.uint8), "broadcast")
         if self.rank != src:
             offset = 0
@@ -119,8 +120,8 @@ _NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 def _write_bytes(leaf: torch.Tensor, data: torch.Tensor) -> None:
     """Overwrites `leaf`'s elements with the raw bytes `data` (which need not be aligned for its dtype)."""
-    target = leaf if leaf.is_contiguous() else torch.empty_like(leaf, memory_format=torch.contiguous_format)
-    target.reshape(-1).view(torch.uint8).copy_(data)
+    target = leaf if holds_values(leaf) else torch.empty_like(leaf, memory_format=torch.contiguous_format)
+    byte_view(target).copy_(data)
     if target is not leaf:
         leaf.copy_(target)
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from accel.wire import process_group, ragged
+from accel.wire.byte_views import byte_view, dense_values, holds_values
 from accel.wire.padding import pad_to_largest_shapes
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -119,9 +120,9 @@ class TorchDistributedTransport(Transport):
         world_size = dist.get_world_size()
         outputs, works = [], []
         for leaf in leaves:
-            source = leaf.detach().contiguous()
+            source = dense_values(leaf)
             output = torch.empty((world_size * leaf.shape[0], *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
-            works.append(_all_gather_single(ragged.flat_bytes(output), ragged.flat_bytes(source)))
+            works.append(_all_gather_single(byte_view(output), byte_view(source)))
             outputs.append(output)
         _wait_all(works)
         return outputs
@@ -140,11 +141,11 @@ class TorchDistributedTransport(Transport):
         process_group.default_group_barrier()
 
     def broadcast(self, leaves: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-        buffers = [leaf.detach().contiguous() for leaf in leaves]
-        _wait_all([dist.broadcast(ragged.flat_bytes(buffer), src=src, async_op=True) for buffer in buffers])
+        buffers = [dense_values(leaf) for leaf in leaves]
+        _wait_all([dist.broadcast(byte_view(buffer), src=src, async_op=True) for buffer in buffers])
         if dist.get_rank() != src:
             for leaf, buffer in zip(leaves, buffers):
-                if not leaf.is_contiguous():  # it was received into a contiguous copy
+                if not holds_values(leaf):  # it was received into a copy
                     leaf.detach().copy_(buffer)
         return leaves
 

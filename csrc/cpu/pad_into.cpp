@@ -1,4 +1,5 @@
 // CPU kernel of accel::pad_into: memcpy for the data, a typed pattern store for the padding.
+#include "../dense_values.h"
 #include "../pad_into.h"
 
 #include <ATen/Parallel.h>
@@ -33,7 +34,7 @@ void pad_range(const uint8_t* src, uint8_t* out, const PadGeometry& g, const Pad
 void pad_into_cpu(const at::Tensor& src, int64_t dim, const c10::Scalar& pad_value, bool pad_first,
                   const at::Tensor& out) {
   dim = checked_pad_dim(src, dim, out);
-  const at::Tensor src_c = src.contiguous();
+  const at::Tensor src_c = dense_values(src);
   const PadGeometry g = pad_geometry(src_c, dim, pad_first, out);
   const PadPattern pattern = pad_pattern(pad_value, src.scalar_type());
   const auto* src_bytes = static_cast<const uint8_t*>(src_c.const_data_ptr());

@@ -1,6 +1,7 @@
 // accel::reduce_in_order_ and the C++ entry point the shared-memory process group uses: picks the kernel table
 // of cpu/vec/reduce_kernels.cpp for the instruction set torch runs with, and splits large reductions over torch's
 // intra-op threads (each element is combined by one thread, in the fixed order, so the split changes no bit).
+#include "../dense_values.h"
 #include "../reduce_in_order.h"
 
 #include "vec/isa_tables.h"
@@ -77,7 +78,7 @@ void reduce_in_order_cpu(at::TensorList parts, c10::string_view op, const at::Te
   std::vector<at::Tensor> dense;  // keeps contiguous copies alive
   std::vector<const void*> pointers;
   for (const at::Tensor& part : parts) {
-    dense.push_back(part.contiguous());
+    dense.push_back(dense_values(part));
     pointers.push_back(dense.back().const_data_ptr());
   }
   const at::Tensor target = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);

@@ -6,6 +6,8 @@
 // memory, so a copy of tens of MiB moves 2 bytes per byte instead of 3 (~1.3x faster on this project's 2-core VM,
 // benchmarks/bench_stream_copy.py). Small tensors, which fit the cache anyway, are copied with memcpy. Bytes are
 // moved unchanged: the result equals torch._foreach_copy_ (the reference) bit for bit.
+#include "../dense_values.h"
+
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -79,14 +81,15 @@ void check_pair(const at::Tensor& target, const at::Tensor& source, size_t i) {
               "accel::stream_copy_: targets[", i, "] and sources[", i, "] share memory");
 }
 
-// Every contiguous pair cut into chunks of at most kChunkBytes, in order; a pair with a strided side is copied by
-// torch's copy_ here instead (what the reference does for it). Every pair is checked before any is copied, so a bad
+// Every contiguous pair cut into chunks of at most kChunkBytes, in order; a pair with a strided side, or a conjugate
+// or negative view (see dense_values.h), is copied by torch's copy_ here instead (what the reference does for it). Every pair is checked before any is copied, so a bad
 // pair leaves every target as it was.
 std::vector<Chunk> plan_chunks(at::TensorList targets, at::TensorList sources) {
   for (size_t i = 0; i < targets.size(); ++i) check_pair(targets[i], sources[i], i);
   std::vector<Chunk> chunks;
   for (size_t i = 0; i < targets.size(); ++i) {
-    if (!targets[i].is_contiguous() || !sources[i].is_contiguous()) {
+    if (!targets[i].is_contiguous() || !sources[i].is_contiguous() || !holds_values(targets[i]) ||
+        !holds_values(sources[i])) {
       at::Tensor target = targets[i];
       target.copy_(sources[i]);
       continue;

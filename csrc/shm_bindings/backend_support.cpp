@@ -1,6 +1,8 @@
 // See backend_support.h.
 #include "backend_support.h"
 
+#include "../dense_values.h"
+
 #include <ATen/MemoryOverlap.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/util/Exception.h>
@@ -148,7 +150,7 @@ void check_same_dtype(const at::Tensor& output, const at::Tensor& input, const c
 
 at::Tensor dense(const at::Tensor& tensor) {
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return tensor.contiguous();
+  return dense_values(tensor);
 }
 
 void write_results(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& results, const char* what) {

@@ -1,6 +1,7 @@
 // The gathers of accel's shared-memory collectives (gather_plan.h).
 #include "gather_plan.h"
 
+#include "../dense_values.h"
 #include "../pad_into.h"
 #include "output_pool.h"
 
@@ -33,7 +34,7 @@ ByteStream byte_stream(at::TensorList leaves) {
   stream.starts.reserve(leaves.size() + 1);
   stream.starts.push_back(0);
   for (const at::Tensor& leaf : leaves) {
-    stream.leaves.push_back(leaf.contiguous());
+    stream.leaves.push_back(dense_values(leaf));
     stream.starts.push_back(stream.starts.back() + static_cast<uint64_t>(leaf.nbytes()));
   }
   return stream;
