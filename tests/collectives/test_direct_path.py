@@ -5,6 +5,9 @@ take one direct kernel call; everything else takes the general path. Each rank r
 returns what differed, whether the direct path was taken where it should be (and only there), and the errors.
 """
 
+import collections
+import contextlib
+
 import pytest
 import torch
 from spawn_pool import run_on_ranks
@@ -50,6 +53,13 @@ class _Pair(tuple):
     """A tuple subclass: the general path rebuilds it, so the direct path leaves it alone."""
 
 
+class _Encoding(dict):
+    """A dict subclass (transformers' BatchEncoding is one): the general path keeps its type."""
+
+
+_Named = collections.namedtuple("_Named", "logits labels")
+
+
 def _general_inputs(rank):
     """Inputs that must take the general path, each for its own reason."""
     return {
@@ -57,32 +67,42 @@ def _general_inputs(rank):
         "0-d leaf": (_rows(rank), torch.tensor(rank)),
         "requires grad": _rows(rank).requires_grad_(),
         "tuple subclass": _Pair((_rows(rank), _rows(rank))),
+        "named tuple": _Named(_rows(rank), _rows(rank, torch.int64)),
+        "dict subclass": _Encoding(ids=_rows(rank, torch.int64)),
+        "parameter": torch.nn.Parameter(_rows(rank), requires_grad=False),
         "empty tuple": (),
     }
 
 
 def _listed(data):
-    return recursively_apply(lambda tensor: (tensor.dtype, tuple(tensor.shape), tensor.tolist()), data)
+    """Every leaf's dtype, shape and values, and every dict's keys in order (== on dicts ignores their order)."""
+    listed = recursively_apply(lambda tensor: (tensor.dtype, tuple(tensor.shape), tensor.tolist()), data)
+    return (listed, list(listed)) if isinstance(listed, dict) else listed
 
 
-def _calls(counter):
-    """Counts the direct kernel calls while the block runs (the spy wraps ops' entry the direct path uses)."""
-    real = direct.ops.shm_all_gather_direct
+@contextlib.contextmanager
+def _direct_calls(entry="shm_all_gather_direct"):
+    """The number of calls of ops' direct entry `entry` (the one the direct path uses) inside the block."""
+    calls, real = [], getattr(direct.ops, entry)
 
     def spy(*args):
-        counter.append(1)
+        calls.append(1)
         return real(*args)
 
-    return spy, real
+    setattr(direct.ops, entry, spy)
+    try:
+        yield calls
+    finally:
+        setattr(direct.ops, entry, real)
 
 
 def _gather_both_ways():
     rank = PartialState().process_index
     differed, taken, skipped = [], [], []
     for name, data in {**_direct_inputs(rank), **_general_inputs(rank)}.items():
-        leaves = direct.flat_leaves(data)
-        (skipped if leaves is None else taken).append(name)
-        ours = gather(data)
+        with _direct_calls() as calls:
+            ours = gather(data)
+        (taken if calls else skipped).append(name)
         general = operations._gather(data)
         with using_transport(TorchDistributedTransport()):  # torch.distributed's gather needs equal shapes
             reference = operations.gather_ragged(data)
@@ -114,9 +134,10 @@ def _pad_both_ways():
     cases = [(dim, fill, first) for dim in (0, 1, 2, -1) for fill in (0, -1, 2.5, True) for first in (False, True)]
     for name, data in _pad_inputs(rank).items():
         for dim, fill, first in cases:
-            ours = direct.pad_across_processes(data, dim, fill, first)
+            with _direct_calls("shm_pad_across_processes_direct") as calls:
+                ours = pad_across_processes(data, dim=dim, pad_index=fill, pad_first=first)
             general = pad_across._pad_across_processes(data, dim, fill, first)
-            if ours is None or _listed(ours) != _listed(general) or type(ours) is not type(general):
+            if len(calls) != 1 or _listed(ours) != _listed(general) or type(ours) is not type(general):
                 differed.append((name, dim, fill, first))
     tensor = torch.ones(4, 2)  # the same size on every rank: returned as it is, as the general path does
     same_object.append(pad_across_processes(tensor) is tensor)
@@ -147,6 +168,14 @@ def _declined():
     with _Noting():
         declined["dispatch mode"] = direct.all_gather(list(data)) is None
         moded = gather(data)
+    with torch.device("cpu"):  # a TorchFunctionMode
+        declined["function mode"] = direct.all_gather(list(data)) is None
+    real = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True  # what torch.compile's tracing sees
+    try:
+        declined["compiling"] = direct.all_gather(list(data)) is None
+    finally:
+        torch.compiler.is_compiling = real
     declined["tensor fill"] = direct.pad_across_processes(data, 0, torch.tensor(1.0), False) is None
     same = _listed(forced) == _listed(moded) == _listed(gather(data))
     return declined, same
@@ -154,7 +183,7 @@ def _declined():
 
 def test_the_direct_path_declines_when_the_call_must_be_seen():
     for declined, same in run_on_ranks(_declined, 2, timeout=60):
-        assert declined == {"forced transport": True, "dispatch mode": True, "tensor fill": True}
+        assert all(declined.values()) and len(declined) == 5, declined
         assert same
 
 
@@ -163,13 +192,8 @@ def _eval_loop(even_batches):
     direct calls; then the same pass with the direct path off."""
     loader = torch.utils.data.DataLoader(torch.arange(19), batch_size=4)
     prepared = prepare_data_loader(loader, even_batches=even_batches)
-    counter = []
-    spy, real = _calls(counter)
-    direct.ops.shm_all_gather_direct = spy
-    try:
+    with _direct_calls() as calls:
         seen = [gather_for_metrics((batch * 10, batch))[1] for batch in prepared]
-    finally:
-        direct.ops.shm_all_gather_direct = real
     real_all_gather = direct.all_gather
     direct.all_gather = lambda leaves: None
     try:
@@ -177,7 +201,7 @@ def _eval_loop(even_batches):
     finally:
         direct.all_gather = real_all_gather
     rank = PartialState().process_index
-    return rank, torch.cat(seen).tolist(), torch.cat(general).tolist(), len(counter), len(prepared)
+    return rank, torch.cat(seen).tolist(), torch.cat(general).tolist(), len(calls), len(prepared)
 
 
 @pytest.mark.parametrize("even_batches", [True, False])
