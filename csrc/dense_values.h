@@ -8,8 +8,12 @@
 
 namespace accel {
 
-// A tensor with `t`'s values in one dense run of memory: `t` itself when it is already one (no copy).
-inline at::Tensor dense_values(const at::Tensor& t) { return t.resolve_conj().resolve_neg().contiguous(); }
+// A tensor with `t`'s values in one dense run of memory: `t` itself when it is already one (no copy). The bits are
+// tested first: resolve_conj() and resolve_neg() are dispatcher calls, which a small gather would feel.
+inline at::Tensor dense_values(const at::Tensor& t) {
+  if (t.is_conj() || t.is_neg()) return t.resolve_conj().resolve_neg().contiguous();
+  return t.contiguous();
+}
 
 // Whether `t`'s memory holds its values (no conjugate or negative view bit): kernels that write into `t` or read it
 // in place check this.

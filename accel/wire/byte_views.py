@@ -15,7 +15,10 @@ import torch
 def dense_values(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`'s values in one dense run of memory, detached: a view of it when it is one (no copy), else a copy
     with the view bits resolved."""
-    return tensor.detach().resolve_conj().resolve_neg().contiguous()
+    values = tensor.detach()
+    if values.is_conj() or values.is_neg():
+        values = values.resolve_conj().resolve_neg()
+    return values.contiguous()
 
 
 def holds_values(tensor: torch.Tensor) -> bool:
