@@ -28,7 +28,7 @@ import torch
 
 from accel import _ext, ops
 from accel.checkpoint.atomic_files import rename_into_place, write_temporary_fd
-from accel.wire.byte_views import byte_view
+from accel.wire.byte_views import byte_view, dense_values
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _CANDIDATE_DTYPES = {
@@ -156,19 +156,13 @@ def write_temporary(
 
 
 def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return _with_values(tensor.detach().to("cpu")).contiguous()
-
-
-def _with_values(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with its conjugate and negative view bits resolved: the memory of `x.conj()` or `x.conj().imag`
-    holds the unconjugated, unnegated values, and the writers copy memory."""
-    return tensor.resolve_conj().resolve_neg()
+    return dense_values(tensor.detach().to("cpu"))  # the writers copy memory: view bits resolved
 
 
 def _staged(tensor: torch.Tensor, native: bool) -> torch.Tensor:
     """What the writer reads from: the tensor itself when it can (contiguous, on a device with a kernel)."""
     if native and tensor.device.type == "cuda" and _ext.native_for("write_tensors_", tensor.device):
-        return _with_values(tensor.detach()).contiguous()
+        return dense_values(tensor)
     return _host_contiguous(tensor)
 
 
